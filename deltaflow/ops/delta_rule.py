@@ -1,0 +1,153 @@
+"""The one public op, :func:`delta_rule`: checks, rule coefficients, varlen packing, dispatch."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deltaflow.ops.checks import check_inputs, compute_dtype
+from deltaflow.ops.chunk import chunk_delta_rule
+from deltaflow.ops.naive import recurrent_delta_rule
+from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_coefficients
+
+
+def _triton_backend():
+    """The Triton backend, or None where it cannot run (no Triton, or no GPU and no interpreter)."""
+    try:
+        from deltaflow.ops import triton_backend
+    except ImportError:
+        return None
+    return triton_backend if triton_backend.available() else None
+
+
+def resolve_backend(backend: str, q: Tensor, rule: StepRule) -> str:
+    """'auto' picks the fastest correct backend for the device."""
+    if backend != "auto":
+        return backend
+    if q.is_cuda and rule.builtin and _triton_backend() is not None:
+        return "triton"
+    return "torch"
+
+
+def delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None = None,
+    *,
+    rule: str | StepRule | CoefficientFn = "delta",
+    log_decay: Tensor | None = None,
+    negative_eigenvalues: bool = False,
+    eps: float = 1e-6,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    chunk_size: int = 64,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor | None]:
+    """Delta-rule linear attention with a pluggable step rule (DESIGN.md §1–§3).
+
+    ``S_t = α_t (I − a_t k_t k_tᵀ) S_{t−1} + b_t k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``, where
+    ``(a_t, b_t)`` come from ``rule`` applied to ``beta_t`` and ``λ_t = ‖k_t‖²`` (k is used as
+    given, never normalized) and ``α_t = exp(log_decay_t)``.
+
+    Args:
+        q, k: ``[B, T, H, Dk]``. v: ``[B, T, H, Dv]``. beta: ``[B, T, H]``, ``>= 0``; may be None
+            for 'linear' and 'kaczmarz'.
+        rule: a name from :data:`deltaflow.rules.RULES`, a :class:`StepRule`, or a function
+            ``(beta, lam, eps) -> (a, b)``.
+        log_decay: ``[B, T, H]``, ``<= 0``; None means no decay.
+        negative_eigenvalues: double ``a`` and ``b`` (eigenvalue μ along k → 2μ − 1).
+        eps: regularizer of the Kaczmarz rules, ``1/(λ + eps)``.
+        scale: output scale, default ``Dk ** -0.5``.
+        initial_state: ``[B, H, Dk, Dv]`` (``[N, H, Dk, Dv]`` with ``cu_seqlens``).
+        output_final_state: also return the final state (float32, float64 for float64 inputs).
+        cu_seqlens: int ``[N + 1]`` offsets of ``N`` sequences packed along T; requires B == 1.
+        chunk_size: tokens per chunk of the chunked backends (positive power of two).
+        backend: 'auto' | 'reference' | 'torch' | 'triton'.
+
+    Returns:
+        ``(o, final_state)``: ``o`` is ``[B, T, H, Dv]`` in v's dtype; ``final_state`` is None
+        unless ``output_final_state``.
+    """
+    step_rule = get_rule(rule)
+    check_inputs(q, k, v, beta, step_rule, log_decay, initial_state, cu_seqlens, chunk_size,
+                 backend, eps)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    backend = resolve_backend(backend, q, step_rule)
+    dtype = compute_dtype(q, k, v, beta, initial_state)
+
+    if backend == "triton":
+        triton_backend = _triton_backend()
+        if triton_backend is None:
+            raise RuntimeError("backend='triton' needs Triton and a CUDA device "
+                               "(or TRITON_INTERPRET=1 for the CPU interpreter)")
+        if not step_rule.builtin:
+            raise ValueError(f"backend='triton' supports the built-in rules only; rule "
+                             f"{step_rule.name!r} is user-defined: use backend='torch'")
+        o, state = triton_backend.delta_rule(
+            q, k, v, beta, rule=step_rule.name, log_decay=log_decay,
+            negative_eigenvalues=negative_eigenvalues, eps=eps, scale=scale,
+            initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+        return o, state
+    if backend == "reference":
+        o, state = _reference(q, k, v, beta, step_rule, log_decay, negative_eigenvalues, eps,
+                              scale, initial_state, cu_seqlens, dtype)
+    else:
+        o, state = _torch_chunked(q, k, v, beta, step_rule, log_decay, negative_eigenvalues, eps,
+                                  scale, initial_state, cu_seqlens, chunk_size, dtype)
+    return o.to(v.dtype), (state if output_final_state else None)
+
+
+def _reference(q, k, v, beta, rule, log_decay, negative_eigenvalues, eps, scale, initial_state,
+               cu_seqlens, dtype) -> tuple[Tensor, Tensor]:
+    def run(sl: slice, s0: Tensor | None) -> tuple[Tensor, Tensor]:
+        pick = (lambda x: None if x is None else x[:, sl])
+        return recurrent_delta_rule(q[:, sl], k[:, sl], v[:, sl], pick(beta), rule,
+                                    pick(log_decay), negative_eigenvalues, eps, scale, s0, dtype)
+
+    if cu_seqlens is None:
+        return run(slice(None), initial_state)
+    offsets = cu_seqlens.tolist()
+    outputs, states = [], []
+    for i, (start, end) in enumerate(zip(offsets, offsets[1:])):
+        o_i, s_i = run(slice(start, end), None if initial_state is None else initial_state[i:i + 1])
+        outputs.append(o_i)
+        states.append(s_i)
+    return torch.cat(outputs, dim=1), torch.cat(states, dim=0)
+
+
+def _torch_chunked(q, k, v, beta, rule, log_decay, negative_eigenvalues, eps, scale,
+                   initial_state, cu_seqlens, chunk_size, dtype) -> tuple[Tensor, Tensor]:
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    lam = (k * k).sum(-1)  # λ = ‖k‖²
+    a, b = step_coefficients(rule, None if beta is None else beta.to(dtype), lam,
+                             negative_eigenvalues=negative_eigenvalues, eps=eps)
+    g = None if log_decay is None else log_decay.to(dtype)
+    s0 = None if initial_state is None else initial_state.to(dtype)
+    if cu_seqlens is None:
+        return chunk_delta_rule(q, k, v, a, b, g, scale, s0, chunk_size)
+
+    # Varlen: pack the N sequences into a zero-padded [N, T_max] batch. Padding is appended at
+    # each sequence's end as identity steps (k = v = 0, a = b = 0, log α = 0), so the final
+    # state is the state at the sequence's true end and empty sequences return s0 unchanged.
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    n_seq = lengths.numel()
+    t_max = max(int(lengths.max()), 1)
+    pos = torch.arange(t_max, device=q.device)
+    valid = pos[None, :] < lengths[:, None].to(q.device)  # [N, T_max]
+    index = (cu_seqlens[:-1, None].to(q.device) + pos[None, :]).clamp(max=max(q.shape[1] - 1, 0))
+
+    def pack(x: Tensor | None) -> Tensor | None:
+        if x is None:
+            return None
+        if x.shape[1] == 0:
+            return x.new_zeros(n_seq, t_max, *x.shape[2:])
+        mask = valid.reshape(n_seq, t_max, *([1] * (x.dim() - 2)))
+        return torch.where(mask, x[0][index], torch.zeros((), dtype=x.dtype, device=x.device))
+
+    o, state = chunk_delta_rule(pack(q), pack(k), pack(v), pack(a), pack(b), pack(g), scale,
+                                s0, chunk_size)
+    return o[valid].unsqueeze(0), state
