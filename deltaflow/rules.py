@@ -86,21 +86,50 @@ def _relaxed_kaczmarz(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Ten
 RULES: dict[str, StepRule] = {
     r.name: r
     for r in [
-        StepRule("linear", _linear, False, "a = 0, b = β (1 if β is None); μ = 1",
-                 "linear attention", True),
-        StepRule("delta", _delta, True, "a = b = β; μ = 1 − h (explicit Euler)",
-                 "DeltaNet", True),
-        StepRule("efla", _efla, True, "a = b = (1 − e^{−h})/λ; μ = e^{−h} (exact flow)",
-                 "EFLA, arXiv 2512.12602", True),
-        StepRule("longhorn", _longhorn, True, "a = b = β/(1 + h); μ = 1/(1 + h) (implicit Euler)",
-                 "Longhorn, arXiv 2407.14207", True),
-        StepRule("trapezoid", _trapezoid, True,
-                 "a = b = β/(1 + h/2); μ = (1 − h/2)/(1 + h/2) (Crank–Nicolson)",
-                 "deltaflow (A-stable, reaches (−1, 1))", True),
-        StepRule("kaczmarz", _kaczmarz, False, "a = b = 1/(λ + ε); μ ≈ 0 (projection)",
-                 "Kaczmarz", True),
-        StepRule("relaxed_kaczmarz", _relaxed_kaczmarz, True, "a = b = β/(λ + ε); μ ≈ 1 − β",
-                 "relaxed Kaczmarz (β = ρ)", True),
+        StepRule(
+            "linear",
+            _linear,
+            False,
+            "a = 0, b = β (1 if β is None); μ = 1",
+            "linear attention",
+            True,
+        ),
+        StepRule("delta", _delta, True, "a = b = β; μ = 1 − h (explicit Euler)", "DeltaNet", True),
+        StepRule(
+            "efla",
+            _efla,
+            True,
+            "a = b = (1 − e^{−h})/λ; μ = e^{−h} (exact flow)",
+            "EFLA, arXiv 2512.12602",
+            True,
+        ),
+        StepRule(
+            "longhorn",
+            _longhorn,
+            True,
+            "a = b = β/(1 + h); μ = 1/(1 + h) (implicit Euler)",
+            "Longhorn, arXiv 2407.14207",
+            True,
+        ),
+        StepRule(
+            "trapezoid",
+            _trapezoid,
+            True,
+            "a = b = β/(1 + h/2); μ = (1 − h/2)/(1 + h/2) (Crank–Nicolson)",
+            "deltaflow (A-stable, reaches (−1, 1))",
+            True,
+        ),
+        StepRule(
+            "kaczmarz", _kaczmarz, False, "a = b = 1/(λ + ε); μ ≈ 0 (projection)", "Kaczmarz", True
+        ),
+        StepRule(
+            "relaxed_kaczmarz",
+            _relaxed_kaczmarz,
+            True,
+            "a = b = β/(λ + ε); μ ≈ 1 − β",
+            "relaxed Kaczmarz (β = ρ)",
+            True,
+        ),
     ]
 }
 

@@ -51,11 +51,13 @@ def check_inputs(
     B, T, H, Dk = q.shape
     if k.shape != q.shape:
         what = "Dk" if k.shape[:3] == q.shape[:3] else "shape"
-        raise ValueError(f"k must have the same shape as q {_shape(q)} ({what} mismatch), "
-                         f"got {_shape(k)}")
+        raise ValueError(
+            f"k must have the same shape as q {_shape(q)} ({what} mismatch), got {_shape(k)}"
+        )
     if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must have shape [B, T, H, Dv] = [{B}, {T}, {H}, Dv] matching q, "
-                         f"got {_shape(v)}")
+        raise ValueError(
+            f"v must have shape [B, T, H, Dv] = [{B}, {T}, {H}, Dv] matching q, got {_shape(v)}"
+        )
     if Dk == 0 or v.shape[3] == 0 or H == 0:
         raise ValueError(f"head dimensions must be positive, got q {_shape(q)} and v {_shape(v)}")
     for name, t in (("k", k), ("v", v)):
@@ -64,25 +66,31 @@ def check_inputs(
 
     if beta is None:
         if rule.needs_beta:
-            raise ValueError(f"beta is None but rule {rule.name!r} needs beta of shape "
-                             f"[B, T, H] = [{B}, {T}, {H}]; only rules without a gate "
-                             "('linear', 'kaczmarz') accept beta=None")
+            raise ValueError(
+                f"beta is None but rule {rule.name!r} needs beta of shape "
+                f"[B, T, H] = [{B}, {T}, {H}]; only rules without a gate "
+                "('linear', 'kaczmarz') accept beta=None"
+            )
     else:
         _check_tensor("beta", beta, 3, f"[B, T, H] = [{B}, {T}, {H}]")
         if beta.shape != q.shape[:3]:
-            raise ValueError(f"beta must have shape [B, T, H] = [{B}, {T}, {H}], "
-                             f"got {_shape(beta)}")
+            raise ValueError(
+                f"beta must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(beta)}"
+            )
         if _values_checkable(beta) and bool((beta < 0).any()):
             raise ValueError(f"beta must be >= 0 (a step size), got min {beta.min().item():.4g}")
 
     if log_decay is not None:
         _check_tensor("log_decay", log_decay, 3, f"[B, T, H] = [{B}, {T}, {H}]")
         if log_decay.shape != q.shape[:3]:
-            raise ValueError(f"log_decay must have shape [B, T, H] = [{B}, {T}, {H}], "
-                             f"got {_shape(log_decay)}")
+            raise ValueError(
+                f"log_decay must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(log_decay)}"
+            )
         if _values_checkable(log_decay) and bool((log_decay > 0).any()):
-            raise ValueError("log_decay must be <= 0 (decay alpha = exp(log_decay) in (0, 1]), "
-                             f"got max {log_decay.max().item():.4g}")
+            raise ValueError(
+                "log_decay must be <= 0 (decay alpha = exp(log_decay) in (0, 1]), "
+                f"got max {log_decay.max().item():.4g}"
+            )
 
     n_states = B
     if cu_seqlens is not None:
@@ -106,13 +114,17 @@ def check_inputs(
 
     if initial_state is not None:
         Dv = v.shape[3]
-        layout = f"[{'N' if cu_seqlens is not None else 'B'}, H, Dk, Dv] = [{n_states}, {H}, {Dk}, {Dv}]"
+        lead = "N" if cu_seqlens is not None else "B"
+        layout = f"[{lead}, H, Dk, Dv] = [{n_states}, {H}, {Dk}, {Dv}]"
         _check_tensor("initial_state", initial_state, 4, layout)
         if tuple(initial_state.shape) != (n_states, H, Dk, Dv):
             raise ValueError(f"initial_state must have shape {layout}, got {_shape(initial_state)}")
 
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0 or (
-        chunk_size & (chunk_size - 1)
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or chunk_size <= 0
+        or (chunk_size & (chunk_size - 1))
     ):
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
     if backend not in BACKENDS:
@@ -123,5 +135,8 @@ def check_inputs(
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 when any input is float64 (exact checks), else float32 (the state's dtype)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) \
+    return (
+        torch.float64
+        if any(t is not None and t.dtype == torch.float64 for t in tensors)
         else torch.float32
+    )

@@ -58,10 +58,12 @@ def chunk_delta_rule(
     eye = torch.eye(C, dtype=A.dtype, device=A.device)
     Gamma = torch.exp(gamma)  # Γ_i = e^{γ_i}
     # W = T diag(aΓ) K,  Ũ = T diag(b) V   (one triangular solve each, all chunks at once)
-    W = torch.linalg.solve_triangular(A + eye, (a * Gamma)[..., None] * k, upper=False,
-                                      unitriangular=True)
-    U_tilde = torch.linalg.solve_triangular(A + eye, b[..., None] * v, upper=False,
-                                            unitriangular=True)
+    W = torch.linalg.solve_triangular(
+        A + eye, (a * Gamma)[..., None] * k, upper=False, unitriangular=True
+    )
+    U_tilde = torch.linalg.solve_triangular(
+        A + eye, b[..., None] * v, upper=False, unitriangular=True
+    )
     # e^{γ_C − γ_j}: how much of token j's write survives to the chunk's end.
     to_end = torch.exp(gamma[..., -1:] - gamma)
 

@@ -72,8 +72,9 @@ def delta_rule(
         unless ``output_final_state``.
     """
     step_rule = get_rule(rule)
-    check_inputs(q, k, v, beta, step_rule, log_decay, initial_state, cu_seqlens, chunk_size,
-                 backend, eps)
+    check_inputs(
+        q, k, v, beta, step_rule, log_decay, initial_state, cu_seqlens, chunk_size, backend, eps
+    )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = resolve_backend(backend, q, step_rule)
     dtype = compute_dtype(q, k, v, beta, initial_state)
@@ -81,50 +82,134 @@ def delta_rule(
     if backend == "triton":
         triton_backend = _triton_backend()
         if triton_backend is None:
-            raise RuntimeError("backend='triton' needs Triton and a CUDA device "
-                               "(or TRITON_INTERPRET=1 for the CPU interpreter)")
+            raise RuntimeError(
+                "backend='triton' needs Triton and a CUDA device "
+                "(or TRITON_INTERPRET=1 for the CPU interpreter)"
+            )
         if not step_rule.builtin:
-            raise ValueError(f"backend='triton' supports the built-in rules only; rule "
-                             f"{step_rule.name!r} is user-defined: use backend='torch'")
+            raise ValueError(
+                f"backend='triton' supports the built-in rules only; rule "
+                f"{step_rule.name!r} is user-defined: use backend='torch'"
+            )
         o, state = triton_backend.delta_rule(
-            q, k, v, beta, rule=step_rule.name, log_decay=log_decay,
-            negative_eigenvalues=negative_eigenvalues, eps=eps, scale=scale,
-            initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+            q,
+            k,
+            v,
+            beta,
+            rule=step_rule.name,
+            log_decay=log_decay,
+            negative_eigenvalues=negative_eigenvalues,
+            eps=eps,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size,
+        )
         return o, state
     if backend == "reference":
-        o, state = _reference(q, k, v, beta, step_rule, log_decay, negative_eigenvalues, eps,
-                              scale, initial_state, cu_seqlens, dtype)
+        o, state = _reference(
+            q,
+            k,
+            v,
+            beta,
+            step_rule,
+            log_decay,
+            negative_eigenvalues,
+            eps,
+            scale,
+            initial_state,
+            cu_seqlens,
+            dtype,
+        )
     else:
-        o, state = _torch_chunked(q, k, v, beta, step_rule, log_decay, negative_eigenvalues, eps,
-                                  scale, initial_state, cu_seqlens, chunk_size, dtype)
+        o, state = _torch_chunked(
+            q,
+            k,
+            v,
+            beta,
+            step_rule,
+            log_decay,
+            negative_eigenvalues,
+            eps,
+            scale,
+            initial_state,
+            cu_seqlens,
+            chunk_size,
+            dtype,
+        )
     return o.to(v.dtype), (state if output_final_state else None)
 
 
-def _reference(q, k, v, beta, rule, log_decay, negative_eigenvalues, eps, scale, initial_state,
-               cu_seqlens, dtype) -> tuple[Tensor, Tensor]:
+def _reference(
+    q,
+    k,
+    v,
+    beta,
+    rule,
+    log_decay,
+    negative_eigenvalues,
+    eps,
+    scale,
+    initial_state,
+    cu_seqlens,
+    dtype,
+) -> tuple[Tensor, Tensor]:
     def run(sl: slice, s0: Tensor | None) -> tuple[Tensor, Tensor]:
-        pick = (lambda x: None if x is None else x[:, sl])
-        return recurrent_delta_rule(q[:, sl], k[:, sl], v[:, sl], pick(beta), rule,
-                                    pick(log_decay), negative_eigenvalues, eps, scale, s0, dtype)
+        def pick(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x[:, sl]
+
+        return recurrent_delta_rule(
+            q[:, sl],
+            k[:, sl],
+            v[:, sl],
+            pick(beta),
+            rule,
+            pick(log_decay),
+            negative_eigenvalues,
+            eps,
+            scale,
+            s0,
+            dtype,
+        )
 
     if cu_seqlens is None:
         return run(slice(None), initial_state)
     offsets = cu_seqlens.tolist()
     outputs, states = [], []
     for i, (start, end) in enumerate(zip(offsets, offsets[1:])):
-        o_i, s_i = run(slice(start, end), None if initial_state is None else initial_state[i:i + 1])
+        o_i, s_i = run(
+            slice(start, end), None if initial_state is None else initial_state[i : i + 1]
+        )
         outputs.append(o_i)
         states.append(s_i)
     return torch.cat(outputs, dim=1), torch.cat(states, dim=0)
 
 
-def _torch_chunked(q, k, v, beta, rule, log_decay, negative_eigenvalues, eps, scale,
-                   initial_state, cu_seqlens, chunk_size, dtype) -> tuple[Tensor, Tensor]:
+def _torch_chunked(
+    q,
+    k,
+    v,
+    beta,
+    rule,
+    log_decay,
+    negative_eigenvalues,
+    eps,
+    scale,
+    initial_state,
+    cu_seqlens,
+    chunk_size,
+    dtype,
+) -> tuple[Tensor, Tensor]:
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     lam = (k * k).sum(-1)  # λ = ‖k‖²
-    a, b = step_coefficients(rule, None if beta is None else beta.to(dtype), lam,
-                             negative_eigenvalues=negative_eigenvalues, eps=eps)
+    a, b = step_coefficients(
+        rule,
+        None if beta is None else beta.to(dtype),
+        lam,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+    )
     g = None if log_decay is None else log_decay.to(dtype)
     s0 = None if initial_state is None else initial_state.to(dtype)
     if cu_seqlens is None:
@@ -148,6 +233,7 @@ def _torch_chunked(q, k, v, beta, rule, log_decay, negative_eigenvalues, eps, sc
         mask = valid.reshape(n_seq, t_max, *([1] * (x.dim() - 2)))
         return torch.where(mask, x[0][index], torch.zeros((), dtype=x.dtype, device=x.device))
 
-    o, state = chunk_delta_rule(pack(q), pack(k), pack(v), pack(a), pack(b), pack(g), scale,
-                                s0, chunk_size)
+    o, state = chunk_delta_rule(
+        pack(q), pack(k), pack(v), pack(a), pack(b), pack(g), scale, s0, chunk_size
+    )
     return o[valid].unsqueeze(0), state

@@ -41,8 +41,9 @@ def recurrent_delta_rule(
         a_t, b_t, alpha_t = a[:, t, :, None], b[:, t, :, None], alpha[:, t, :, None, None]
         kS = torch.einsum("bhk,bhkv->bhv", k_t, S)  # prediction for k_t: kᵀS
         # S_t = α_t (I − a_t k kᵀ) S_{t−1} + b_t k vᵀ    (DESIGN.md §1)
-        S = alpha_t * (S - torch.einsum("bhk,bhv->bhkv", k_t, a_t * kS)) \
-            + torch.einsum("bhk,bhv->bhkv", k_t, b_t * v_t)
+        S = alpha_t * (S - torch.einsum("bhk,bhv->bhkv", k_t, a_t * kS)) + torch.einsum(
+            "bhk,bhv->bhkv", k_t, b_t * v_t
+        )
         outputs.append(scale * torch.einsum("bhkv,bhk->bhv", S, q_t))  # o_t = scale·S_tᵀq_t
     o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, Dv)
     return o, S

@@ -29,8 +29,10 @@ def delta_rule_step(
     """
     step_rule = get_rule(rule)
     if not isinstance(state, Tensor) or state.dtype not in (torch.float32, torch.float64):
-        raise TypeError("state must be a float32 (or float64) tensor [B, H, Dk, Dv] updated "
-                        f"in place, got {getattr(state, 'dtype', type(state).__name__)}")
+        raise TypeError(
+            "state must be a float32 (or float64) tensor [B, H, Dk, Dv] updated "
+            f"in place, got {getattr(state, 'dtype', type(state).__name__)}"
+        )
     _check_step_shapes(q, k, v, beta, step_rule, log_decay, state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
@@ -40,14 +42,28 @@ def delta_rule_step(
         triton_backend = _triton_backend()
         if triton_backend is not None and hasattr(triton_backend, "delta_rule_step"):
             return triton_backend.delta_rule_step(
-                q, k, v, beta, state, rule=step_rule.name, log_decay=log_decay,
-                negative_eigenvalues=negative_eigenvalues, eps=eps, scale=scale)
+                q,
+                k,
+                v,
+                beta,
+                state,
+                rule=step_rule.name,
+                log_decay=log_decay,
+                negative_eigenvalues=negative_eigenvalues,
+                eps=eps,
+                scale=scale,
+            )
 
     dtype = state.dtype
     kf, vf, qf = k.to(dtype), v.to(dtype), q.to(dtype)
     lam = (kf * kf).sum(-1)
-    a, b = step_coefficients(step_rule, None if beta is None else beta.to(dtype), lam,
-                             negative_eigenvalues=negative_eigenvalues, eps=eps)
+    a, b = step_coefficients(
+        step_rule,
+        None if beta is None else beta.to(dtype),
+        lam,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+    )
     alpha = None if log_decay is None else torch.exp(log_decay.to(dtype))
     S = state
     outputs = []
@@ -68,19 +84,26 @@ def delta_rule_step(
 def _check_step_shapes(q, k, v, beta, rule, log_decay, state) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ValueError(f"{name} must be a tensor of shape [B, T, H, D], got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
+            raise ValueError(
+                f"{name} must be a tensor of shape [B, T, H, D], got "
+                f"{getattr(t, 'shape', type(t).__name__)}"
+            )
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"k must match q {list(q.shape)} and v must be [B, T, H, Dv], got "
-                         f"k {list(k.shape)}, v {list(v.shape)}")
+        raise ValueError(
+            f"k must match q {list(q.shape)} and v must be [B, T, H, Dv], got "
+            f"k {list(k.shape)}, v {list(v.shape)}"
+        )
     if beta is None and rule.needs_beta:
         raise ValueError(f"beta is None but rule {rule.name!r} needs beta of shape [B, T, H]")
     for name, t in (("beta", beta), ("log_decay", log_decay)):
         if t is not None and tuple(t.shape) != (B, T, H):
-            raise ValueError(f"{name} must have shape [B, T, H] = [{B}, {T}, {H}], "
-                             f"got {list(t.shape)}")
+            raise ValueError(
+                f"{name} must have shape [B, T, H] = [{B}, {T}, {H}], got {list(t.shape)}"
+            )
     if tuple(state.shape) != (B, H, Dk, Dv):
-        raise ValueError(f"state must have shape [B, H, Dk, Dv] = [{B}, {H}, {Dk}, {Dv}], "
-                         f"got {list(state.shape)}")
+        raise ValueError(
+            f"state must have shape [B, H, Dk, Dv] = [{B}, {H}, {Dk}, {Dv}], "
+            f"got {list(state.shape)}"
+        )
