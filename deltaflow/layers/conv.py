@@ -1,0 +1,108 @@
+"""Causal depthwise short convolution with padding masks and a decoding window.
+
+Every mode runs the same computation: the previous window (zeros at the start of a sequence)
+is concatenated in front of the new inputs, then a valid depthwise conv1d is applied. That
+makes full-sequence, chunked-prefill and token-by-token decoding give identical outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ShortConvolution(nn.Module):
+    """Causal depthwise conv over time: ``y_t = act(sum_j w_j x_{t-W+1+j})``, input ``[B, T, C]``.
+
+    Padded positions (``mask == False``) are zeroed before the conv, so with left padding the
+    conv sees the same zeros it would see at a sequence start; the decoding window is taken
+    at each row's last real token, so right padding is handled as well.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        kernel_size: int = 4,
+        activation: str | None = "silu",
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        if channels <= 0:
+            raise ValueError(f"ShortConvolution: channels must be positive, got {channels}")
+        if kernel_size < 1:
+            raise ValueError(f"ShortConvolution: kernel_size must be >= 1, got {kernel_size}")
+        if activation not in (None, "silu"):
+            raise ValueError(
+                f"ShortConvolution: activation must be 'silu' or None, got {activation!r}"
+            )
+        self.channels = channels
+        self.kernel_size = kernel_size
+        self.activation = activation
+        # Same layout as nn.Conv1d(groups=channels): [C, 1, W].
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Conv1d's default (kaiming uniform with a = sqrt(5)) for a depthwise filter of W taps.
+        bound = 1.0 / math.sqrt(self.kernel_size)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        state: torch.Tensor | None = None,
+        output_state: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x ``[B, T, C]``; mask ``[B, T]`` bool (True = real token); state ``[B, C, W-1]``.
+
+        Returns ``(y [B, T, C], new_state [B, C, W-1] or None)``.
+        """
+        if x.dim() != 3 or x.shape[-1] != self.channels:
+            raise ValueError(
+                f"ShortConvolution: x must be [B, T, {self.channels}], got {tuple(x.shape)}"
+            )
+        B, T, C = x.shape
+        W = self.kernel_size
+        if mask is not None:
+            if mask.shape != (B, T):
+                raise ValueError(
+                    f"ShortConvolution: mask must be [{B}, {T}], got {tuple(mask.shape)}"
+                )
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        xt = x.transpose(1, 2)
+        if state is None:
+            prev = xt.new_zeros(B, C, W - 1)
+        else:
+            if state.shape != (B, C, W - 1):
+                raise ValueError(
+                    f"ShortConvolution: state must be [{B}, {C}, {W - 1}], got {tuple(state.shape)}"
+                )
+            prev = state.to(xt.dtype)
+        full = torch.cat([prev, xt], dim=-1)  # [B, C, W-1+T]
+        y = F.conv1d(full, self.weight.to(xt.dtype), None, groups=C)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)[:, None]
+        if self.activation == "silu":
+            y = F.silu(y)
+        new_state = None
+        if output_state:
+            if mask is None:
+                new_state = full[..., full.shape[-1] - (W - 1) :].clone()
+            else:
+                # Window = the W-1 inputs ending at each row's last real token (-1 if none: the
+                # old window is kept). In `full` coordinates token t sits at t + W - 1.
+                pos = torch.arange(T, device=x.device)
+                last = torch.where(mask, pos, torch.full_like(pos, -1)).amax(dim=1)  # [B]
+                idx = last[:, None] + 1 + torch.arange(W - 1, device=x.device)  # [B, W-1]
+                new_state = full.gather(2, idx[:, None, :].expand(B, C, W - 1)).contiguous()
+        return y.transpose(1, 2), new_state
+
+    def extra_repr(self) -> str:
+        return f"{self.channels}, kernel_size={self.kernel_size}, activation={self.activation}"

@@ -1,0 +1,325 @@
+"""DeltaAttention: the token mixer of DeltaNet, Gated DeltaNet, EFLA, Longhorn, Kaczmarz, ...
+
+One layer for every step rule (DESIGN.md §4):
+
+    q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))
+    q, k    = L2-normalized where the rule asks (per-rule defaults below)
+    β       = sigmoid(W_β x)  or softplus(W_β x)                   (rules that use β)
+    log α   = −exp(A_log) · softplus(W_a x + dt_bias)             (use_decay, Mamba2 style)
+    o       = delta_rule(q, k, v, β, rule, log α)
+    y       = W_o(RMSNorm(o) ⊙ SiLU(W_g x))       (per head; without the gate: W_o RMSNorm(o))
+
+With the defaults and ``rule='delta', use_decay=True`` this is the Gated DeltaNet layer
+(arXiv 2412.06464); Gated DeltaNet 1.3B uses ``num_heads=6, head_dim=256, expand_v=2``.
+
+Three modes give the same outputs: full sequences (chunked op), padded batches (padding is
+turned into identity steps: k = v = β = 0 and log α = 0, and the conv sees zeros), and
+incremental decoding with a state dict holding the recurrent state and conv windows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from deltaflow.layers.conv import ShortConvolution
+from deltaflow.layers.mask import prepare_padding_mask
+from deltaflow.layers.norm import RMSNorm, l2_normalize
+from deltaflow.ops import delta_rule, delta_rule_step
+from deltaflow.rules import get_rule
+
+QK_NORMS = ("l2", "none")
+BETA_ACTIVATIONS = ("sigmoid", "softplus")
+# DESIGN.md §4: delta/linear normalize k; the other rules keep ‖k‖ (q is L2-normalized by default).
+_RAW_K_RULES = ("efla", "longhorn", "trapezoid", "kaczmarz", "relaxed_kaczmarz")
+
+
+def default_qk_norm(rule: str) -> tuple[str, str]:
+    """Per-rule default (q_norm, k_norm)."""
+    return ("l2", "none") if rule in _RAW_K_RULES else ("l2", "l2")
+
+
+def resolve_qk_norm(
+    rule: str, qk_norm: str | tuple[str, str] | list[str] | None
+) -> tuple[str, str]:
+    """``None`` -> the rule's default; a string applies to both q and k; a pair is (q, k)."""
+    if qk_norm is None:
+        return default_qk_norm(rule)
+    pair = (qk_norm, qk_norm) if isinstance(qk_norm, str) else tuple(qk_norm)
+    if len(pair) != 2 or any(p not in QK_NORMS for p in pair):
+        raise ValueError(
+            f"qk_norm must be None, one of {QK_NORMS} or a (q_norm, k_norm) pair of them, "
+            f"got {qk_norm!r}"
+        )
+    return pair  # type: ignore[return-value]
+
+
+class DeltaAttention(nn.Module):
+    """Delta-rule token mixer with a pluggable step rule.
+
+    Args:
+        hidden_size: model width (input and output features).
+        num_heads: number of q/k heads.
+        head_dim: key dim per head; default ``hidden_size // num_heads`` (must divide then).
+        expand_v: value head dim = ``head_dim * expand_v`` (must be an integer).
+        head_v_dim: explicit value head dim, overrides ``expand_v``.
+        num_v_heads: value heads (grouped value attention, Gated DeltaNet style): a multiple of
+            ``num_heads``; each q/k head is shared by ``num_v_heads // num_heads`` value heads.
+        rule: step rule name (see ``deltaflow.rules.RULES``).
+        use_decay: Mamba2-style data-dependent decay α (the "gated" variants).
+        negative_eigenvalues: double the step, eigenvalue μ -> 2μ − 1 (arXiv 2411.12537).
+        beta_activation: 'sigmoid' (β in (0, 1)) or 'softplus' (unbounded β).
+        qk_norm: None (rule default), 'l2' | 'none', or a (q_norm, k_norm) pair.
+        use_short_conv, conv_size: causal depthwise conv (SiLU) on q, k, v.
+        use_output_gate: ``RMSNorm(o) ⊙ SiLU(W_g x)`` before the output projection.
+        norm_eps: RMSNorm epsilon. eps: Kaczmarz regularizer ``1/(λ + eps)``.
+        chunk_size, backend: forwarded to :func:`deltaflow.delta_rule`.
+        layer_idx: index in a model (only used in messages).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int = 4,
+        head_dim: int | None = None,
+        expand_v: float = 1.0,
+        head_v_dim: int | None = None,
+        num_v_heads: int | None = None,
+        rule: str = "delta",
+        use_decay: bool = False,
+        negative_eigenvalues: bool = False,
+        beta_activation: str = "sigmoid",
+        qk_norm: str | tuple[str, str] | None = None,
+        use_short_conv: bool = True,
+        conv_size: int = 4,
+        use_output_gate: bool = True,
+        norm_eps: float = 1e-5,
+        eps: float = 1e-6,
+        chunk_size: int = 64,
+        backend: str = "auto",
+        layer_idx: int | None = None,
+    ) -> None:
+        super().__init__()
+        if hidden_size <= 0 or num_heads <= 0:
+            raise ValueError(
+                f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}"
+            )
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) "
+                    "when head_dim is not given"
+                )
+            head_dim = hidden_size // num_heads
+        if head_dim <= 0:
+            raise ValueError(f"head_dim must be positive, got {head_dim}")
+        if head_v_dim is None:
+            if expand_v <= 0 or not float(head_dim * expand_v).is_integer():
+                raise ValueError(
+                    f"head_dim * expand_v must be a positive integer, got {head_dim} * {expand_v}"
+                )
+            head_v_dim = int(head_dim * expand_v)
+        if head_v_dim <= 0:
+            raise ValueError(f"head_v_dim must be positive, got {head_v_dim}")
+        num_v_heads = num_heads if num_v_heads is None else num_v_heads
+        if num_v_heads <= 0 or num_v_heads % num_heads != 0:
+            raise ValueError(
+                f"num_v_heads ({num_v_heads}) must be a positive multiple of "
+                f"num_heads ({num_heads})"
+            )
+        self.step_rule = get_rule(rule)  # raises ValueError naming the known rules
+        if beta_activation not in BETA_ACTIVATIONS:
+            raise ValueError(
+                f"beta_activation must be one of {BETA_ACTIVATIONS}, got {beta_activation!r}"
+            )
+        if use_short_conv and conv_size < 1:
+            raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+        if chunk_size <= 0 or chunk_size & (chunk_size - 1):
+            raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size}")
+        if backend not in ("auto", "reference", "torch", "triton"):
+            raise ValueError(
+                f"backend must be 'auto', 'reference', 'torch' or 'triton', got {backend!r}"
+            )
+
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_v_heads = num_v_heads
+        self.head_dim = head_dim
+        self.head_v_dim = head_v_dim
+        self.key_dim = num_heads * head_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.rule = self.step_rule.name
+        self.use_beta = self.step_rule.needs_beta
+        self.use_decay = use_decay
+        self.negative_eigenvalues = negative_eigenvalues
+        self.beta_activation = beta_activation
+        self.q_norm, self.k_norm = resolve_qk_norm(self.rule, qk_norm)
+        self.use_short_conv = use_short_conv
+        self.conv_size = conv_size
+        self.use_output_gate = use_output_gate
+        self.eps = eps
+        self.chunk_size = chunk_size
+        self.backend = backend
+        self.layer_idx = layer_idx
+
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        if self.use_beta:
+            self.b_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
+        if use_decay:
+            self.a_proj = nn.Linear(hidden_size, num_v_heads, bias=False)
+            self.A_log = nn.Parameter(torch.empty(num_v_heads))
+            self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+            # Optimizers should not weight-decay these (read by the training harness).
+            self.A_log._no_weight_decay = True
+            self.dt_bias._no_weight_decay = True
+        if use_short_conv:
+            self.q_conv = ShortConvolution(self.key_dim, conv_size, activation="silu")
+            self.k_conv = ShortConvolution(self.key_dim, conv_size, activation="silu")
+            self.v_conv = ShortConvolution(self.value_dim, conv_size, activation="silu")
+        if use_output_gate:
+            self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.o_norm = RMSNorm(head_v_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.reset_decay_parameters()
+
+    @torch.no_grad()
+    def reset_decay_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Mamba2 init: A ~ U(0, 16) (A_log = log A), dt log-uniform in [1e-3, 0.1],
+        dt_bias = softplus⁻¹(dt) so that softplus(dt_bias) = dt at W_a x = 0."""
+        if not self.use_decay:
+            return
+        for p, value in zip((self.A_log, self.dt_bias), self._decay_init_values(generator)):
+            if not getattr(p, "_is_hf_initialized", False):  # don't overwrite loaded weights
+                p.copy_(value)
+
+    def _decay_init_values(
+        self, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.num_v_heads
+        A = torch.empty(n, dtype=torch.float32).uniform_(0, 16, generator=generator)
+        A_log = torch.log(A.clamp_min(1e-4))  # guard log(0) for an exact-zero draw
+        dt_min, dt_max = 1e-3, 0.1
+        u = torch.rand(n, dtype=torch.float32, generator=generator)
+        dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+        return A_log, dt_bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"rule={self.rule}, heads={self.num_heads}/{self.num_v_heads}, "
+            f"head_dim={self.head_dim}, head_v_dim={self.head_v_dim}, decay={self.use_decay}, "
+            f"neg_eig={self.negative_eigenvalues}, "
+            f"beta={self.beta_activation if self.use_beta else None}, "
+            f"qk_norm=({self.q_norm}, {self.k_norm}), "
+            f"conv={self.conv_size if self.use_short_conv else 0}, "
+            f"gate={self.use_output_gate}"
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        state: dict[str, torch.Tensor] | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """hidden_states ``[B, T, hidden]``; attention_mask ``[B, T]`` (1 = token, 0 = padding).
+
+        ``state``: the dict returned by a previous call (continue that sequence), or None.
+        Returns ``(y [B, T, hidden], state)``; with ``use_cache`` the state dict (updated in
+        place) holds ``recurrent_state`` [B, Hv, Dk, Dv] float32 and ``conv_q/k/v`` windows.
+        """
+        x = hidden_states
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"DeltaAttention: hidden_states must be [B, T, {self.hidden_size}], "
+                f"got {tuple(x.shape)}"
+            )
+        B, T, _ = x.shape
+        mask = prepare_padding_mask(attention_mask, B, T, x.device)
+        state = {} if state is None else state
+        new_state: dict[str, torch.Tensor] = state if use_cache else {}
+
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_short_conv:
+            q, new_state["conv_q"] = self.q_conv(q, mask, state.get("conv_q"), use_cache)
+            k, new_state["conv_k"] = self.k_conv(k, mask, state.get("conv_k"), use_cache)
+            v, new_state["conv_v"] = self.v_conv(v, mask, state.get("conv_v"), use_cache)
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_heads, self.head_dim)
+        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+        if self.q_norm == "l2":
+            q = l2_normalize(q)
+        if self.k_norm == "l2":
+            k = l2_normalize(k)
+        if self.num_v_heads != self.num_heads:  # grouped value heads share q/k
+            group = self.num_v_heads // self.num_heads
+            q = q.repeat_interleave(group, dim=2)
+            k = k.repeat_interleave(group, dim=2)
+
+        beta = None
+        if self.use_beta:
+            logits = self.b_proj(x).float()
+            beta = (
+                torch.sigmoid(logits) if self.beta_activation == "sigmoid" else F.softplus(logits)
+            )
+        log_decay = None
+        if self.use_decay:
+            dt = F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+            log_decay = -torch.exp(self.A_log.float()) * dt
+
+        if mask is not None:
+            # Padding = identity step for every rule: no erase, no write (k = v = 0), no decay.
+            m = mask[:, :, None]
+            k = k * m[..., None].to(k.dtype)
+            v = v * m[..., None].to(v.dtype)
+            if beta is not None:
+                beta = beta * m
+            if log_decay is not None:
+                log_decay = log_decay * m
+
+        S0 = state.get("recurrent_state")
+        if S0 is not None and T == 1 and not torch.is_grad_enabled():
+            # Decoding: one recurrent step, updating the state buffer in place.
+            S = S0 if use_cache else S0.clone()
+            o = delta_rule_step(
+                q,
+                k,
+                v,
+                beta,
+                S,
+                rule=self.step_rule,
+                log_decay=log_decay,
+                negative_eigenvalues=self.negative_eigenvalues,
+                eps=self.eps,
+            )
+        else:
+            o, S = delta_rule(
+                q,
+                k,
+                v,
+                beta,
+                rule=self.step_rule,
+                log_decay=log_decay,
+                negative_eigenvalues=self.negative_eigenvalues,
+                eps=self.eps,
+                initial_state=S0,
+                output_final_state=use_cache,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
+            )
+        if use_cache:
+            new_state["recurrent_state"] = S
+
+        o = self.o_norm(o)
+        if self.use_output_gate:
+            g = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
+            o = o * F.silu(g)
+        y = self.o_proj(o.reshape(B, T, self.value_dim))
+        return y, (new_state if use_cache else None)

@@ -1,0 +1,45 @@
+"""Padding masks: validation and conversion to the bool form the mixers use."""
+
+from __future__ import annotations
+
+import torch
+
+
+def prepare_padding_mask(
+    attention_mask: torch.Tensor | None, batch_size: int, seq_len: int, device: torch.device
+) -> torch.Tensor | None:
+    """Check a ``[B, T]`` 0/1 padding mask and return it as bool, or None if it has no padding.
+
+    Each row's real tokens must be one contiguous run (left padding, right padding or both):
+    padding in the middle of a sequence cannot be expressed as identity steps of a causal conv.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"attention_mask must be a torch.Tensor, got {type(attention_mask).__name__}"
+        )
+    if attention_mask.shape != (batch_size, seq_len):
+        raise ValueError(
+            f"attention_mask must have shape [batch, seq_len] = [{batch_size}, {seq_len}], "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.dtype == torch.bool:
+        mask = attention_mask
+    else:
+        if not ((attention_mask == 0) | (attention_mask == 1)).all():
+            raise ValueError("attention_mask must contain only 0 and 1 (1 = real token)")
+        mask = attention_mask != 0
+    mask = mask.to(device)
+    if bool(mask.all()):
+        return None
+    count = mask.sum(1)
+    pos = torch.arange(seq_len, device=device)
+    first = torch.where(mask, pos, seq_len).amin(1)
+    last = torch.where(mask, pos, -1).amax(1)
+    if not bool(((count == 0) | (last - first + 1 == count)).all()):
+        raise ValueError(
+            "attention_mask: each row's real tokens must be contiguous (left and/or right "
+            "padding); padding in the middle of a sequence is not supported"
+        )
+    return mask

@@ -1,0 +1,182 @@
+"""Softmax attention baseline (and sliding-window variant for hybrids).
+
+Same interface as :class:`deltaflow.layers.DeltaAttention`:
+``(y, state) = layer(x, attention_mask, state, use_cache)``.
+
+torch SDPA with RoPE and grouped KV heads. Positions count real tokens only, so a left-padded
+row sees exactly what the unpadded sequence sees. The KV cache stores keys after RoPE with
+their validity mask and positions; a sliding window is applied by masking (the cache keeps
+every key, so padded rows never lose keys they still need).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from deltaflow.layers.mask import prepare_padding_mask
+from deltaflow.layers.norm import RMSNorm
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (half-split layout) of x ``[B, T, H, D]`` at positions ``[B, T]``."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
+    xf = x.float()
+    return (xf * emb.cos() + rotate_half(xf) * emb.sin()).to(x.dtype)
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal multi-head softmax attention with RoPE, GQA, optional sliding window and qk-norm.
+
+    Args:
+        hidden_size: model width. num_heads: query heads. num_kv_heads: key/value heads
+            (divides num_heads; default num_heads). head_dim: default hidden_size // num_heads.
+        rope_theta: RoPE base. window_size: attend to the last ``window_size`` tokens only
+            (including the current one); None = full causal attention.
+        qk_norm: RMSNorm on q and k per head (stabilizes training at high learning rates).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int = 4,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        rope_theta: float = 10000.0,
+        window_size: int | None = None,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+        layer_idx: int | None = None,
+    ) -> None:
+        super().__init__()
+        if hidden_size <= 0 or num_heads <= 0:
+            raise ValueError(
+                f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}"
+            )
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) "
+                    "when head_dim is not given"
+                )
+            head_dim = hidden_size // num_heads
+        if head_dim <= 0 or head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be a positive even number (RoPE), got {head_dim}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must be positive and divide num_heads ({num_heads})"
+            )
+        if window_size is not None and window_size < 1:
+            raise ValueError(f"window_size must be None or >= 1, got {window_size}")
+        if rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {rope_theta}")
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.rope_theta = float(rope_theta)
+        self.window_size = window_size
+        self.layer_idx = layer_idx
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=norm_eps)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"window={self.window_size}, rope_theta={self.rope_theta}"
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        state: dict[str, torch.Tensor] | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        """hidden_states ``[B, T, hidden]``; attention_mask ``[B, T]`` for these T tokens.
+
+        Returns ``(y, state)``; ``state`` (with ``use_cache``) holds ``key``/``value``
+        ``[B, Hkv, Tc, D]``, ``key_mask`` and ``key_pos`` ``[B, Tc]``.
+        """
+        x = hidden_states
+        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"SoftmaxAttention: hidden_states must be [B, T, {self.hidden_size}], "
+                f"got {tuple(x.shape)}"
+            )
+        B, T, _ = x.shape
+        mask = prepare_padding_mask(attention_mask, B, T, x.device)
+        state = {} if state is None else state
+        past_k = state.get("key")
+
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+
+        # Position of each token = number of real tokens before it in its row.
+        valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
+        n_past = (
+            state["key_mask"].sum(1)
+            if past_k is not None
+            else torch.zeros(B, dtype=torch.long, device=x.device)
+        )
+        pos = n_past[:, None] + valid.long().cumsum(1) - 1
+        pos = pos.clamp_min(0)
+        q = apply_rope(q, pos, self.rope_theta)
+        k = apply_rope(k, pos, self.rope_theta)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
+
+        if past_k is not None:
+            k_all = torch.cat([past_k, k], dim=2)
+            v_all = torch.cat([state["value"], v], dim=2)
+            kmask = torch.cat([state["key_mask"], valid], dim=1)
+            kpos = torch.cat([state["key_pos"], pos], dim=1)
+        else:
+            k_all, v_all, kmask, kpos = k, v, valid, pos
+        Tk = k_all.shape[2]
+
+        attn_mask = None
+        is_causal = False
+        if mask is None and past_k is None and self.window_size is None:
+            is_causal = T > 1  # the fast path: plain causal attention
+        elif not (past_k is not None and T == 1 and self.window_size is None and bool(kmask.all())):
+            # Column causality (query i sits at column Tk - T + i), padding and window by position.
+            qcol = torch.arange(Tk - T, Tk, device=x.device)
+            kcol = torch.arange(Tk, device=x.device)
+            allowed = (kcol[None, :] <= qcol[:, None])[None] & kmask[:, None, :]
+            if self.window_size is not None:
+                allowed = allowed & (pos[:, :, None] - kpos[:, None, :] < self.window_size)
+            # Every query keeps its own column, so padded queries have a finite (unused) output.
+            allowed = allowed | (kcol[None, :] == qcol[:, None])[None]
+            attn_mask = allowed[:, None]  # [B, 1, T, Tk]
+
+        group = self.num_heads // self.num_kv_heads
+        kr = k_all.repeat_interleave(group, dim=1) if group > 1 else k_all
+        vr = v_all.repeat_interleave(group, dim=1) if group > 1 else v_all
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), kr, vr, attn_mask=attn_mask, is_causal=is_causal
+        )
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+        if not use_cache:
+            return y, None
+        state.update(key=k_all, value=v_all, key_mask=kmask, key_pos=kpos)
+        return y, state
