@@ -1,0 +1,450 @@
+"""The training loop: AdamW + warmup/cosine, clipping, bf16 autocast, eval, logs, checkpoints, DDP.
+
+Design choices a user should know:
+
+- The loss is computed here from the model's logits and ALIGNED labels (``labels[t]`` is the
+  target at position ``t``; -100 is unscored), as the mean over every scored token of the
+  global batch. Any ``nn.Module`` whose forward takes ``input_ids=`` and returns logits
+  ``[B, T, V]`` (or an object with ``.logits``) can be trained.
+- Data comes from ``task.get_batch(batch_size, split="train", step=i)``, deterministic in the
+  step. Every rank draws the same global batch and keeps its own rows, so a run's result does
+  not depend on the number of GPUs or accumulation micro-steps (up to float rounding), and a
+  resumed run sees exactly the batches it would have seen.
+- The learning rate is a pure function of the step; resuming restores weights, optimizer and
+  RNG state and the step counter, which on CPU reproduces an uninterrupted run bit for bit.
+- Under ``torchrun`` (WORLD_SIZE > 1) the model is wrapped in DistributedDataParallel
+  automatically; only rank 0 logs, evaluates and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from torch import nn
+from tqdm.auto import tqdm
+
+from deltaflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from deltaflow.train.config import TrainConfig
+from deltaflow.train.logging import RunLogger
+from deltaflow.train.schedule import lr_at
+
+IGNORE_INDEX = -100
+
+
+class DivergenceError(RuntimeError):
+    """The training loss became NaN/inf (usually: learning rate too high)."""
+
+
+# ---------------------------------------------------------------------------- building blocks
+def build_task(config: TrainConfig) -> Any:
+    from deltaflow.tasks import get_task
+
+    return get_task(config.task, **config.task_kwargs)
+
+
+def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
+    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+
+    return DeltaFlowForCausalLM(DeltaFlowConfig(vocab_size=vocab_size, **config.model))
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices only: never norms, biases, scalars (A_log, dt_bias), embeddings."""
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():  # parameters() already de-duplicates tied weights
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or id(p) in embedding_ids else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(
+    model: nn.Module, config: TrainConfig, device: torch.device
+) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        param_groups(model, config.weight_decay),
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.adam_eps,
+        fused=device.type == "cuda",
+    )
+
+
+def model_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] from a plain module or a transformers model (no labels, no cache)."""
+    kwargs: dict[str, Any] = {}
+    forward = model.module.forward if hasattr(model, "module") else model.forward
+    if "use_cache" in inspect.signature(forward).parameters:
+        kwargs["use_cache"] = False  # training/eval never need the recurrent cache
+    out = model(input_ids=input_ids, **kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
+    if logits.ndim != 3 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"model must return logits [B, T, V] for input_ids {tuple(input_ids.shape)}, "
+            f"got {tuple(logits.shape)}"
+        )
+    return logits
+
+
+def check_batch(batch: dict[str, torch.Tensor], batch_size: int | None = None) -> None:
+    for key in ("input_ids", "labels"):
+        if key not in batch:
+            raise ValueError(f"task batch is missing {key!r} (has {sorted(batch)})")
+    ids, labels = batch["input_ids"], batch["labels"]
+    if ids.ndim != 2 or labels.shape != ids.shape:
+        raise ValueError(
+            f"task batch must have input_ids and labels of equal shape [B, T], got "
+            f"{tuple(ids.shape)} and {tuple(labels.shape)}"
+        )
+    if batch_size is not None and ids.shape[0] != batch_size:
+        raise ValueError(f"task returned batch of {ids.shape[0]} rows, asked for {batch_size}")
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_env(cls) -> DistInfo:
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        )
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", dist_info.local_rank)
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", dist_info.local_rank)
+    return device
+
+
+# ---------------------------------------------------------------------------- the trainer
+class Trainer:
+    """Train ``model`` on ``task`` as ``config`` says. Builds both from the config if not given.
+
+    ``callbacks`` are called as ``fn(trainer, step)`` after every completed optimizer step
+    (after any checkpoint of that step); raising from one stops the run like a kill would.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        model: nn.Module | None = None,
+        task: Any | None = None,
+        callbacks: list[Callable[[Trainer, int], None]] | None = None,
+    ) -> None:
+        self.config = config
+        self.callbacks = list(callbacks or [])
+        self.dist = DistInfo.from_env()
+        self._owns_process_group = False
+        if self.dist.world_size > 1 and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend=backend)
+            self._owns_process_group = True
+        self.device = resolve_device(config.device, self.dist)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        per_rank, rem = divmod(config.batch_size, self.dist.world_size * config.grad_accum)
+        if rem or per_rank == 0:
+            raise ValueError(
+                f"batch_size={config.batch_size} must be a positive multiple of "
+                f"world_size ({self.dist.world_size}) x grad_accum ({config.grad_accum})"
+            )
+        self.micro_batch = per_rank
+        use_bf16 = config.precision == "bf16" or (
+            config.precision == "auto" and self.device.type == "cuda"
+        )
+        self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+
+        torch.manual_seed(config.seed)  # identical init on every rank (DDP also broadcasts)
+        self.task = task if task is not None else build_task(config)
+        base = model if model is not None else build_model(config, self.task.vocab_size)
+        self.raw_model = base.to(self.device)
+        self.optimizer = make_optimizer(self.raw_model, config, self.device)
+        self.step = 0  # number of optimizer steps completed
+
+        resume_from = None
+        if config.out_dir is not None and config.resume:
+            resume_from = latest_checkpoint(config.out_dir)
+        if resume_from is not None:
+            self._resume(resume_from)
+        log_dir = config.out_dir if self.dist.is_main else None
+        self.logger = RunLogger(log_dir, resume_step=self.step if resume_from is not None else None)
+
+        self.model: nn.Module = self.raw_model
+        if self.dist.world_size > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = nn.parallel.DistributedDataParallel(self.raw_model, device_ids=ids)
+        self.num_params = sum(p.numel() for p in self.raw_model.parameters())
+
+    # ------------------------------------------------------------------ resume / save
+    def _resume(self, path: Path) -> None:
+        saved = yaml.safe_load((path / "config.yaml").read_text())
+        for key in ("task", "task_kwargs", "model"):
+            if saved.get(key) != getattr(self.config, key):
+                raise ValueError(
+                    f"cannot resume {path}: its {key} {saved.get(key)!r} differs from this "
+                    f"run's {getattr(self.config, key)!r} (use a new out_dir or resume=False)"
+                )
+        state = load_checkpoint(path, model=self.raw_model, optimizer=self.optimizer)
+        self.step = int(state["step"])
+
+    def save(self, info: dict[str, Any] | None = None) -> Path | None:
+        if self.config.out_dir is None or not self.dist.is_main:
+            return None
+        return save_checkpoint(
+            self.config.out_dir,
+            model=self.raw_model,
+            optimizer=self.optimizer,
+            step=self.step,
+            config=self.config.to_dict(),
+            info=info,
+            keep=self.config.keep_checkpoints,
+        )
+
+    # ------------------------------------------------------------------ one step
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One optimizer step on the global batch of ``step``; returns (loss, grad norm, tokens)."""
+        cfg = self.config
+        batch = self.task.get_batch(cfg.batch_size, split="train", step=step)
+        check_batch(batch, cfg.batch_size)
+        ids, labels = batch["input_ids"], batch["labels"]
+        n_scored = max(1, int((labels != IGNORE_INDEX).sum()))  # over the GLOBAL batch
+        lr = lr_at(
+            step,
+            base_lr=cfg.lr,
+            total_steps=cfg.steps,
+            warmup_steps=cfg.resolved_warmup_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        rank_rows = cfg.batch_size // self.dist.world_size
+        start = self.dist.rank * rank_rows
+        for micro in range(cfg.grad_accum):
+            lo = start + micro * self.micro_batch
+            x = ids[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
+            y = labels[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
+            sync = micro == cfg.grad_accum - 1 or self.dist.world_size == 1
+            no_sync = contextlib.nullcontext() if sync else self.model.no_sync()
+            with no_sync:
+                with self._autocast():
+                    logits = model_logits(self.model, x)
+                part = F.cross_entropy(
+                    logits.float().flatten(0, 1),
+                    y.flatten(),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                # DDP averages gradients over ranks, so scale by world_size to get the global mean.
+                (part * (self.dist.world_size / n_scored)).backward()
+            loss_sum += part.detach()
+        if self.dist.world_size > 1:
+            dist.all_reduce(loss_sum)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / n_scored, grad_norm, ids.numel()
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_lengths(self) -> tuple[list[int | None], bool]:
+        """Lengths to evaluate at, and whether the headline metric is their mean."""
+        if self.config.eval_lengths is not None:
+            return list(self.config.eval_lengths), hasattr(self.task, "eval_lengths")
+        if getattr(self.task, "eval_lengths", None):
+            return list(self.task.eval_lengths), True
+        return [None], False
+
+    @torch.no_grad()
+    def evaluate(self, split: str | None = None) -> dict[str, float]:
+        """Metrics on the task's fixed evaluation set, per length (``name@L``) and headline.
+
+        The headline (unsuffixed) metrics are the mean over lengths for tasks defining
+        ``eval_lengths`` (state tracking: the test distribution is all of them), else the
+        first length (language modelling: the training length).
+        """
+        split = split or self.config.eval_split
+        model = self.raw_model  # no DDP hooks in eval (rank 0 only)
+        model.eval()
+        lengths, mean_headline = self.eval_lengths()
+        per_length: list[dict[str, float]] = []
+        out: dict[str, float] = {}
+        for length in lengths:
+            kwargs = dict(self.config.eval_kwargs)
+            if length is not None:
+                kwargs["length"] = length
+            metrics = _aggregate(self._eval_batches(model, split, kwargs))
+            per_length.append(metrics)
+            if length is not None and len(lengths) > 1:
+                out.update({f"{k}@{length}": v for k, v in metrics.items()})
+        if mean_headline and len(per_length) > 1:
+            keys = set.intersection(*(set(m) for m in per_length))
+            out.update({k: sum(m[k] for m in per_length) / len(per_length) for k in sorted(keys)})
+        else:
+            out.update(per_length[0])
+        return out
+
+    def _eval_batches(
+        self, model: nn.Module, split: str, kwargs: dict[str, Any]
+    ) -> Iterator[tuple[dict[str, float], int]]:
+        for batch in self.task.eval_batches(split, **kwargs):
+            check_batch(batch)
+            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            with self._autocast():
+                logits = model_logits(model, batch["input_ids"])
+            metrics = self.task.metrics(logits.float(), batch)
+            yield (
+                {k: float(v) for k, v in metrics.items()},
+                int((batch["labels"] != IGNORE_INDEX).sum()),
+            )
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict[str, Any]:
+        """Run (or continue) training to ``config.steps``; returns a summary dict."""
+        cfg = self.config
+        main = self.dist.is_main
+        if main and self.step == 0 and cfg.out_dir is not None:
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            cfg.to_yaml(Path(cfg.out_dir) / "config.yaml")
+            self.logger.log(
+                "event", 0, event="start", num_params=self.num_params, config=cfg.to_dict()
+            )
+        elif main and self.step > 0:
+            self.logger.log("event", self.step, event="resume")
+        bar = tqdm(
+            total=cfg.steps,
+            initial=self.step,
+            desc=f"train {cfg.task}",
+            unit="step",
+            disable=not (cfg.progress and main),
+            dynamic_ncols=True,
+        )
+        window_loss = torch.zeros((), device=self.device)
+        window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
+        last_eval: dict[str, float] = {}
+        try:
+            while self.step < cfg.steps:
+                loss, grad_norm, tokens = self.train_step(self.step)
+                self.step += 1
+                window_loss += loss
+                window_steps += 1
+                window_tokens += tokens
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    mean_loss = float(window_loss) / window_steps
+                    if not math.isfinite(mean_loss):
+                        raise DivergenceError(
+                            f"training loss is {mean_loss} at step {self.step} (lr={cfg.lr}); "
+                            "lower the learning rate or enable grad_clip"
+                        )
+                    elapsed = time.perf_counter() - window_start
+                    record = self.logger.log(
+                        "train",
+                        self.step,
+                        loss=mean_loss,
+                        grad_norm=float(grad_norm),
+                        lr=self.optimizer.param_groups[0]["lr"],
+                        tokens_per_s=window_tokens / max(elapsed, 1e-9),
+                        tokens=self.step * tokens,
+                    )
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.3g}")
+                    window_loss.zero_()
+                    window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
+                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                    last_eval = self._eval_and_log()
+                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < cfg.steps:
+                    self.save({"eval": last_eval})
+                    self.logger.flush()
+                for callback in self.callbacks:
+                    callback(self, self.step)
+            last_eval = self._eval_and_log()
+            self.save({"eval": last_eval})
+        finally:
+            bar.close()
+            self.logger.close()
+        summary = {
+            "step": self.step,
+            "num_params": self.num_params,
+            "train_loss": next((r["loss"] for r in reversed(self.logger.of_kind("train"))), None),
+            "eval": last_eval,
+        }
+        if main and cfg.out_dir is not None:
+            (Path(cfg.out_dir) / "final.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _eval_and_log(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if self.dist.is_main:
+            metrics = self.evaluate()
+            self.logger.log("eval", self.step, split=self.config.eval_split, **metrics)
+            self.logger.flush()
+        if self.dist.world_size > 1:
+            dist.barrier()
+        return metrics
+
+    def close(self) -> None:
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _aggregate(items: Iterator[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Mean of per-batch metrics weighted by scored tokens; perplexity recomputed from the loss."""
+    sums: dict[str, float] = {}
+    total = 0
+    for metrics, weight in items:
+        total += weight
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v * weight
+    if total == 0:
+        raise ValueError("evaluation set is empty (no scored tokens)")
+    out = {k: v / total for k, v in sums.items()}
+    if "loss" in out and "ppl" in out:
+        out["ppl"] = math.exp(out["loss"])  # exp of the mean loss, not the mean of exps
+    return out
+
+
+def train(config: TrainConfig, **kwargs: Any) -> dict[str, Any]:
+    """Build everything from ``config``, train, return the summary. See :class:`Trainer`."""
+    trainer = Trainer(config, **kwargs)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()

@@ -1,0 +1,344 @@
+"""Training harness: schedule, config, optimizer groups, checkpoints, logs, exact resume, DDP.
+
+Runs on a toy task and toy model defined here (no dependency on deltaflow.tasks/models), so
+these tests pin the harness itself; tests/test_cli.py covers the real tasks and models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch import nn
+
+from deltaflow.train import (
+    DivergenceError,
+    RunLogger,
+    TrainConfig,
+    Trainer,
+    apply_overrides,
+    latest_checkpoint,
+    load_checkpoint,
+    lr_at,
+    param_groups,
+    read_log,
+    save_checkpoint,
+    train,
+)
+from deltaflow.train.checkpoint import list_checkpoints
+
+
+# ---------------------------------------------------------------------------- toy task and model
+class ToyTask:
+    """Predict the token seen ``lag`` positions earlier; the first ``lag`` are unscored."""
+
+    def __init__(self, vocab_size: int = 11, seq_len: int = 13, lag: int = 2, seed: int = 0):
+        self.vocab_size, self.seq_len, self.lag, self.seed = vocab_size, seq_len, lag, seed
+        self.chance = 1.0 / vocab_size
+
+    def get_batch(self, batch_size: int, split: str = "train", step: int = 0, length=None):
+        split_id = ["train", "valid", "test"].index(split)  # not hash(): salted per process
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + split_id * 100_000 + step)
+        ids = torch.randint(0, self.vocab_size, (batch_size, length or self.seq_len), generator=g)
+        labels = torch.full_like(ids, -100)
+        labels[:, self.lag :] = ids[:, : -self.lag]
+        labels[:, -1] = -100 if step % 2 else labels[:, -1]  # uneven scored counts across rows
+        return {"input_ids": ids, "labels": labels}
+
+    def eval_batches(self, split: str, num_examples: int = 24, batch_size: int = 8, length=None):
+        for i in range(num_examples // batch_size):
+            yield self.get_batch(batch_size, split=split, step=10_000 + i, length=length)
+
+    def metrics(self, logits: torch.Tensor, batch: dict) -> dict[str, float]:
+        labels = batch["labels"]
+        mask = labels != -100
+        loss = nn.functional.cross_entropy(logits[mask], labels[mask])
+        acc = (logits.argmax(-1)[mask] == labels[mask]).float().mean()
+        return {"loss": float(loss), "ppl": float(loss.exp()), "accuracy": float(acc)}
+
+
+class ToyModel(nn.Module):
+    """Embedding + two learned causal shifts + RMSNorm + tied head: can solve ToyTask."""
+
+    def __init__(self, vocab_size: int = 11, dim: int = 24):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.shift1 = nn.Linear(dim, dim)
+        self.shift2 = nn.Linear(dim, dim)
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tied: must be saved once and not decayed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        e = self.embed(input_ids)
+        prev1 = nn.functional.pad(e, (0, 0, 1, 0))[:, :-1]
+        prev2 = nn.functional.pad(e, (0, 0, 2, 0))[:, :-2]
+        return self.head(self.norm(e + self.shift1(prev1) + self.shift2(prev2)))
+
+
+def toy_config(**kw) -> TrainConfig:
+    base = dict(
+        task="toy",
+        steps=8,
+        batch_size=8,
+        lr=3e-2,
+        log_every=2,
+        eval_every=4,
+        progress=False,
+        device="cpu",
+        seed=0,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def make(seed: int = 0) -> tuple[ToyModel, ToyTask]:
+    torch.manual_seed(seed)
+    return ToyModel(), ToyTask()
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------- schedule
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    kw = dict(base_lr=1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, **kw) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[55] == pytest.approx(0.1 + 0.9 * 0.5)  # cosine midpoint
+    assert lrs[100] == pytest.approx(0.1)
+    assert lr_at(7, base_lr=2.0, total_steps=10, warmup_steps=0, min_lr_ratio=0.0) < 2.0
+    with pytest.raises(ValueError, match="warmup_steps"):
+        lr_at(0, base_lr=1.0, total_steps=5, warmup_steps=6)
+    with pytest.raises(ValueError, match="min_lr_ratio"):
+        lr_at(0, base_lr=1.0, total_steps=5, min_lr_ratio=1.5)
+
+
+# ---------------------------------------------------------------------------- config
+def test_config_yaml_roundtrip_overrides_and_errors(tmp_path):
+    cfg = TrainConfig(task="mqar", task_kwargs={"seq_len": 64}, model={"rule": "efla"}, steps=37)
+    cfg.to_yaml(tmp_path / "c.yaml")
+    assert TrainConfig.from_yaml(tmp_path / "c.yaml") == cfg
+    data = apply_overrides(
+        cfg.to_dict(),
+        [
+            "lr=3e-4",
+            "weight_decay=0",
+            "model.rule=delta",
+            "model.use_decay=on",
+            "eval_lengths=[8,16]",
+        ],
+    )
+    new = TrainConfig.from_dict(data)
+    assert new.lr == 3e-4 and new.weight_decay == 0.0
+    assert new.model == {"rule": "delta", "use_decay": True}
+    assert new.eval_lengths == [8, 16] and cfg.model == {"rule": "efla"}  # original untouched
+    assert cfg.resolved_warmup_steps == 1 and TrainConfig(steps=1000).resolved_warmup_steps == 50
+    with pytest.raises(ValueError, match="unknown config keys.*'stepz'"):
+        TrainConfig.from_dict({"stepz": 3})
+    with pytest.raises(ValueError, match="steps must be a positive integer"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="precision"):
+        TrainConfig(precision="fp16")
+    with pytest.raises(ValueError, match="vocab_size is taken from the task"):
+        TrainConfig(model={"vocab_size": 5})
+    with pytest.raises(ValueError, match="key=value"):
+        apply_overrides({}, ["lr"])
+    (tmp_path / "bad.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="YAML mapping"):
+        TrainConfig.from_yaml(tmp_path / "bad.yaml")
+
+
+# ---------------------------------------------------------------------------- optimizer groups
+def test_param_groups_skip_norms_biases_embeddings_and_dedupe_tied():
+    model, _ = make()
+    decay, no_decay = param_groups(model, 0.1)
+    decay_ids = {id(p) for p in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay_ids == {id(model.shift1.weight), id(model.shift2.weight)}
+    no_ids = {id(p) for p in no_decay["params"]}
+    assert id(model.embed.weight) in no_ids and id(model.norm.weight) in no_ids
+    assert id(model.shift1.bias) in no_ids
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+# ---------------------------------------------------------------------------- training
+def test_training_learns_the_toy_task_and_writes_logs(tmp_path):
+    model, task = make()
+    cfg = toy_config(steps=60, eval_every=30, out_dir=str(tmp_path / "run"), lr=5e-2)
+    summary = Trainer(cfg, model=model, task=task).train()
+    assert summary["step"] == 60 and summary["eval"]["accuracy"] > 0.9
+    assert summary["eval"]["ppl"] == pytest.approx(math.exp(summary["eval"]["loss"]))
+    run = tmp_path / "run"
+    records = read_log(run)
+    train_steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert train_steps == list(range(2, 61, 2))
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [30, 60]
+    first, last = records[1], [r for r in records if r["kind"] == "train"][-1]
+    assert last["loss"] < 0.5 * first["loss"] and last["tokens_per_s"] > 0
+    header = (run / "train.csv").read_text().splitlines()[0].split(",")
+    assert header[:3] == ["step", "loss", "grad_norm"] and "tokens_per_s" in header
+    assert "accuracy" in (run / "eval.csv").read_text().splitlines()[0]
+    assert json.loads((run / "final.json").read_text())["step"] == 60
+    assert TrainConfig.from_yaml(run / "config.yaml") == cfg
+
+
+def test_checkpoint_layout_atomic_prune_and_tied_weights(tmp_path):
+    model, task = make()
+    cfg = toy_config(steps=6, ckpt_every=2, keep_checkpoints=2, out_dir=str(tmp_path))
+    Trainer(cfg, model=model, task=task).train()
+    kept = list_checkpoints(tmp_path)
+    assert [p.name for p in kept] == ["step_0000004", "step_0000006"]
+    assert latest_checkpoint(tmp_path) == kept[-1]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert len(load_file(kept[-1] / "model.safetensors")) == 6  # tied head stored once
+    fresh, _ = make(seed=1)
+    state = load_checkpoint(tmp_path, model=fresh, restore_rng=False)  # run dir -> latest
+    assert state["step"] == 6
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v)
+    assert fresh.head.weight is fresh.embed.weight  # still tied after loading
+    # A stale temp dir from a killed save is ignored and the pointer still wins.
+    (tmp_path / "checkpoints" / ".tmp-step_0000008-1").mkdir()
+    assert latest_checkpoint(tmp_path) == kept[-1]
+
+
+def test_killed_and_resumed_run_equals_straight_run(tmp_path):
+    """Train 10 steps straight vs. die at step 7 (checkpoint at 6), resume to 10: same weights."""
+    straight_model, task = make()
+    Trainer(toy_config(steps=10), model=straight_model, task=task).train()
+
+    class Killed(Exception):
+        pass
+
+    def die_at_7(trainer, step):
+        if step == 7:
+            raise Killed
+
+    cfg = toy_config(steps=10, ckpt_every=3, out_dir=str(tmp_path))
+    model, task = make()
+    with pytest.raises(Killed):
+        Trainer(cfg, model=model, task=task, callbacks=[die_at_7]).train()
+    assert latest_checkpoint(tmp_path).name == "step_0000006"
+    torch.manual_seed(1234)  # the resumed process starts from different RNG state and init
+    resumed_model, task = make(seed=99)
+    trainer = Trainer(cfg, model=resumed_model, task=task)
+    assert trainer.step == 6
+    trainer.train()
+    for k, v in weights(straight_model).items():
+        assert torch.equal(resumed_model.state_dict()[k], v), k
+    steps = [r["step"] for r in read_log(tmp_path) if r["kind"] == "train"]
+    assert steps == [2, 4, 6, 8, 10]  # the killed run's step-7 logs were dropped, none doubled
+    # Resuming with a different model config is refused instead of silently mixing runs.
+    with pytest.raises(ValueError, match="cannot resume"):
+        Trainer(cfg.replace(model={"dim": 3}), model=make()[0], task=task)
+
+
+def test_grad_accumulation_matches_full_batch():
+    a, task = make()
+    Trainer(toy_config(steps=4, grad_accum=1), model=a, task=task).train()
+    b, task = make()
+    Trainer(toy_config(steps=4, grad_accum=4), model=b, task=task).train()
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_lengths_give_per_length_and_headline_metrics():
+    model, task = make()
+    trainer = Trainer(toy_config(eval_lengths=[9, 17]), model=model, task=task)
+    metrics = trainer.evaluate()
+    assert {"accuracy@9", "accuracy@17", "ppl@17", "accuracy"} <= set(metrics)
+    assert metrics["accuracy"] == metrics["accuracy@9"]  # headline: the first length for LM-like
+    task.eval_lengths = [9, 17]  # a task with its own test lengths: headline is their mean
+    metrics = Trainer(toy_config(), model=model, task=task).evaluate()
+    assert metrics["accuracy"] == pytest.approx(
+        (metrics["accuracy@9"] + metrics["accuracy@17"]) / 2
+    )
+
+
+def test_bad_inputs_raise_clear_errors():
+    model, task = make()
+    with pytest.raises(ValueError, match="multiple of world_size"):
+        Trainer(toy_config(batch_size=6, grad_accum=4), model=model, task=task)
+
+    class NaNModel(ToyModel):
+        def forward(self, input_ids):
+            return super().forward(input_ids) * float("nan")
+
+    with pytest.raises(DivergenceError, match="lower the learning rate"):
+        Trainer(toy_config(), model=NaNModel(), task=task).train()
+
+    class FlatModel(ToyModel):
+        def forward(self, input_ids):
+            return super().forward(input_ids)[:, -1]
+
+    with pytest.raises(ValueError, match=r"logits \[B, T, V\]"):
+        Trainer(toy_config(), model=FlatModel(), task=task).train()
+
+
+def test_logger_drops_records_past_resume_step(tmp_path):
+    log = RunLogger(tmp_path)
+    for step in (1, 2, 3):
+        log.log("train", step, loss=1.0 / step)
+    log.close()
+    with open(tmp_path / "log.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')  # torn line from a kill mid-write
+    log = RunLogger(tmp_path, resume_step=2)
+    assert [r["step"] for r in log.records] == [1, 2]
+    log.close()
+    assert [r["step"] for r in read_log(tmp_path)] == [1, 2]
+
+
+def test_save_checkpoint_replaces_same_step(tmp_path):
+    model, _ = make()
+    save_checkpoint(tmp_path, model=model, optimizer=None, step=3, config={}, keep=3)
+    with torch.no_grad():
+        model.norm.weight.add_(1.0)
+    path = save_checkpoint(tmp_path, model=model, optimizer=None, step=3, config={}, keep=3)
+    assert torch.equal(load_file(path / "model.safetensors")["norm.weight"], model.norm.weight)
+    assert len(list_checkpoints(tmp_path)) == 1
+
+
+# ---------------------------------------------------------------------------- data parallel
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    model, task = make()
+    summary = train(toy_config(steps=4, out_dir=out), model=model, task=task)
+    torch.save({"w": weights(model), "summary": summary}, Path(out) / f"rank{rank}.pt")
+
+
+def test_ddp_two_cpu_ranks_match_single_process(tmp_path):
+    """torchrun-style env (WORLD_SIZE/RANK) on the gloo backend: same result as one process."""
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    single, task = make()
+    Trainer(toy_config(steps=4), model=single, task=task).train()
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    for k, v in single.state_dict().items():
+        torch.testing.assert_close(r0["w"][k], v, rtol=1e-5, atol=1e-6)
+        assert torch.equal(r0["w"][k], r1["w"][k])  # ranks stay in lockstep
+    assert r0["summary"]["eval"]["accuracy"] >= 0 and r1["summary"]["eval"] == {}  # rank 0 evals
+    assert latest_checkpoint(tmp_path).name == "step_0000004"  # written once, by rank 0
