@@ -1,0 +1,438 @@
+"""DeltaFlow language models: pre-norm blocks of (delta-rule or softmax) mixer + SwiGLU MLP.
+
+    h = h + Mixer(RMSNorm(h));  h = h + MLP(RMSNorm(h));  logits = W_out RMSNorm(h)
+
+``DeltaFlowForCausalLM`` is a transformers ``PreTrainedModel``: ``save_pretrained`` /
+``from_pretrained`` (safetensors), ``AutoModelForCausalLM`` (after ``import deltaflow.models``)
+and ``generate()`` with a recurrent :class:`~deltaflow.layers.DeltaFlowCache`. A greedy decoder
+that does not depend on transformers' generation code is :meth:`generate_greedy`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+from torch.utils.checkpoint import checkpoint
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from deltaflow.layers.cache import DeltaFlowCache
+from deltaflow.layers.conv import ShortConvolution
+from deltaflow.layers.delta_attention import DeltaAttention
+from deltaflow.layers.norm import RMSNorm
+from deltaflow.layers.softmax_attention import SoftmaxAttention
+from deltaflow.models.config import DeltaFlowConfig
+
+_TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+class SwiGLU(nn.Module):
+    """``down(SiLU(gate x) ⊙ up x)``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj._is_residual_out = True  # init std / sqrt(2 n_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_mixer(config: DeltaFlowConfig, layer_idx: int) -> nn.Module:
+    """The token mixer of layer ``layer_idx`` from ``config.mixer_types``."""
+    kind = config.mixer_types[layer_idx]
+    if kind == "delta":
+        mixer: nn.Module = DeltaAttention(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            head_dim=config.head_dim,
+            expand_v=config.expand_v,
+            head_v_dim=config.head_v_dim,
+            num_v_heads=config.num_v_heads,
+            rule=config.rule,
+            use_decay=config.use_decay,
+            negative_eigenvalues=config.negative_eigenvalues,
+            beta_activation=config.beta_activation,
+            qk_norm=config.qk_norm,
+            use_short_conv=config.use_short_conv,
+            conv_size=config.conv_size,
+            use_output_gate=config.use_output_gate,
+            norm_eps=config.norm_eps,
+            eps=config.eps,
+            chunk_size=config.chunk_size,
+            backend=config.backend,
+            layer_idx=layer_idx,
+        )
+    else:
+        mixer = SoftmaxAttention(
+            hidden_size=config.hidden_size,
+            num_heads=config.attn_num_heads or config.num_heads,
+            num_kv_heads=config.attn_num_kv_heads,
+            head_dim=config.attn_head_dim,
+            rope_theta=config.rope_theta,
+            window_size=config.sliding_window if kind == "sliding_attention" else None,
+            qk_norm=config.attn_qk_norm,
+            norm_eps=config.norm_eps,
+            layer_idx=layer_idx,
+        )
+    mixer.o_proj._is_residual_out = True
+    return mixer
+
+
+class DeltaFlowBlock(nn.Module):
+    """Pre-norm residual block: mixer then SwiGLU MLP."""
+
+    def __init__(self, config: DeltaFlowConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.mixer_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mixer = build_mixer(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.mlp_hidden_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        state: dict[str, torch.Tensor] | None = None,
+        use_cache: bool = False,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        o, state = self.mixer(self.mixer_norm(h), attention_mask, state, use_cache)
+        h = h + o
+        h = h + self.mlp(self.mlp_norm(h))
+        return h, state
+
+
+class DeltaFlowPreTrainedModel(PreTrainedModel):
+    config_class = DeltaFlowConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DeltaFlowBlock"]
+    _supports_cache_class = True
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # generate() must not build a transformers DynamicCache: forward creates a DeltaFlowCache.
+        return False
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """normal(0, initializer_range); residual out-projections / sqrt(2·num_layers); norms 1;
+        short convs keep nn.Conv1d's default; decay parameters use the Mamba2 init."""
+        cfg = self.config
+        std = cfg.initializer_range
+        if isinstance(module, nn.Linear):
+            if getattr(module, "_is_residual_out", False) and cfg.rescale_residual:
+                std = std / math.sqrt(2 * cfg.num_layers)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, ShortConvolution):
+            module.reset_parameters()
+        elif isinstance(module, DeltaAttention):
+            module.reset_decay_parameters()
+
+
+class DeltaFlowModel(DeltaFlowPreTrainedModel):
+    """Embedding, blocks and final norm; returns hidden states (no LM head)."""
+
+    def __init__(self, config: DeltaFlowConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeltaFlowBlock(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: DeltaFlowCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = False,
+        output_hidden_states: bool = False,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError(
+                "pass exactly one of input_ids [B, T] and inputs_embeds [B, T, hidden]"
+            )
+        if input_ids is not None:
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+            inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be [B, T, {self.config.hidden_size}], "
+                f"got {tuple(inputs_embeds.shape)}"
+            )
+        B, T = inputs_embeds.shape[:2]
+        if past_key_values is not None and not isinstance(past_key_values, DeltaFlowCache):
+            raise TypeError(
+                "past_key_values must be a deltaflow.layers.DeltaFlowCache (or None), "
+                f"got {type(past_key_values).__name__}"
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = DeltaFlowCache(self.config.num_layers)
+        past = past_key_values.seen_tokens if past_key_values is not None else 0
+        if attention_mask is not None:
+            # transformers passes the mask of past + current tokens while decoding.
+            if attention_mask.dim() == 2 and attention_mask.shape[1] == past + T and past > 0:
+                attention_mask = attention_mask[:, past:]
+            if attention_mask.shape != (B, T):
+                raise ValueError(
+                    f"attention_mask must be [B, T] = [{B}, {T}] (or [B, past + T] = "
+                    f"[{B}, {past + T}] with a cache), got {tuple(attention_mask.shape)}"
+                )
+
+        h = inputs_embeds
+        all_hidden: list[torch.Tensor] = []
+        for i, block in enumerate(self.layers):
+            if output_hidden_states:
+                all_hidden.append(h)
+            state = past_key_values[i] if past_key_values is not None else None
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                h, _ = checkpoint(block, h, attention_mask, state, use_cache, use_reentrant=False)
+            else:
+                h, _ = block(h, attention_mask, state, use_cache)
+        h = self.norm(h)
+        if output_hidden_states:
+            all_hidden.append(h)
+        if past_key_values is not None and use_cache:
+            past_key_values.seen_tokens += T
+        return BaseModelOutputWithPast(
+            last_hidden_state=h,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+        )
+
+
+class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
+    """Causal LM: :class:`DeltaFlowModel` + linear head (tied to the embedding by default).
+
+    ``model(input_ids, labels=labels)`` returns ``.loss`` (mean token cross-entropy over labels
+    != -100, in float32) and ``.logits``. With ``labels_are_shifted=False`` (default, the
+    transformers convention) labels are the input ids and the model predicts ``labels[t+1]``
+    at position ``t``; with ``labels_are_shifted=True`` (argument or config), ``labels[t]`` is
+    the target of position ``t``.
+    """
+
+    if _TRANSFORMERS_5:
+        _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    else:
+        _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, config: DeltaFlowConfig) -> None:
+        super().__init__(config)
+        self.model = DeltaFlowModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: DeltaFlowCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        labels_are_shifted: bool | None = None,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Returns ``CausalLMOutputWithPast(loss, logits, past_key_values, hidden_states)``.
+
+        ``use_cache`` defaults to False (training and scoring need no cache); ``generate``
+        and :meth:`generate_greedy` turn it on. ``logits_to_keep=n`` computes logits for the
+        last n positions only (0 = all). Positions for RoPE come from ``attention_mask``, so
+        ``position_ids`` is not an argument.
+        """
+        # transformers' generation code may add these; they carry no information for us.
+        for key in ("position_ids", "cache_position", "output_attentions"):
+            value = kwargs.pop(key, None)
+            if key == "output_attentions" and value:
+                raise ValueError("output_attentions is not supported by DeltaFlow models")
+        unknown = [k for k, v in kwargs.items() if v is not None]
+        if unknown:
+            raise TypeError(f"DeltaFlowForCausalLM.forward got unexpected arguments {unknown}")
+        if return_dict is False:
+            raise ValueError("return_dict=False is not supported; outputs are always a ModelOutput")
+
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=bool(use_cache),
+            output_hidden_states=bool(output_hidden_states),
+        )
+        h = out.last_hidden_state
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+
+        loss = None
+        if labels is not None:
+            if logits_to_keep:
+                raise ValueError("labels and logits_to_keep cannot be used together")
+            shifted = (
+                self.config.labels_are_shifted if labels_are_shifted is None else labels_are_shifted
+            )
+            loss = self.loss(logits, labels, labels_are_shifted=shifted)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+        )
+
+    @staticmethod
+    def loss(logits: torch.Tensor, labels: torch.Tensor, labels_are_shifted: bool) -> torch.Tensor:
+        """Mean float32 cross-entropy over labels != -100 (0 if every label is ignored)."""
+        if labels.shape != logits.shape[:2]:
+            raise ValueError(
+                f"labels must be [B, T] = {list(logits.shape[:2])}, got {list(labels.shape)}"
+            )
+        if not labels_are_shifted:
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        labels = labels.to(logits.device)
+        total = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        return total / (labels != -100).sum().clamp_min(1)
+
+    # ---------------------------------------------------------------- generation
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        past_key_values: DeltaFlowCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = True,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """Feed only the tokens the cache has not seen (robust across transformers versions)."""
+        seen = past_key_values.seen_tokens if isinstance(past_key_values, DeltaFlowCache) else 0
+        inputs: dict[str, Any] = {
+            "past_key_values": past_key_values,
+            "attention_mask": attention_mask,
+            "use_cache": use_cache,
+        }
+        if inputs_embeds is not None and seen == 0:
+            inputs["inputs_embeds"] = inputs_embeds
+        else:
+            inputs["input_ids"] = input_ids[:, seen:] if seen else input_ids
+        if use_cache:
+            inputs["logits_to_keep"] = 1  # generation only reads the last position's logits
+        return inputs
+
+    @torch.no_grad()
+    def generate_greedy(
+        self,
+        input_ids: torch.LongTensor,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | None = None,
+    ) -> torch.LongTensor:
+        """Greedy decoding with a recurrent cache, independent of transformers' generate().
+
+        Prompts in a batch must be left-padded (``attention_mask`` 0 on the left). Returns
+        ``[B, T + n]`` with n <= max_new_tokens; finished rows are padded with eos_token_id.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError("attention_mask must have the shape of input_ids")
+        if max_new_tokens == 0:
+            return input_ids
+        B = input_ids.shape[0]
+        cache = DeltaFlowCache(self.config.num_layers)
+        out = self(
+            input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        tokens = [input_ids]
+        finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        for i in range(max_new_tokens):
+            nxt = out.logits[:, -1].argmax(-1)
+            if eos_token_id is not None:
+                nxt = torch.where(finished, torch.full_like(nxt, eos_token_id), nxt)
+                finished |= nxt == eos_token_id
+            tokens.append(nxt[:, None])
+            if i == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+                break
+            if attention_mask is not None:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+            out = self(
+                nxt[:, None], attention_mask=attention_mask, past_key_values=cache, use_cache=True
+            )
+        return torch.cat(tokens, dim=1)
+
+    # ---------------------------------------------------------------- accounting
+
+    def estimate_flops_per_token(self, seq_len: int, training: bool = True) -> float:
+        """Matmul FLOPs per token at context ``seq_len`` (x3 for forward + backward).
+
+        Counts every linear layer (LM head included, embedding lookup excluded), the short
+        convs, the chunked delta rule per head (``6·Dk·Dv + 3·C·Dk + 2·C·Dv + C²/3`` with
+        chunk C: intra-chunk products, the triangular solve and the state read/update) and
+        softmax attention (``4·D·L`` per head with L the mean attended length). Elementwise
+        work (norms, activations, gates) is ignored.
+        """
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        flops = 0.0
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                flops += 2 * m.in_features * m.out_features
+            elif isinstance(m, ShortConvolution):
+                flops += 2 * m.channels * m.kernel_size
+            elif isinstance(m, DeltaAttention):
+                C = min(m.chunk_size, seq_len)
+                Dk, Dv = m.head_dim, m.head_v_dim
+                flops += m.num_v_heads * (6 * Dk * Dv + 3 * C * Dk + 2 * C * Dv + C * C / 3)
+            elif isinstance(m, SoftmaxAttention):
+                w = m.window_size or seq_len
+                mean_len = sum(min(t + 1, w) for t in range(seq_len)) / seq_len
+                flops += m.num_heads * 4 * m.head_dim * mean_len
+        return 3 * flops if training else flops
