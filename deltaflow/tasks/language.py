@@ -171,6 +171,7 @@ def tokenize_files(files: Sequence[Path], tokenizer, cache_dir: Path, tag: str) 
         try:
             with os.fdopen(fd, "wb") as f:
                 np.save(f, tokens)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shareable
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -214,6 +215,8 @@ class LanguageModeling(Task):
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._streams: dict[str, np.ndarray] = {}
         self._token_bytes = torch.from_numpy(self.tokenizer.token_bytes())
+        # length extrapolation: evaluate with eval_batches(split, length=L) for each of these
+        self.extrapolation_lengths = [seq_len, 2 * seq_len, 4 * seq_len]
 
     def stream(self, split: str) -> np.ndarray:
         """The split's token ids (memory-mapped), documents separated by <|endoftext|>."""

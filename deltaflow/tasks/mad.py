@@ -99,9 +99,12 @@ class InContextRecall(_MADTask):
         keep = torch.randint(0, P - 1, (n,), generator=g)
         noise[torch.arange(n), keep] = False
         noise[:, -1] = False
-        # the final pair probes a key presented earlier (like MAD's closing probe)
-        pick = torch.multinomial((~noise[:, :-1]).float(), 1, generator=g)
-        keys[:, -1] = keys.gather(1, pick).squeeze(1)
+        # first real slot of each key among the first P-1 pairs (P if never presented)
+        slot = torch.arange(P).expand(n, P)
+        first = torch.full((n, K), P, dtype=torch.long)
+        first.scatter_reduce_(1, keys[:, :-1], torch.where(noise, P, slot)[:, :-1], reduce="amin")
+        # the closing pair probes one of the distinct keys presented so far (as in MAD)
+        keys[:, -1] = torch.multinomial((first < P).float(), 1, generator=g).squeeze(1)
         values = kv_map.gather(1, keys)
         noise_tok = torch.randint(0, max(self.noise_vocab_size, 1), (n, P, 2), generator=g)
         noise_tok += K + Vv
@@ -109,8 +112,7 @@ class InContextRecall(_MADTask):
         tokens = torch.where(noise[..., None], noise_tok, pairs).reshape(n, 2 * P)
 
         # a value is scored when its key appeared in an earlier real pair
-        onehot = torch.nn.functional.one_hot(keys, K) * (~noise)[..., None]
-        seen_before = (onehot.cumsum(1) - onehot).gather(2, keys[..., None]).squeeze(2) > 0
+        seen_before = first.gather(1, keys) < slot
         scored = seen_before & ~noise
         if split == "train" and self.train_on_all_tokens:
             targets = tokens.clone()
