@@ -1,0 +1,326 @@
+"""Layers: every mixer gives the same outputs full-sequence, padded and step by step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaflow import delta_rule
+from deltaflow.layers import (
+    DeltaAttention,
+    RMSNorm,
+    ShortConvolution,
+    SoftmaxAttention,
+    default_qk_norm,
+    l2_normalize,
+    prepare_padding_mask,
+)
+from deltaflow.rules import RULES
+
+ALL_RULES = ["linear", "delta", "efla", "longhorn", "trapezoid", "kaczmarz", "relaxed_kaczmarz"]
+TOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def _decode(layer, x, prefix: int = 0, mask=None):
+    """Prefill ``prefix`` tokens in one call (if > 0), then feed the rest one token at a time."""
+    outs, state = [], None
+    with torch.no_grad():
+        if prefix:
+            m = None if mask is None else mask[:, :prefix]
+            o, state = layer(x[:, :prefix], attention_mask=m, state=state, use_cache=True)
+            outs.append(o)
+        for t in range(prefix, x.shape[1]):
+            m = None if mask is None else mask[:, t : t + 1]
+            o, state = layer(x[:, t : t + 1], attention_mask=m, state=state, use_cache=True)
+            outs.append(o)
+    return torch.cat(outs, 1), state
+
+
+def _pad(x, left: int, right: int):
+    """Surround x [1, T, C] with random (not zero) padding; returns the padded x and mask."""
+    B, T, C = x.shape
+    xp = torch.randn(B, left + T + right, C)
+    xp[:, left : left + T] = x
+    m = torch.zeros(B, left + T + right, dtype=torch.long)
+    m[:, left : left + T] = 1
+    return xp, m
+
+
+def _check_modes(layer, T: int = 21, hidden: int = 32, prefix: int = 5):
+    """full == step-by-step == prefill+steps == left/right padded batch (unpadded positions)."""
+    layer.eval()
+    x = torch.randn(2, T, hidden)
+    with torch.no_grad():
+        y, _ = layer(x)
+    y_step, _ = _decode(layer, x)
+    y_pref, _ = _decode(layer, x, prefix=prefix)
+    assert y.abs().max() > 1e-3  # a dead layer would pass everything below
+    torch.testing.assert_close(y_step, y, atol=TOL, rtol=0)
+    torch.testing.assert_close(y_pref, y, atol=TOL, rtol=0)
+
+    # Batch: row 0 left-padded by 3, row 1 right-padded by 3 (different chunk alignment).
+    xl, ml = _pad(x[:1], 3, 0)
+    xr, mr = _pad(x[1:], 0, 3)
+    xb, mb = torch.cat([xl, xr]), torch.cat([ml, mr])
+    with torch.no_grad():
+        yb, _ = layer(xb, attention_mask=mb)
+    torch.testing.assert_close(yb[0, 3:], y[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(yb[1, :T], y[1], atol=TOL, rtol=0)
+    return layer, x, y, xb, mb
+
+
+@pytest.mark.parametrize("rule", ALL_RULES)
+@pytest.mark.parametrize("use_decay", [False, True])
+def test_delta_attention_modes_agree(rule, use_decay):
+    layer = DeltaAttention(
+        32, num_heads=2, rule=rule, use_decay=use_decay, chunk_size=8, backend="torch"
+    )
+    _check_modes(layer)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(rule="delta", negative_eigenvalues=True, use_decay=True),
+        dict(rule="trapezoid", beta_activation="softplus", qk_norm="none"),
+        dict(rule="efla", num_v_heads=4, expand_v=2.0, head_dim=8, use_decay=True),
+        dict(rule="delta", use_short_conv=False, use_output_gate=False),
+        dict(rule="relaxed_kaczmarz", conv_size=2, qk_norm=("none", "l2")),
+    ],
+)
+def test_delta_attention_variants_modes_agree(kwargs):
+    layer = DeltaAttention(32, num_heads=2, chunk_size=8, backend="torch", **kwargs)
+    _check_modes(layer)
+
+
+def test_padded_decode_continues_like_unpadded():
+    """Prefill a left+right padded batch, then decode: states must equal unpadded ones."""
+    layer = DeltaAttention(32, num_heads=2, rule="efla", use_decay=True, backend="torch").eval()
+    x = torch.randn(1, 9, 32)
+    nxt = torch.randn(1, 4, 32)
+    ref, _ = _decode(layer, torch.cat([x, nxt], 1), prefix=9)
+    for left, right in [(3, 0), (0, 3), (2, 2)]:
+        xp, m = _pad(x, left, right)
+        with torch.no_grad():
+            _, state = layer(xp, attention_mask=m, use_cache=True)
+            outs = [layer(nxt[:, t : t + 1], state=state, use_cache=True)[0] for t in range(4)]
+        torch.testing.assert_close(torch.cat(outs, 1), ref[:, 9:], atol=TOL, rtol=0)
+
+
+def test_decode_state_contents():
+    layer = DeltaAttention(32, num_heads=2, head_dim=8, expand_v=1.5, conv_size=3, backend="torch")
+    _, state = _decode(layer.eval(), torch.randn(3, 4, 32), prefix=2)
+    assert state["recurrent_state"].shape == (3, 2, 8, 12)
+    assert state["recurrent_state"].dtype == torch.float32
+    assert state["conv_q"].shape == (3, 16, 2) and state["conv_v"].shape == (3, 24, 2)
+
+
+def test_delta_attention_matches_explicit_parametrization():
+    """Rebuild q, k, v, β, α by hand from DESIGN.md §4 and compare with the layer (efla: raw k)."""
+    layer = DeltaAttention(
+        24, num_heads=2, head_dim=6, expand_v=2.0, num_v_heads=4, rule="efla", use_decay=True,
+        beta_activation="softplus", backend="torch",
+    )  # fmt: skip
+    x = torch.randn(2, 13, 24)
+    B, T, _ = x.shape
+    q = layer.q_conv(layer.q_proj(x))[0].view(B, T, 2, 6)  # the conv applies SiLU
+    k = layer.k_conv(layer.k_proj(x))[0].view(B, T, 2, 6)
+    v = layer.v_conv(layer.v_proj(x))[0].view(B, T, 4, 12)
+    q = q / q.norm(dim=-1, keepdim=True)  # efla default: L2 on q only
+    q, k = q.repeat_interleave(2, dim=2), k.repeat_interleave(2, dim=2)
+    beta = F.softplus(layer.b_proj(x))
+    log_decay = -layer.A_log.exp() * F.softplus(layer.a_proj(x) + layer.dt_bias)
+    o, _ = delta_rule(q, k, v, beta, rule="efla", log_decay=log_decay, backend="reference")
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-5) * layer.o_norm.weight
+    o = o * F.silu(layer.g_proj(x).view(B, T, 4, 12))
+    ref = layer.o_proj(o.reshape(B, T, 48))
+    y, _ = layer(x)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_default_qk_norm_per_rule():
+    assert default_qk_norm("delta") == ("l2", "l2")
+    assert default_qk_norm("linear") == ("l2", "l2")
+    for rule in ["efla", "longhorn", "trapezoid", "kaczmarz", "relaxed_kaczmarz"]:
+        assert default_qk_norm(rule) == ("l2", "none")
+        assert DeltaAttention(16, 2, rule=rule).k_norm == "none"
+    # Rules that take no β get no β projection.
+    assert not hasattr(DeltaAttention(16, 2, rule="kaczmarz"), "b_proj")
+    assert hasattr(DeltaAttention(16, 2, rule="delta"), "b_proj")
+    assert set(RULES) >= set(ALL_RULES)
+
+
+def test_decay_init_ranges():
+    layer = DeltaAttention(64, num_heads=64, head_dim=4, use_decay=True)
+    A = layer.A_log.exp()
+    dt = F.softplus(layer.dt_bias)
+    assert (A > 0).all() and (A <= 16).all() and A.max() > 4  # U(0, 16) over 64 heads
+    assert (dt >= 1e-3 * 0.999).all() and (dt <= 0.1 * 1.001).all()
+    assert dt.min() < 0.01 < dt.max()  # log-uniform spreads over two decades
+    assert layer.A_log._no_weight_decay and layer.dt_bias._no_weight_decay
+
+
+def test_delta_attention_gradients_reach_every_parameter():
+    layer = DeltaAttention(16, num_heads=2, rule="longhorn", use_decay=True, backend="torch")
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    m = torch.ones(2, 10, dtype=torch.long)
+    m[0, :2] = 0
+    y, _ = layer(x, attention_mask=m)
+    y.square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert torch.isfinite(x.grad).all()
+
+
+def test_fully_padded_row_is_finite_and_other_rows_unaffected():
+    layer = DeltaAttention(16, num_heads=2, rule="kaczmarz", backend="torch").eval()
+    x = torch.randn(2, 7, 16)
+    m = torch.ones(2, 7, dtype=torch.long)
+    m[1] = 0
+    with torch.no_grad():
+        y, _ = layer(x, attention_mask=m)
+        y0, _ = layer(x[:1])
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y[0], y0[0], atol=TOL, rtol=0)
+
+
+# ---------------------------------------------------------------- short conv
+
+
+def test_short_conv_matches_explicit_loop_and_caches_last_real_window():
+    conv = ShortConvolution(5, kernel_size=4)
+    x = torch.randn(2, 9, 5)
+    y, state = conv(x, output_state=True)
+    w = conv.weight[:, 0]  # [C, W]
+    xpad = F.pad(x, (0, 0, 3, 0))
+    ref = torch.stack([F.silu((xpad[:, t : t + 4] * w.T).sum(1)) for t in range(9)], 1)
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(state, x[:, -3:].transpose(1, 2))
+    # Right padding: the window ends at the last real token, not at the padding.
+    m = torch.ones(2, 9, dtype=torch.bool)
+    m[1, 6:] = False
+    _, state = conv(x, mask=m, output_state=True)
+    torch.testing.assert_close(state[1], x[1, 3:6].T)
+    torch.testing.assert_close(state[0], x[0, 6:9].T)
+
+
+def test_short_conv_bad_inputs():
+    conv = ShortConvolution(4, kernel_size=3)
+    with pytest.raises(ValueError, match="x must be"):
+        conv(torch.randn(2, 5, 3))
+    with pytest.raises(ValueError, match="state must be"):
+        conv(torch.randn(2, 5, 4), state=torch.randn(2, 4, 3))
+    with pytest.raises(ValueError, match="kernel_size"):
+        ShortConvolution(4, kernel_size=0)
+
+
+# ---------------------------------------------------------------- softmax attention
+
+
+def _naive_attention(layer: SoftmaxAttention, x: torch.Tensor) -> torch.Tensor:
+    """Token-by-token softmax attention with RoPE at positions 0..T-1 (and the window)."""
+    B, T, _ = x.shape
+    H, Hkv, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q = layer.q_proj(x).view(B, T, H, D)
+    k = layer.k_proj(x).view(B, T, Hkv, D)
+    v = layer.v_proj(x).view(B, T, Hkv, D)
+    pos = torch.arange(T).expand(B, T)
+    inv = 1.0 / layer.rope_theta ** (torch.arange(0, D, 2).float() / D)
+    ang = pos[..., None] * inv
+    cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
+
+    def rope(t):
+        a, b = t[..., : D // 2], t[..., D // 2 :]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+    q, k = rope(q), rope(k)
+    k, v = k.repeat_interleave(H // Hkv, 2), v.repeat_interleave(H // Hkv, 2)
+    outs = []
+    for t in range(T):
+        lo = 0 if layer.window_size is None else max(0, t - layer.window_size + 1)
+        s = torch.einsum("bhd,bshd->bhs", q[:, t], k[:, lo : t + 1]) / math.sqrt(D)
+        outs.append(torch.einsum("bhs,bshd->bhd", s.softmax(-1), v[:, lo : t + 1]))
+    return layer.o_proj(torch.stack(outs, 1).reshape(B, T, H * D))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(num_kv_heads=2), dict(window_size=4), dict(window_size=1, qk_norm=True)],
+)
+def test_softmax_attention_modes_agree(kwargs):
+    layer = SoftmaxAttention(32, num_heads=4, **kwargs)
+    layer, x, y, xb, mb = _check_modes(layer)
+    if not layer.qk_norm:
+        with torch.no_grad():
+            torch.testing.assert_close(y, _naive_attention(layer, x), atol=1e-5, rtol=0)
+    _, state = _decode(layer, x, prefix=4)
+    assert state["key"].shape == (2, layer.num_kv_heads, x.shape[1], layer.head_dim)
+    assert state["key_pos"][0, -1] == x.shape[1] - 1
+
+
+def test_softmax_attention_bad_config():
+    with pytest.raises(ValueError, match="divisible"):
+        SoftmaxAttention(30, num_heads=4)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        SoftmaxAttention(32, num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="window_size"):
+        SoftmaxAttention(32, num_heads=4, window_size=0)
+
+
+# ---------------------------------------------------------------- validation and helpers
+
+
+def test_delta_attention_bad_config():
+    with pytest.raises(ValueError, match="unknown rule"):
+        DeltaAttention(32, 2, rule="newton")
+    with pytest.raises(ValueError, match="divisible"):
+        DeltaAttention(30, 4)
+    DeltaAttention(30, 4, head_dim=8)  # an explicit head_dim need not divide hidden_size
+    with pytest.raises(ValueError, match="num_v_heads"):
+        DeltaAttention(32, 2, num_v_heads=3)
+    with pytest.raises(ValueError, match="expand_v"):
+        DeltaAttention(32, 2, expand_v=0.3)
+    with pytest.raises(ValueError, match="beta_activation"):
+        DeltaAttention(32, 2, beta_activation="relu")
+    with pytest.raises(ValueError, match="qk_norm"):
+        DeltaAttention(32, 2, qk_norm="layer")
+    with pytest.raises(ValueError, match="chunk_size"):
+        DeltaAttention(32, 2, chunk_size=48)
+    with pytest.raises(ValueError, match="backend"):
+        DeltaAttention(32, 2, backend="cuda")
+
+
+def test_bad_inputs_raise():
+    layer = DeltaAttention(16, 2, backend="torch")
+    x = torch.randn(2, 6, 16)
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(torch.randn(2, 6, 8))
+    with pytest.raises(ValueError, match=r"attention_mask must have shape"):
+        layer(x, attention_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        layer(x, attention_mask=torch.full((2, 6), 2))
+    hole = torch.ones(2, 6, dtype=torch.long)
+    hole[0, 3] = 0
+    with pytest.raises(ValueError, match="contiguous"):
+        layer(x, attention_mask=hole)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        layer(x, attention_mask=[[1] * 6] * 2)
+
+
+def test_mask_helper_and_norms():
+    assert prepare_padding_mask(torch.ones(2, 4), 2, 4, torch.device("cpu")) is None
+    m = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0]])
+    assert prepare_padding_mask(m, 2, 4, torch.device("cpu")).dtype == torch.bool
+    x = torch.randn(3, 7) * 5
+    torch.testing.assert_close(l2_normalize(x).norm(dim=-1), torch.ones(3), atol=1e-5, rtol=0)
+    assert l2_normalize(torch.zeros(2, 3)).abs().sum() == 0
+    norm = RMSNorm(7)
+    torch.testing.assert_close(norm(x).pow(2).mean(-1), torch.ones(3), atol=1e-3, rtol=0)
