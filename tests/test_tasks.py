@@ -111,6 +111,8 @@ def test_bad_arguments_raise_clear_errors():
         task.metrics(torch.randn(2, 5, task.vocab_size), task.get_batch(2))
     with pytest.raises(ValueError, match="length"):
         small("parity").eval_set("test", 10, length=1)
+    with pytest.raises(ValueError, match="even"):
+        small("mod_arith").eval_set("test", 10, length=41)
 
 
 # ------------------------------------------------------------------------------------ MQAR

@@ -81,8 +81,11 @@ class StateTrackingTask(Task):
             return super().eval_set(
                 split, num_examples, length_range=(self.eval_min_len, self.eval_max_len)
             )
-        check_int("length", length, self.min_length)
+        self._check_length("length", length)
         return super().eval_set(split, num_examples, length=length)
+
+    def _check_length(self, name: str, length: int) -> int:
+        return check_int(name, length, self.min_length)
 
     def _generate(self, lengths: torch.Tensor, T: int, g: torch.Generator) -> Batch:
         raise NotImplementedError
@@ -138,9 +141,14 @@ class ModularArithmetic(StateTrackingTask):
         self.op_ids = torch.tensor([self.OPS[o] for o in ops])
         self.vocab_size = self.NUM0 + modulus
         self.chance = 1.0 / modulus
-        for L in [self.eval_min_len, *self.eval_lengths]:
-            if L < 4:
-                raise ValueError(f"mod_arith lengths must be >= 4, got {L}")
+        for L in self.eval_lengths:
+            self._check_length("eval_lengths[i]", L)
+
+    def _check_length(self, name: str, length: int) -> int:
+        check_int(name, length, self.min_length)
+        if length % 2:
+            raise ValueError(f"{name} must be even for mod_arith (n op ... n =), got {length}")
+        return length
 
     def _generate(self, lengths: torch.Tensor, T: int, g: torch.Generator) -> Batch:
         n, m = lengths.numel(), self.modulus
