@@ -80,16 +80,16 @@ def delta_rule(
     dtype = compute_dtype(q, k, v, beta, initial_state)
 
     if backend == "triton":
+        if not step_rule.builtin:
+            raise ValueError(
+                f"backend='triton' supports the built-in rules only; rule {step_rule.name!r} "
+                "is user-defined: use backend='torch'"
+            )
         triton_backend = _triton_backend()
         if triton_backend is None:
             raise RuntimeError(
                 "backend='triton' needs Triton and a CUDA device "
                 "(or TRITON_INTERPRET=1 for the CPU interpreter)"
-            )
-        if not step_rule.builtin:
-            raise ValueError(
-                f"backend='triton' supports the built-in rules only; rule "
-                f"{step_rule.name!r} is user-defined: use backend='torch'"
             )
         o, state = triton_backend.delta_rule(
             q,

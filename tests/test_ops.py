@@ -1,0 +1,136 @@
+"""Every backend against the float64 token-by-token reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _inputs import make_inputs, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deltaflow import delta_rule
+from deltaflow.rules import RULES
+
+ALL_RULES = sorted(RULES)
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+
+
+def run(backend: str, inputs: dict, **kw):
+    return delta_rule(**inputs, output_final_state=True, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("rule", ALL_RULES)
+@pytest.mark.parametrize("negative_eigenvalues", [False, True])
+@pytest.mark.parametrize("decay", [False, True])
+@pytest.mark.parametrize("initial_state", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_torch_matches_reference(rule, negative_eigenvalues, decay, initial_state, dtype):
+    for T in (1, 5, 63, 64, 65, 200):
+        inputs = make_inputs(
+            2, T, 2, 8, 5, rule=rule, dtype=dtype, decay=decay, initial_state=initial_state, seed=T
+        )
+        kw = {"rule": rule, "negative_eigenvalues": negative_eigenvalues}
+        o_ref, s_ref = run("reference", inputs, **kw)
+        o, s = run("torch", inputs, **kw)
+        assert o.dtype == dtype and s.dtype == dtype
+        assert o.shape == (2, T, 2, 5) and s.shape == (2, 2, 8, 5)
+        assert rel_err(o, o_ref) <= TOL[dtype], f"o, T={T}"
+        assert rel_err(s, s_ref) <= TOL[dtype], f"state, T={T}"
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 16, 128])
+def test_chunk_sizes(chunk_size):
+    inputs = make_inputs(1, 77, 2, 6, 7, rule="efla", seed=3)
+    o_ref, s_ref = run("reference", inputs, rule="efla")
+    o, s = run("torch", inputs, rule="efla", chunk_size=chunk_size)
+    assert rel_err(o, o_ref) <= 1e-10 and rel_err(s, s_ref) <= 1e-10
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    T=st.integers(1, 90),
+    H=st.integers(1, 3),
+    Dk=st.integers(1, 9),
+    Dv=st.integers(1, 9),
+    rule=st.sampled_from(ALL_RULES),
+    log_chunk=st.integers(0, 6),
+    decay=st.booleans(),
+    negative_eigenvalues=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_property_shapes(B, T, H, Dk, Dv, rule, log_chunk, decay, negative_eigenvalues, seed):
+    inputs = make_inputs(B, T, H, Dk, Dv, rule=rule, decay=decay, seed=seed)
+    kw = {"rule": rule, "negative_eigenvalues": negative_eigenvalues}
+    o_ref, s_ref = run("reference", inputs, **kw)
+    o, s = run("torch", inputs, chunk_size=2**log_chunk, **kw)
+    assert rel_err(o, o_ref) <= 1e-9 and rel_err(s, s_ref) <= 1e-9
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_low_precision_inputs(backend):
+    inputs = make_inputs(1, 40, 2, 8, 8, rule="delta", dtype=torch.bfloat16)
+    inputs["initial_state"] = inputs["initial_state"].float()
+    o, s = run(backend, inputs)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    ref, _ = run("reference", {k: None if t is None else t.double() for k, t in inputs.items()})
+    assert rel_err(o, ref) < 2e-2
+
+
+def test_default_scale_and_no_final_state():
+    inputs = make_inputs(1, 9, 1, 16, 4, rule="longhorn")
+    o, s = delta_rule(**inputs, rule="longhorn")
+    assert s is None
+    o2, _ = delta_rule(**inputs, rule="longhorn", scale=0.25)  # Dk ** -0.5 = 0.25
+    assert torch.equal(o, o2)
+    o3, _ = delta_rule(**inputs, rule="longhorn", scale=0.5)
+    assert torch.allclose(o3, 2 * o)
+
+
+def test_beta_none_rules():
+    inputs = make_inputs(1, 30, 2, 4, 3, rule="kaczmarz")
+    inputs.pop("beta")
+    for rule in ("linear", "kaczmarz"):
+        o_ref, _ = run("reference", inputs, rule=rule)
+        o, _ = run("torch", inputs, rule=rule)
+        assert rel_err(o, o_ref) <= 1e-10
+    # linear with beta=None is plain (decayed) linear attention: S_t = α S + k vᵀ
+    o, _ = run("torch", inputs, rule="linear")
+    o_b, _ = run(
+        "torch", {**inputs, "beta": torch.ones(1, 30, 2, dtype=torch.float64)}, rule="linear"
+    )
+    assert torch.allclose(o, o_b)
+
+
+def test_user_rule_function_and_registration():
+    from deltaflow.rules import register_rule
+
+    def my_longhorn(beta, lam, eps):
+        a = beta / (1 + beta * lam)
+        return a, a
+
+    inputs = make_inputs(1, 50, 2, 5, 3, rule="longhorn")
+    ref, _ = run("torch", inputs, rule="longhorn")
+    for rule in (my_longhorn, register_rule("my_longhorn_test", my_longhorn)):
+        for backend in ("reference", "torch"):
+            o, _ = run(backend, inputs, rule=rule)
+            assert rel_err(o, ref) <= 1e-12
+    with pytest.raises(ValueError, match="backend='triton' supports the built-in rules"):
+        run("triton", inputs, rule=my_longhorn)
+
+
+@pytest.mark.parametrize("rule", ["delta", "linear"])
+def test_raw_keys_for_normalized_rules(rule):
+    # The op never normalizes k: raw keys are used as given, even where the rule is unstable.
+    inputs = make_inputs(1, 64, 2, 4, 3, rule="efla", seed=7)
+    o_ref, s_ref = run("reference", inputs, rule=rule)
+    o, s = run("torch", inputs, rule=rule, chunk_size=16)
+    assert rel_err(o, o_ref) <= 1e-10 and rel_err(s, s_ref) <= 1e-10
+
+
+def test_negative_eigenvalues_doubles_strengths():
+    # With a = b, doubling both is the same as doubling beta for delta (a = β).
+    inputs = make_inputs(1, 20, 1, 4, 3, rule="delta")
+    o1, _ = run("torch", inputs, rule="delta", negative_eigenvalues=True)
+    o2, _ = run("torch", {**inputs, "beta": 2 * inputs["beta"]}, rule="delta")
+    assert rel_err(o1, o2) <= 1e-12
