@@ -1,0 +1,28 @@
+"""deltaflow.lab: grids of training runs that compare step rules, with tables and plots.
+
+    from deltaflow.lab import get_preset, compare
+    rows, table = compare(get_preset("quick"), "results/quick")
+    print(table)
+
+``deltaflow compare --preset NAME`` is the command-line form; see docs/lab.md.
+"""
+
+from deltaflow.lab.compare import RunSpec, compare, expand_grid, run_grid, select_best
+from deltaflow.lab.plots import make_plots
+from deltaflow.lab.presets import PRESETS, VARIANTS, Preset, get_preset
+from deltaflow.lab.report import markdown_report, results_table
+
+__all__ = [
+    "PRESETS",
+    "VARIANTS",
+    "Preset",
+    "get_preset",
+    "RunSpec",
+    "expand_grid",
+    "run_grid",
+    "select_best",
+    "compare",
+    "make_plots",
+    "results_table",
+    "markdown_report",
+]

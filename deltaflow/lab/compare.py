@@ -1,0 +1,317 @@
+"""Run a preset's grid, keep the best learning rate per cell, write tables and plots.
+
+Every finished run is appended to ``<out>/runs.jsonl`` (its config, final metrics, loss and
+eval curves). Re-running the same command skips runs already there, so a long grid that was
+interrupted continues where it stopped; changing a run's config changes its id, so stale
+results are never reused.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from deltaflow.lab.presets import Preset
+from deltaflow.train import DivergenceError, TrainConfig, Trainer
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    variant: str
+    cell: str
+    width: int | None
+    lr: float
+    seed: int
+    config: TrainConfig
+
+    @property
+    def run_id(self) -> str:
+        digest = hashlib.sha1(json.dumps(self.config.to_dict(), sort_keys=True).encode())
+        width = f"-w{self.width}" if self.width is not None else ""
+        return (
+            f"{self.variant}-{self.cell}{width}-lr{self.lr:g}-s{self.seed}-{digest.hexdigest()[:8]}"
+        )
+
+
+def _fill(value: Any, shared: str | None) -> Any:
+    """Substitute ``{shared}`` in string task arguments (paths into the shared data folder)."""
+    if isinstance(value, str) and "{shared}" in value:
+        if shared is None:
+            raise ValueError(
+                "this preset reads shared data: pass --shared DIR (the folder with corpus/)"
+            )
+        return value.replace("{shared}", shared)
+    return value
+
+
+def expand_grid(
+    preset: Preset,
+    *,
+    device: str = "auto",
+    steps: int | None = None,
+    scale: float = 1.0,
+    shared: str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> list[RunSpec]:
+    """All runs of a preset, in the order they will be trained (cheapest widths first)."""
+    base = copy.deepcopy(preset.base)
+    base.update(overrides or {})
+    n_steps = steps if steps is not None else max(1, round(base.get("steps", 1000) * scale))
+    base["steps"] = n_steps
+    if base.get("warmup_steps") is not None:
+        base["warmup_steps"] = min(base["warmup_steps"], n_steps)
+    if base.get("eval_every"):
+        base["eval_every"] = min(base["eval_every"], n_steps)
+    base.update(device=device, progress=False, out_dir=None)
+    specs = []
+    for width in preset.widths or [None]:
+        for cell, cell_spec in preset.cells.items():
+            for variant in preset.variants:
+                for lr in preset.lrs:
+                    for seed in preset.seeds:
+                        data = copy.deepcopy(base)
+                        data["model"] = preset.variant_model(variant)
+                        if width is not None:
+                            data["model"]["hidden_size"] = width
+                        data["task"] = cell_spec["task"]
+                        task_kwargs = {
+                            k: _fill(v, shared) for k, v in cell_spec.get("task_kwargs", {}).items()
+                        }
+                        data["task_kwargs"] = {**task_kwargs, "seed": seed}
+                        for key, value in cell_spec.items():  # per-cell TrainConfig overrides
+                            if key not in ("task", "task_kwargs"):
+                                data[key] = copy.deepcopy(value)
+                        data.update(lr=lr, seed=seed)
+                        specs.append(
+                            RunSpec(variant, cell, width, lr, seed, TrainConfig.from_dict(data))
+                        )
+    return specs
+
+
+def load_runs(path: Path) -> dict[str, dict[str, Any]]:
+    runs: dict[str, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # torn last line of a killed grid
+                continue
+            runs[record["id"]] = record
+    return runs
+
+
+def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
+    """Train one grid point; failures (divergence, errors) become records, not exceptions."""
+    cfg = spec.config.replace(progress=progress)
+    start = time.perf_counter()
+    record: dict[str, Any] = {
+        "id": spec.run_id,
+        "variant": spec.variant,
+        "cell": spec.cell,
+        "width": spec.width,
+        "lr": spec.lr,
+        "seed": spec.seed,
+        "config": cfg.to_dict(),
+    }
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        summary = trainer.train()
+        record.update(status="ok", eval=summary["eval"], train_loss=summary["train_loss"])
+        record["num_params"] = summary["num_params"]
+    except DivergenceError as err:
+        record.update(status="diverged", error=str(err), eval={})
+    except Exception as err:  # noqa: BLE001 -- one broken grid point must not kill the grid
+        record.update(status="error", error=f"{type(err).__name__}: {err}", eval={})
+        record["traceback"] = traceback.format_exc(limit=8)
+    if trainer is not None:
+        record["curve"] = [[r["step"], r["loss"]] for r in trainer.logger.of_kind("train")]
+        record["eval_curve"] = [
+            {k: v for k, v in r.items() if k != "kind"} for r in trainer.logger.of_kind("eval")
+        ]
+        record.setdefault("num_params", trainer.num_params)
+        record["tokens_per_s"] = statistics.median(
+            [r["tokens_per_s"] for r in trainer.logger.of_kind("train")] or [0.0]
+        )
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+def run_grid(
+    specs: list[RunSpec],
+    out_dir: str | Path,
+    *,
+    metric: str | None = None,
+    progress: bool = True,
+    run_progress: bool = False,
+) -> list[dict[str, Any]]:
+    """Train every spec not already in ``out_dir/runs.jsonl``; returns the records of ``specs``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "runs.jsonl"
+    done = load_runs(log_path)
+    todo = [s for s in specs if done.get(s.run_id, {}).get("status") in (None, "error")]
+    bar = tqdm(
+        total=len(specs),
+        initial=len(specs) - len(todo),
+        desc="compare",
+        unit="run",
+        disable=not progress,
+    )
+    with open(log_path, "a") as log:
+        for spec in todo:
+            bar.set_postfix_str(
+                f"{spec.variant} {spec.cell} w={spec.width} lr={spec.lr:g} s={spec.seed}"
+            )
+            record = run_one(spec, progress=run_progress)
+            done[spec.run_id] = record
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+            bar.update(1)
+            if record["status"] != "ok":
+                bar.write(f"[{record['status']}] {spec.run_id}: {record.get('error', '')[:200]}")
+            elif metric is not None and metric in record["eval"]:
+                took = f"{record['seconds']:.0f}s"
+                bar.write(f"{spec.run_id}: {metric}={record['eval'][metric]:.4g} ({took})")
+    bar.close()
+    return [done[s.run_id] for s in specs]
+
+
+# ---------------------------------------------------------------------------- selection
+def metric_value(record: dict[str, Any], metric: str, higher_is_better: bool) -> float:
+    """A run's metric; diverged/failed runs count as the worst possible value."""
+    value = record.get("eval", {}).get(metric) if record.get("status") == "ok" else None
+    if value is None or not math.isfinite(value):
+        return -math.inf if higher_is_better else math.inf
+    return float(value)
+
+
+def select_best(records: list[dict[str, Any]], preset: Preset) -> list[dict[str, Any]]:
+    """Per (variant, cell, width): the learning rate whose seed-aggregate metric is best.
+
+    Returns one row per cell with the best lr, the aggregate of the headline metric over seeds
+    (mean or max as the preset says), its spread, and every table metric at that lr.
+    """
+    metric, higher = preset.metric, preset.higher_is_better
+
+    def agg(values: list[float]) -> float:
+        if preset.seed_aggregate == "max":  # best seed, in the metric's direction
+            return max(values) if higher else min(values)
+        return statistics.fmean(values)  # inf/-inf (a failed seed) makes the mean worst
+
+    groups: dict[tuple, dict[float, list[dict[str, Any]]]] = {}
+    for r in records:
+        groups.setdefault((r["variant"], r["cell"], r["width"]), {}).setdefault(r["lr"], []).append(
+            r
+        )
+    rows = []
+    for (variant, cell, width), by_lr in groups.items():
+        scored = {}
+        for lr, runs in by_lr.items():
+            values = [metric_value(r, metric, higher) for r in runs]
+            scored[lr] = agg(values)
+        best_lr = (max if higher else min)(scored, key=lambda lr: scored[lr])
+        runs = by_lr[best_lr]
+        row: dict[str, Any] = {
+            "variant": variant,
+            "cell": cell,
+            "width": width,
+            "best_lr": best_lr,
+            "value": scored[best_lr],
+            "n_seeds": len(runs),
+            "status": ",".join(sorted({r["status"] for r in runs})),
+            "num_params": runs[0].get("num_params"),
+            "seconds": sum(r.get("seconds", 0.0) for r in runs),
+        }
+        ok = [metric_value(r, metric, higher) for r in runs]
+        row["std"] = (
+            statistics.pstdev(ok) if len(ok) > 1 and all(math.isfinite(v) for v in ok) else 0.0
+        )
+        metrics = {}
+        for key in sorted({k for r in runs for k in r.get("eval", {})}):
+            vals = [metric_value(r, key, higher) for r in runs]
+            vals = [v for v in vals if math.isfinite(v)]
+            if vals:
+                metrics[key] = agg(vals)
+        row["metrics"] = metrics
+        # the curve of the best seed at the best lr (the run the table number comes from)
+        best_run = (max if higher else min)(runs, key=lambda r: metric_value(r, metric, higher))
+        row["curve"] = best_run.get("curve", [])
+        rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------- the whole job
+def compare(
+    preset: Preset,
+    out_dir: str | Path,
+    *,
+    device: str = "auto",
+    steps: int | None = None,
+    scale: float = 1.0,
+    shared: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    command: str = "",
+    progress: bool = True,
+) -> tuple[list[dict[str, Any]], str]:
+    """Run the grid, then write results.md, summary.json and PNG plots into ``out_dir``.
+
+    Returns (best rows, markdown table).
+    """
+    from deltaflow.lab.plots import make_plots
+    from deltaflow.lab.report import markdown_report, results_table
+
+    out = Path(out_dir)
+    start = time.perf_counter()
+    specs = expand_grid(
+        preset, device=device, steps=steps, scale=scale, shared=shared, overrides=overrides
+    )
+    records = run_grid(specs, out, metric=preset.metric, progress=progress)
+    rows = select_best(records, preset)
+    plots = make_plots(rows, preset, out)
+    seconds = time.perf_counter() - start
+    n_steps = specs[0].config.steps if specs else 0
+    device_name = _device_name(specs[0].config.device if specs else device)
+    report = markdown_report(
+        rows,
+        preset,
+        command=command,
+        seconds=seconds,
+        device=device_name,
+        steps=n_steps,
+        plots=plots,
+    )
+    _atomic_text(out / "results.md", report)
+    summary = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
+    _atomic_text(out / "summary.json", json.dumps(summary, indent=2))
+    if command:
+        _atomic_text(out / "command.txt", command + "\n")
+    return rows, results_table(rows, preset)
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{device} ({torch.cuda.get_device_name()})"
+    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

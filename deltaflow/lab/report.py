@@ -1,0 +1,100 @@
+"""Markdown results tables from the rows of :func:`deltaflow.lab.compare.select_best`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from deltaflow.lab.presets import Preset
+
+
+def _fmt(value: float | None, std: float = 0.0) -> str:
+    if value is None or not math.isfinite(value):
+        return "failed"
+    text = f"{value:.3f}" if abs(value) < 1000 else f"{value:.0f}"
+    return text + (f" ± {std:.3f}" if std > 0 else "")
+
+
+def columns(rows: list[dict[str, Any]], preset: Preset) -> list[tuple[str, int | None, str]]:
+    """(cell, width, metric) per table column, in the preset's order."""
+    metrics = preset.table_metrics or [preset.metric]
+    widths = preset.widths or [None]
+    return [(c, w, m) for c in preset.cells for w in widths for m in metrics]
+
+
+def column_label(col: tuple[str, int | None, str], preset: Preset) -> str:
+    cell, width, metric = col
+    parts = []
+    if len(preset.cells) > 1 or (len(preset.widths or [None]) == 1 and not preset.table_metrics):
+        parts.append(cell)
+    if len(preset.widths or [None]) > 1:
+        parts.append(f"d={width}")
+    if preset.table_metrics and len(preset.table_metrics) > 1:
+        parts.append(metric)
+    return " ".join(parts) or metric
+
+
+def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
+    """Variants as rows, (cell x width x metric) as columns: the headline value at the best lr."""
+    index = {(r["variant"], r["cell"], r["width"]): r for r in rows}
+    cols = columns(rows, preset)
+    header = ["model"] + [column_label(c, preset) for c in cols] + ["params", "best lr"]
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for variant in preset.variants:
+        cells, lrs, params = [], [], None
+        for cell, width, metric in cols:
+            row = index.get((variant, cell, width))
+            if row is None:
+                cells.append("-")
+                continue
+            if metric == preset.metric:
+                cells.append(_fmt(row["value"], row["std"]))
+            else:
+                cells.append(_fmt(row["metrics"].get(metric)))
+            lrs.append(f"{row['best_lr']:g}")
+            params = row["num_params"] if params is None else params
+        if all(c == "-" for c in cells):
+            continue
+        unique_lrs = sorted(set(lrs), key=lrs.index)
+        size = f"{params / 1e6:.2f}M" if params else "-"
+        if len(preset.widths or [None]) > 1:
+            size = "varies"
+        lines.append("| " + " | ".join([variant, *cells, size, "/".join(unique_lrs)]) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(
+    rows: list[dict[str, Any]],
+    preset: Preset,
+    *,
+    command: str,
+    seconds: float,
+    device: str,
+    steps: int,
+    plots: list[str],
+) -> str:
+    seeds = len(preset.seeds)
+    agg = "best of" if preset.seed_aggregate == "max" else "mean ± std over"
+    direction = "higher" if preset.higher_is_better else "lower"
+    lines = [
+        f"# deltaflow compare: `{preset.name}`",
+        "",
+        preset.description,
+        "",
+        f"Metric: **{preset.metric}** ({direction} is better) on the validation set at the best "
+        f"learning rate of {[f'{lr:g}' for lr in preset.lrs]} per cell, {agg} {seeds} seed(s). "
+        f"{steps} training steps per run; device {device}; grid wall time {seconds / 60:.1f} min.",
+        "",
+        results_table(rows, preset),
+        "",
+    ]
+    if preset.expect:
+        lines += [f"Expected: {preset.expect}", ""]
+    failed = [r for r in rows if r["status"] != "ok"]
+    if failed:
+        lines += ["Runs that diverged or failed at the best lr: "]
+        lines += [f"- {r['variant']} {r['cell']} w={r['width']}: {r['status']}" for r in failed]
+        lines.append("")
+    lines += [f"![{p}]({p})" for p in plots]
+    lines += ["", "Reproduce:", "", "```", command, "```", ""]
+    return "\n".join(lines)
