@@ -1,0 +1,225 @@
+"""The Triton backend: launches the kernels of ``ops/triton/kernels.py`` behind ``torch.library``
+custom ops (with fake implementations and autograd), so ``torch.compile(fullgraph=True)`` traces
+through ``delta_rule`` without graph breaks.
+
+Backward: recomputes the chunked PyTorch algorithm (``ops/chunk.py``) under autograd from the
+saved inputs, inside its own opaque custom op. It is exact but not fused; a fused Triton
+backward is the next step (benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+
+    from deltaflow.ops.triton import kernels
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+    kernels = None
+
+RULE_CODES = {
+    "linear": 0, "delta": 1, "efla": 2, "longhorn": 3, "trapezoid": 4, "kaczmarz": 5,
+    "relaxed_kaczmarz": 6,
+}
+RULE_NAMES = {code: name for name, code in RULE_CODES.items()}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available() -> bool:
+    """Triton is importable and there is a GPU, or the CPU interpreter is switched on."""
+    return triton is not None and (torch.cuda.is_available() or interpreting())
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _sequences(cu_seqlens: Tensor | None, B: int, T: int, C: int, device) -> tuple:
+    """Offsets of the sequences in the flattened [B·T] token axis, and their chunk tables."""
+    if cu_seqlens is None:
+        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+        per_seq = torch.full((B,), triton.cdiv(T, C), device=device, dtype=torch.int32)
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+        per_seq = (cu[1:] - cu[:-1] + C - 1) // C
+    chunk_offsets = torch.zeros(per_seq.numel() + 1, device=device, dtype=torch.int32)
+    chunk_offsets[1:] = per_seq.cumsum(0)
+    # (sequence, chunk-in-sequence) for every chunk: the prepare kernel's grid.
+    n_chunks = B * triton.cdiv(T, C) if cu_seqlens is None else int(chunk_offsets[-1])
+    seq_of_chunk = torch.repeat_interleave(
+        torch.arange(per_seq.numel(), device=device, dtype=torch.int32), per_seq.long(),
+        output_size=n_chunks)
+    chunk_in_seq = torch.arange(n_chunks, device=device, dtype=torch.int32) - \
+        chunk_offsets[:-1].long()[seq_of_chunk.long()].to(torch.int32)
+    chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1).contiguous()
+    return cu, chunk_offsets, chunk_indices, n_chunks
+
+
+def _forward(q, k, v, beta, log_decay, initial_state, cu_seqlens, rule, negative_eigenvalues,
+             eps, scale, chunk_size) -> tuple[Tensor, Tensor]:
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    C = min(max(chunk_size, 16), 64)  # the kernels hold C×C tiles: 16 ≤ C ≤ 64
+    dot_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    precision = "ieee" if dot_dtype == torch.float32 else "tf32"
+    q, k, v = (x.to(dot_dtype).contiguous() for x in (q, k, v))
+    beta = None if beta is None else beta.contiguous()
+    log_decay = None if log_decay is None else log_decay.contiguous()
+    cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, C, q.device)
+    N = cu.numel() - 1
+    BK, BV = _block(Dk), min(_block(Dv), 64)
+    flags = dict(RULE=rule, NEG=negative_eigenvalues, HAS_BETA=beta is not None,
+                 HAS_DECAY=log_decay is not None)
+    dummy = q  # stands in for absent optional pointers (never read: the flags say so)
+
+    T_mat = torch.empty(n_chunks, H, C, C, device=q.device, dtype=dot_dtype)
+    if n_chunks > 0:
+        kernels.chunk_prepare_kernel[(n_chunks, H)](
+            k, dummy if beta is None else beta, dummy if log_decay is None else log_decay,
+            T_mat, cu, chunk_indices, eps, H=H, Dk=Dk, BK=BK, C=C, DOT_PRECISION=precision,
+            num_warps=4, **flags)
+    o = torch.empty(B, T, H, Dv, device=q.device, dtype=v.dtype)
+    final_state = torch.empty(N, H, Dk, Dv, device=q.device, dtype=torch.float32)
+    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    kernels.chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
+        q, k, v, dummy if beta is None else beta, dummy if log_decay is None else log_decay,
+        T_mat, dummy if s0 is None else s0, o, final_state, cu, chunk_offsets, scale, eps,
+        H=H, Dk=Dk, Dv=Dv, BK=BK, BV=BV, C=C, HAS_S0=s0 is not None, DOT_PRECISION=precision,
+        num_warps=4 if BK * BV <= 4096 else 8, num_stages=1, **flags)
+    return o, final_state
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops. Optional tensors travel as `Tensor?`; the rule as its integer code.
+
+
+@torch.library.custom_op("deltaflow::chunk_fwd", mutates_args=())
+def chunk_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, log_decay: Tensor | None,
+    initial_state: Tensor | None, cu_seqlens: Tensor | None, rule: int,
+    negative_eigenvalues: bool, eps: float, scale: float, chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, beta, log_decay, initial_state, cu_seqlens, rule,
+                    negative_eigenvalues, eps, scale, chunk_size)
+
+
+@chunk_fwd_op.register_fake
+def _(q, k, v, beta, log_decay, initial_state, cu_seqlens, rule, negative_eigenvalues, eps,
+      scale, chunk_size):
+    B, T, H, Dk = q.shape
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
+            q.new_empty(N, H, Dk, v.shape[-1], dtype=torch.float32))
+
+
+@torch.library.custom_op("deltaflow::chunk_bwd", mutates_args=())
+def chunk_bwd_op(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, log_decay: Tensor | None,
+    initial_state: Tensor | None, cu_seqlens: Tensor | None, grad_o: Tensor,
+    grad_state: Tensor, rule: int, negative_eigenvalues: bool, eps: float, scale: float,
+    chunk_size: int,
+) -> list[Tensor]:
+    from deltaflow.ops.delta_rule import _torch_chunked
+    from deltaflow.rules import get_rule
+
+    inputs = [q, k, v, beta, log_decay, initial_state]
+    leaves = [None if x is None else x.detach().to(torch.float32).requires_grad_(True)
+              for x in inputs]
+    with torch.enable_grad():
+        o, state = _torch_chunked(*leaves[:4], get_rule(RULE_NAMES[rule]), leaves[4],
+                                  negative_eigenvalues, eps, scale, leaves[5], cu_seqlens,
+                                  chunk_size, torch.float32)
+        wanted = [x for x in leaves if x is not None]
+        grads = torch.autograd.grad((o, state), wanted, (grad_o.float(), grad_state.float()),
+                                    allow_unused=True)
+    grads = iter(grads)
+    out = []
+    for x, leaf in zip(inputs, leaves):
+        if leaf is None:
+            out.append(q.new_empty(0))
+        else:
+            g = next(grads)
+            out.append(torch.zeros_like(x) if g is None else g.to(x.dtype))
+    return out
+
+
+@chunk_bwd_op.register_fake
+def _(q, k, v, beta, log_decay, initial_state, cu_seqlens, grad_o, grad_state, rule,
+      negative_eigenvalues, eps, scale, chunk_size):
+    return [q.new_empty(0) if x is None else torch.empty_like(x)
+            for x in (q, k, v, beta, log_decay, initial_state)]
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, beta, log_decay, initial_state, cu_seqlens, *options = inputs
+    ctx.save_for_backward(q, k, v, beta, log_decay, initial_state, cu_seqlens)
+    ctx.options = options
+
+
+def _backward(ctx, grad_o, grad_state):
+    q, k, v, beta, log_decay, initial_state, cu_seqlens = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros_like(v)
+    if grad_state is None:
+        B, _, H, Dk = q.shape
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        grad_state = q.new_zeros(N, H, Dk, v.shape[-1], dtype=torch.float32)
+    grads = chunk_bwd_op(q, k, v, beta, log_decay, initial_state, cu_seqlens, grad_o,
+                         grad_state, *ctx.options)
+    present = [q, k, v, beta, log_decay, initial_state]
+    grads = [None if x is None else g for x, g in zip(present, grads)]
+    return (*grads, None, None, None, None, None, None)
+
+
+chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("deltaflow::decode_step", mutates_args=("state",))
+def decode_step_op(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, log_decay: Tensor | None,
+    state: Tensor, rule: int, negative_eigenvalues: bool, eps: float, scale: float,
+) -> Tensor:
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty(B, T, H, Dv, device=q.device, dtype=v.dtype)
+    BK, BV = _block(Dk), min(_block(Dv), 32)
+    kernels.decode_kernel[(triton.cdiv(Dv, BV), B * H)](
+        q, k, v, q if beta is None else beta.contiguous(),
+        q if log_decay is None else log_decay.contiguous(), state, o, scale, eps, T,
+        H=H, Dk=Dk, Dv=Dv, BK=BK, BV=BV, RULE=rule, NEG=negative_eigenvalues,
+        HAS_BETA=beta is not None, HAS_DECAY=log_decay is not None, num_warps=4)
+    return o
+
+
+@decode_step_op.register_fake
+def _(q, k, v, beta, log_decay, state, rule, negative_eigenvalues, eps, scale):
+    return torch.empty_like(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points called by deltaflow.ops after argument checks.
+
+
+def delta_rule(q, k, v, beta, *, rule: str, log_decay, negative_eigenvalues: bool, eps: float,
+               scale: float, initial_state, output_final_state: bool, cu_seqlens,
+               chunk_size: int) -> tuple[Tensor, Tensor | None]:
+    o, state = chunk_fwd_op(q, k, v, beta, log_decay, initial_state, cu_seqlens,
+                            RULE_CODES[rule], negative_eigenvalues, eps, scale, chunk_size)
+    return o, (state if output_final_state else None)
+
+
+def delta_rule_step(q, k, v, beta, state, *, rule: str, log_decay, negative_eigenvalues: bool,
+                    eps: float, scale: float) -> Tensor:
+    if not state.is_contiguous() or state.dtype != torch.float32:
+        raise ValueError("the Triton decode step needs a contiguous float32 state")
+    return decode_step_op(q, k, v, beta, log_decay, state, RULE_CODES[rule],
+                          negative_eigenvalues, eps, scale)
