@@ -1,0 +1,291 @@
+"""Models: cached decoding, padding, generation, save/load, Auto classes, loss, init, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from deltaflow.layers import DeltaFlowCache
+from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+
+ALL_RULES = ["linear", "delta", "efla", "longhorn", "trapezoid", "kaczmarz", "relaxed_kaczmarz"]
+TOL = 1e-4
+V = 61  # odd vocabulary size
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_one_thread():
+    # Tiny tensors: one thread is faster, and immune to oversubscribed CI machines.
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(**kwargs) -> DeltaFlowForCausalLM:
+    cfg = dict(
+        vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, chunk_size=8, backend="torch"
+    )
+    cfg.update(kwargs)
+    return DeltaFlowForCausalLM(DeltaFlowConfig(**cfg)).eval()
+
+
+def step_logits(model, ids, mask=None, prefix: int = 0):
+    """Logits from a prefill of ``prefix`` tokens then one token per call with a cache."""
+    cache, outs = DeltaFlowCache(model.config.num_layers), []
+    with torch.no_grad():
+        if prefix:
+            m = None if mask is None else mask[:, :prefix]
+            outs.append(
+                model(
+                    ids[:, :prefix], attention_mask=m, past_key_values=cache, use_cache=True
+                ).logits
+            )
+        for t in range(prefix, ids.shape[1]):
+            m = None if mask is None else mask[:, : t + 1]  # transformers-style growing mask
+            out = model(ids[:, t : t + 1], attention_mask=m, past_key_values=cache, use_cache=True)
+            outs.append(out.logits)
+    assert cache.get_seq_length() == ids.shape[1]
+    return torch.cat(outs, 1)
+
+
+MODEL_VARIANTS = [dict(rule=r, use_decay=(i % 2 == 1)) for i, r in enumerate(ALL_RULES)] + [
+    dict(mixer_types=["attention", "attention"]),
+    dict(mixer_types=["sliding_attention", "delta"], sliding_window=3, use_decay=True),
+    dict(rule="efla", attn_every=2, num_v_heads=4, negative_eigenvalues=True, attn_num_kv_heads=1),
+]
+
+
+@pytest.mark.parametrize("kwargs", MODEL_VARIANTS, ids=lambda k: "-".join(map(str, k.values())))
+def test_full_equals_cached_decoding_and_padded_batches(kwargs):
+    model = tiny(**kwargs)
+    T = 19
+    ids = torch.randint(0, V, (2, T))
+    with torch.no_grad():
+        full = model(ids).logits
+    torch.testing.assert_close(step_logits(model, ids), full, atol=TOL, rtol=0)
+    torch.testing.assert_close(step_logits(model, ids, prefix=7), full, atol=TOL, rtol=0)
+
+    # Row 0 left-padded by 4, row 1 right-padded by 4; pad ids are random real tokens.
+    padded = torch.randint(0, V, (2, T + 4))
+    padded[0, 4:], padded[1, :T] = ids[0], ids[1]
+    mask = torch.ones(2, T + 4, dtype=torch.long)
+    mask[0, :4], mask[1, T:] = 0, 0
+    with torch.no_grad():
+        out = model(padded, attention_mask=mask).logits
+    torch.testing.assert_close(out[0, 4:], full[0], atol=TOL, rtol=0)
+    torch.testing.assert_close(out[1, :T], full[1], atol=TOL, rtol=0)
+    # Left-padded prefill, then decoding with the growing mask (what generate() does).
+    left = padded.clone()
+    left[1, 4:], left[1, :4] = ids[1], padded[1, :4]
+    lmask = torch.ones_like(mask)
+    lmask[:, :4] = 0
+    dec = step_logits(model, left, mask=lmask, prefix=9)
+    torch.testing.assert_close(dec[:, 4:], full, atol=TOL, rtol=0)
+
+
+def _greedy_by_full_forwards(model, ids, n):
+    for _ in range(n):
+        with torch.no_grad():
+            nxt = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], 1)
+    return ids
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(rule="delta", use_decay=True, attn_every=2), dict(rule="kaczmarz")]
+)
+def test_greedy_generation_matches_full_forwards(kwargs):
+    model = tiny(**kwargs)
+    ids = torch.randint(0, V, (2, 6))
+    ref = _greedy_by_full_forwards(model, ids, 8)
+    assert torch.equal(model.generate_greedy(ids, 8), ref)
+
+    # transformers' generate() must run prefill once, then one token per call.
+    lengths = []
+    hook = model.model.embed_tokens.register_forward_hook(
+        lambda m, args, out: lengths.append(args[0].shape[1])
+    )
+    try:
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    finally:
+        hook.remove()
+    assert torch.equal(out, ref)
+    assert lengths == [6] + [1] * 7
+
+
+def test_left_padded_batch_generation_matches_single_rows():
+    model = tiny(rule="longhorn", use_decay=True, mixer_types=["delta", "attention"])
+    a, b = torch.randint(0, V, (1, 7)), torch.randint(0, V, (1, 4))
+    batch = torch.cat([a, torch.cat([torch.full((1, 3), 5), b], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :3] = 0
+    out = model.generate_greedy(batch, 6, attention_mask=mask)
+    assert torch.equal(out[0:1], model.generate_greedy(a, 6))
+    assert torch.equal(out[1:2, 3:], model.generate_greedy(b, 6))
+    hf = model.generate(
+        batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=5
+    )
+    assert torch.equal(hf, out)
+
+
+def test_generate_greedy_eos_and_zero_tokens():
+    model = tiny()
+    ids = torch.randint(0, V, (2, 5))
+    assert torch.equal(model.generate_greedy(ids, 0), ids)
+    first = model.generate_greedy(ids, 1)[:, -1]
+    out = model.generate_greedy(ids, 5, eos_token_id=int(first[0]))
+    assert (out[0, 5:] == first[0]).all()  # row 0 finished at once and is padded with eos
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_save_load_round_trip_and_auto_classes(tmp_path, tie):
+    model = tiny(
+        rule="efla", use_decay=True, attn_every=2, tie_word_embeddings=tie, qk_norm=["l2", "l2"]
+    )
+    ids = torch.randint(0, V, (2, 11))
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(loaded, DeltaFlowForCausalLM)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+    cfg = AutoConfig.from_pretrained(tmp_path)
+    assert cfg.model_type == "deltaflow" and cfg.mixer_types == ["delta", "attention"]
+    assert cfg.qk_norm == ["l2", "l2"] and cfg.rule == "efla" and cfg.use_decay
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2), n1
+    fresh = AutoModelForCausalLM.from_config(model.config)
+    assert isinstance(fresh, DeltaFlowForCausalLM)
+
+
+def test_gradients_reach_every_parameter():
+    model = tiny(
+        rule="delta", use_decay=True, attn_every=2, num_layers=4, num_v_heads=4,
+        tie_word_embeddings=False, attn_qk_norm=True,
+    )  # fmt: skip
+    model.train()
+    ids = torch.randint(0, V, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    model = tiny(use_decay=True, attn_every=2).train()
+    ids = torch.randint(0, V, (2, 10))
+    model(ids, labels=ids).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    assert model.model.gradient_checkpointing
+    model(ids, labels=ids).loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-5)
+
+
+def test_loss_conventions():
+    model = tiny()
+    ids = torch.randint(0, V, (3, 9))
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+        ref = F.cross_entropy(out.logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
+        torch.testing.assert_close(out.loss, ref)
+        # Aligned labels (the training harness): y[t] is the target of position t.
+        y = torch.full_like(ids, -100)
+        y[:, :-1] = ids[:, 1:]
+        torch.testing.assert_close(model(ids, labels=y, labels_are_shifted=True).loss, ref)
+        model.config.labels_are_shifted = True
+        torch.testing.assert_close(model(ids, labels=y).loss, ref)
+        model.config.labels_are_shifted = False
+        # ignore_index, and an all-ignored batch gives 0 instead of NaN.
+        y[1] = -100
+        keep = y[:, :-1] != -100
+        ref2 = F.cross_entropy(out.logits[:, :-1][keep], y[:, :-1][keep])
+        torch.testing.assert_close(model(ids, labels=y, labels_are_shifted=True).loss, ref2)
+        zero = model(ids, labels=torch.full_like(ids, -100), labels_are_shifted=True).loss
+        assert zero.item() == 0.0
+        last = model(ids, logits_to_keep=1).logits
+        torch.testing.assert_close(last, out.logits[:, -1:])
+
+
+def test_init_parameter_count_and_flops():
+    model = tiny(num_layers=4, hidden_size=64, vocab_size=128, attn_every=2, use_decay=True)
+    std = 0.02
+    emb = model.model.embed_tokens.weight
+    assert abs(emb.std().item() - std) < 0.002
+    layer0 = model.model.layers[0]
+    assert abs(layer0.mlp.gate_proj.weight.std().item() - std) < 0.003
+    scaled = std / math.sqrt(2 * 4)
+    for w in (layer0.mixer.o_proj.weight, layer0.mlp.down_proj.weight):
+        assert abs(w.std().item() - scaled) < 0.002
+    assert torch.equal(layer0.mixer_norm.weight, torch.ones(64))
+    n = sum(p.numel() for p in model.parameters())
+    assert model.num_parameters() == n
+    assert model.num_parameters(exclude_embeddings=True) < n
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    f = model.estimate_flops_per_token(256, training=False)
+    assert f > 2 * linear  # dense matmuls plus the mixers' sequence work
+    assert model.estimate_flops_per_token(256) == pytest.approx(3 * f)
+    assert model.estimate_flops_per_token(1024) > f  # attention grows with context
+
+
+def test_hybrid_spec_and_config_round_trip():
+    cfg = DeltaFlowConfig(num_layers=8, attn_every=4)
+    assert cfg.mixer_types == ["delta"] * 3 + ["attention"] + ["delta"] * 3 + ["attention"]
+    assert DeltaFlowConfig(num_layers=2, layer_types=["attention", "delta"]).mixer_types == [
+        "attention",
+        "delta",
+    ]
+    again = DeltaFlowConfig.from_dict(cfg.to_dict())
+    assert again.mixer_types == cfg.mixer_types and again.attn_every == 4
+    assert cfg.num_hidden_layers == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rule="newton"), "unknown rule"),
+        (dict(hidden_size=30, num_heads=4), "divisible"),
+        (dict(num_layers=2, mixer_types=["delta"]), "entries"),
+        (dict(num_layers=2, mixer_types=["delta", "mamba"]), "mixer_types entries"),
+        (dict(num_layers=4, attn_every=2, mixer_types=["delta"] * 4), "contradicts"),
+        (dict(num_layers=2, mixer_types=["sliding_attention", "delta"]), "sliding_window"),
+        (dict(beta_activation="tanh"), "beta_activation"),
+        (dict(qk_norm="rms"), "qk_norm"),
+        (dict(num_heads=2, num_v_heads=3), "num_v_heads"),
+        (dict(attn_every=2, attn_num_heads=4, attn_num_kv_heads=3), "attn_num_kv_heads"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(chunk_size=24), "chunk_size"),
+        (dict(backend="gpu"), "backend"),
+    ],
+)
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DeltaFlowConfig(**kwargs)
+
+
+def test_bad_forward_inputs_raise():
+    model = tiny()
+    ids = torch.randint(0, V, (2, 5))
+    with pytest.raises(ValueError, match="exactly one"):
+        model()
+    with pytest.raises(ValueError, match="input_ids must be"):
+        model(ids[0])
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="labels must be"):
+        model(ids, labels=ids[:, :4])
+    with pytest.raises(TypeError, match="DeltaFlowCache"):
+        model(ids, past_key_values=((1, 2),), use_cache=True)
+    with pytest.raises(TypeError, match="unexpected"):
+        model(ids, foo=1)
