@@ -24,9 +24,21 @@ def _check_tensor(name: str, t: object, rank: int, layout: str) -> Tensor:
     return t
 
 
+# Value checks (beta >= 0, log_decay <= 0, cu_seqlens offsets) read tensors on the host: on a GPU
+# that is one synchronization per call. They are on by default; training loops that have
+# validated their inputs can switch them off with set_value_checks(False).
+_VALUE_CHECKS = True
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn the host-side value checks of ``delta_rule`` on or off (shape checks always run)."""
+    global _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+
+
 def _values_checkable(t: Tensor) -> bool:
     """Value checks read the tensor on the host; skip them where a sync is not allowed."""
-    if torch.compiler.is_compiling():
+    if not _VALUE_CHECKS or torch.compiler.is_compiling():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 

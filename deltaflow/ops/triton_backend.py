@@ -23,10 +23,25 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     kernels = None
 
 RULE_CODES = {
-    "linear": 0, "delta": 1, "efla": 2, "longhorn": 3, "trapezoid": 4, "kaczmarz": 5,
+    "linear": 0,
+    "delta": 1,
+    "efla": 2,
+    "longhorn": 3,
+    "trapezoid": 4,
+    "kaczmarz": 5,
     "relaxed_kaczmarz": 6,
 }
 RULE_NAMES = {code: name for name, code in RULE_CODES.items()}
+
+# Checking scripts set this to fill outputs with NaN before each launch, so that any element a
+# kernel fails to write shows up as NaN instead of stale memory.
+POISON_OUTPUTS = False
+
+
+def _output(*shape, like: Tensor, dtype: torch.dtype) -> Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
+    return torch.empty(shape, device=like.device, dtype=dtype)
 
 
 def interpreting() -> bool:
@@ -55,16 +70,31 @@ def _sequences(cu_seqlens: Tensor | None, B: int, T: int, C: int, device) -> tup
     # (sequence, chunk-in-sequence) for every chunk: the prepare kernel's grid.
     n_chunks = B * triton.cdiv(T, C) if cu_seqlens is None else int(chunk_offsets[-1])
     seq_of_chunk = torch.repeat_interleave(
-        torch.arange(per_seq.numel(), device=device, dtype=torch.int32), per_seq.long(),
-        output_size=n_chunks)
-    chunk_in_seq = torch.arange(n_chunks, device=device, dtype=torch.int32) - \
-        chunk_offsets[:-1].long()[seq_of_chunk.long()].to(torch.int32)
+        torch.arange(per_seq.numel(), device=device, dtype=torch.int32),
+        per_seq.long(),
+        output_size=n_chunks,
+    )
+    chunk_in_seq = torch.arange(n_chunks, device=device, dtype=torch.int32) - chunk_offsets[
+        :-1
+    ].long()[seq_of_chunk.long()].to(torch.int32)
     chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1).contiguous()
     return cu, chunk_offsets, chunk_indices, n_chunks
 
 
-def _forward(q, k, v, beta, log_decay, initial_state, cu_seqlens, rule, negative_eigenvalues,
-             eps, scale, chunk_size) -> tuple[Tensor, Tensor]:
+def _forward(
+    q,
+    k,
+    v,
+    beta,
+    log_decay,
+    initial_state,
+    cu_seqlens,
+    rule,
+    negative_eigenvalues,
+    eps,
+    scale,
+    chunk_size,
+) -> tuple[Tensor, Tensor]:
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     C = min(max(chunk_size, 16), 64)  # the kernels hold C×C tiles: 16 ≤ C ≤ 64
@@ -76,24 +106,61 @@ def _forward(q, k, v, beta, log_decay, initial_state, cu_seqlens, rule, negative
     cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, C, q.device)
     N = cu.numel() - 1
     BK, BV = _block(Dk), min(_block(Dv), 64)
-    flags = dict(RULE=rule, NEG=negative_eigenvalues, HAS_BETA=beta is not None,
-                 HAS_DECAY=log_decay is not None)
+    flags = dict(
+        RULE=rule,
+        NEG=negative_eigenvalues,
+        HAS_BETA=beta is not None,
+        HAS_DECAY=log_decay is not None,
+    )
     dummy = q  # stands in for absent optional pointers (never read: the flags say so)
 
-    T_mat = torch.empty(n_chunks, H, C, C, device=q.device, dtype=dot_dtype)
+    T_mat = _output(n_chunks, H, C, C, like=q, dtype=dot_dtype)
     if n_chunks > 0:
         kernels.chunk_prepare_kernel[(n_chunks, H)](
-            k, dummy if beta is None else beta, dummy if log_decay is None else log_decay,
-            T_mat, cu, chunk_indices, eps, H=H, Dk=Dk, BK=BK, C=C, DOT_PRECISION=precision,
-            num_warps=4, **flags)
-    o = torch.empty(B, T, H, Dv, device=q.device, dtype=v.dtype)
-    final_state = torch.empty(N, H, Dk, Dv, device=q.device, dtype=torch.float32)
+            k,
+            dummy if beta is None else beta,
+            dummy if log_decay is None else log_decay,
+            T_mat,
+            cu,
+            chunk_indices,
+            eps,
+            H=H,
+            Dk=Dk,
+            BK=BK,
+            C=C,
+            DOT_PRECISION=precision,
+            num_warps=4,
+            **flags,
+        )
+    o = _output(B, T, H, Dv, like=q, dtype=v.dtype)
+    final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     kernels.chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
-        q, k, v, dummy if beta is None else beta, dummy if log_decay is None else log_decay,
-        T_mat, dummy if s0 is None else s0, o, final_state, cu, chunk_offsets, scale, eps,
-        H=H, Dk=Dk, Dv=Dv, BK=BK, BV=BV, C=C, HAS_S0=s0 is not None, DOT_PRECISION=precision,
-        num_warps=4 if BK * BV <= 4096 else 8, num_stages=1, **flags)
+        q,
+        k,
+        v,
+        dummy if beta is None else beta,
+        dummy if log_decay is None else log_decay,
+        T_mat,
+        dummy if s0 is None else s0,
+        o,
+        final_state,
+        cu,
+        chunk_offsets,
+        scale,
+        eps,
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        BK=BK,
+        BV=BV,
+        C=C,
+        HAS_S0=s0 is not None,
+        DOT_PRECISION=precision,
+        num_warps=4 if BK * BV <= 4096 else 8,
+        num_stages=1,
+        **flags,
+    )
     return o, final_state
 
 
@@ -103,59 +170,127 @@ def _forward(q, k, v, beta, log_decay, initial_state, cu_seqlens, rule, negative
 
 @torch.library.custom_op("deltaflow::chunk_fwd", mutates_args=())
 def chunk_fwd_op(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, log_decay: Tensor | None,
-    initial_state: Tensor | None, cu_seqlens: Tensor | None, rule: int,
-    negative_eigenvalues: bool, eps: float, scale: float, chunk_size: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    rule: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+    chunk_size: int,
 ) -> tuple[Tensor, Tensor]:
-    return _forward(q, k, v, beta, log_decay, initial_state, cu_seqlens, rule,
-                    negative_eigenvalues, eps, scale, chunk_size)
+    return _forward(
+        q,
+        k,
+        v,
+        beta,
+        log_decay,
+        initial_state,
+        cu_seqlens,
+        rule,
+        negative_eigenvalues,
+        eps,
+        scale,
+        chunk_size,
+    )
 
 
 @chunk_fwd_op.register_fake
-def _(q, k, v, beta, log_decay, initial_state, cu_seqlens, rule, negative_eigenvalues, eps,
-      scale, chunk_size):
+def _(
+    q,
+    k,
+    v,
+    beta,
+    log_decay,
+    initial_state,
+    cu_seqlens,
+    rule,
+    negative_eigenvalues,
+    eps,
+    scale,
+    chunk_size,
+):
     B, T, H, Dk = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return (q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
-            q.new_empty(N, H, Dk, v.shape[-1], dtype=torch.float32))
+    return (
+        q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
+        q.new_empty(N, H, Dk, v.shape[-1], dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("deltaflow::chunk_bwd", mutates_args=())
 def chunk_bwd_op(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, log_decay: Tensor | None,
-    initial_state: Tensor | None, cu_seqlens: Tensor | None, grad_o: Tensor,
-    grad_state: Tensor, rule: int, negative_eigenvalues: bool, eps: float, scale: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    grad_o: Tensor,
+    grad_state: Tensor,
+    rule: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
     chunk_size: int,
 ) -> list[Tensor]:
     from deltaflow.ops.delta_rule import _torch_chunked
     from deltaflow.rules import get_rule
 
+    # Inside a custom op the dispatcher runs below autograd, so the recompute is differentiated
+    # with torch.func.vjp (its own transform level) rather than torch.autograd.
     inputs = [q, k, v, beta, log_decay, initial_state]
-    leaves = [None if x is None else x.detach().to(torch.float32).requires_grad_(True)
-              for x in inputs]
-    with torch.enable_grad():
-        o, state = _torch_chunked(*leaves[:4], get_rule(RULE_NAMES[rule]), leaves[4],
-                                  negative_eigenvalues, eps, scale, leaves[5], cu_seqlens,
-                                  chunk_size, torch.float32)
-        wanted = [x for x in leaves if x is not None]
-        grads = torch.autograd.grad((o, state), wanted, (grad_o.float(), grad_state.float()),
-                                    allow_unused=True)
+    present = [i for i, x in enumerate(inputs) if x is not None]
+
+    def forward(*xs: Tensor) -> tuple[Tensor, Tensor]:
+        full: list[Tensor | None] = [None] * len(inputs)
+        for i, x in zip(present, xs):
+            full[i] = x
+        return _torch_chunked(
+            *full[:4],
+            get_rule(RULE_NAMES[rule]),
+            full[4],
+            negative_eigenvalues,
+            eps,
+            scale,
+            full[5],
+            cu_seqlens,
+            chunk_size,
+            torch.float32,
+        )
+
+    _, vjp = torch.func.vjp(forward, *(inputs[i].detach().float() for i in present))
+    grads = vjp((grad_o.float(), grad_state.float()))
     grads = iter(grads)
-    out = []
-    for x, leaf in zip(inputs, leaves):
-        if leaf is None:
-            out.append(q.new_empty(0))
-        else:
-            g = next(grads)
-            out.append(torch.zeros_like(x) if g is None else g.to(x.dtype))
-    return out
+    return [q.new_empty(0) if x is None else next(grads).to(x.dtype) for x in inputs]
 
 
 @chunk_bwd_op.register_fake
-def _(q, k, v, beta, log_decay, initial_state, cu_seqlens, grad_o, grad_state, rule,
-      negative_eigenvalues, eps, scale, chunk_size):
-    return [q.new_empty(0) if x is None else torch.empty_like(x)
-            for x in (q, k, v, beta, log_decay, initial_state)]
+def _(
+    q,
+    k,
+    v,
+    beta,
+    log_decay,
+    initial_state,
+    cu_seqlens,
+    grad_o,
+    grad_state,
+    rule,
+    negative_eigenvalues,
+    eps,
+    scale,
+    chunk_size,
+):
+    return [
+        q.new_empty(0) if x is None else torch.empty_like(x)
+        for x in (q, k, v, beta, log_decay, initial_state)
+    ]
 
 
 def _setup_context(ctx, inputs, output):
@@ -172,8 +307,9 @@ def _backward(ctx, grad_o, grad_state):
         B, _, H, Dk = q.shape
         N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
         grad_state = q.new_zeros(N, H, Dk, v.shape[-1], dtype=torch.float32)
-    grads = chunk_bwd_op(q, k, v, beta, log_decay, initial_state, cu_seqlens, grad_o,
-                         grad_state, *ctx.options)
+    grads = chunk_bwd_op(
+        q, k, v, beta, log_decay, initial_state, cu_seqlens, grad_o, grad_state, *ctx.options
+    )
     present = [q, k, v, beta, log_decay, initial_state]
     grads = [None if x is None else g for x, g in zip(present, grads)]
     return (*grads, None, None, None, None, None, None)
@@ -184,19 +320,44 @@ chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("deltaflow::decode_step", mutates_args=("state",))
 def decode_step_op(
-    q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, log_decay: Tensor | None,
-    state: Tensor, rule: int, negative_eigenvalues: bool, eps: float, scale: float,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    state: Tensor,
+    rule: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
 ) -> Tensor:
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = torch.empty(B, T, H, Dv, device=q.device, dtype=v.dtype)
+    o = _output(B, T, H, Dv, like=q, dtype=v.dtype)
     BK, BV = _block(Dk), min(_block(Dv), 32)
     kernels.decode_kernel[(triton.cdiv(Dv, BV), B * H)](
-        q, k, v, q if beta is None else beta.contiguous(),
-        q if log_decay is None else log_decay.contiguous(), state, o, scale, eps, T,
-        H=H, Dk=Dk, Dv=Dv, BK=BK, BV=BV, RULE=rule, NEG=negative_eigenvalues,
-        HAS_BETA=beta is not None, HAS_DECAY=log_decay is not None, num_warps=4)
+        q,
+        k,
+        v,
+        q if beta is None else beta.contiguous(),
+        q if log_decay is None else log_decay.contiguous(),
+        state,
+        o,
+        scale,
+        eps,
+        T,
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        BK=BK,
+        BV=BV,
+        RULE=rule,
+        NEG=negative_eigenvalues,
+        HAS_BETA=beta is not None,
+        HAS_DECAY=log_decay is not None,
+        num_warps=4,
+    )
     return o
 
 
@@ -209,17 +370,54 @@ def _(q, k, v, beta, log_decay, state, rule, negative_eigenvalues, eps, scale):
 # Entry points called by deltaflow.ops after argument checks.
 
 
-def delta_rule(q, k, v, beta, *, rule: str, log_decay, negative_eigenvalues: bool, eps: float,
-               scale: float, initial_state, output_final_state: bool, cu_seqlens,
-               chunk_size: int) -> tuple[Tensor, Tensor | None]:
-    o, state = chunk_fwd_op(q, k, v, beta, log_decay, initial_state, cu_seqlens,
-                            RULE_CODES[rule], negative_eigenvalues, eps, scale, chunk_size)
+def delta_rule(
+    q,
+    k,
+    v,
+    beta,
+    *,
+    rule: str,
+    log_decay,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+    initial_state,
+    output_final_state: bool,
+    cu_seqlens,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor | None]:
+    o, state = chunk_fwd_op(
+        q,
+        k,
+        v,
+        beta,
+        log_decay,
+        initial_state,
+        cu_seqlens,
+        RULE_CODES[rule],
+        negative_eigenvalues,
+        eps,
+        scale,
+        chunk_size,
+    )
     return o, (state if output_final_state else None)
 
 
-def delta_rule_step(q, k, v, beta, state, *, rule: str, log_decay, negative_eigenvalues: bool,
-                    eps: float, scale: float) -> Tensor:
+def delta_rule_step(
+    q,
+    k,
+    v,
+    beta,
+    state,
+    *,
+    rule: str,
+    log_decay,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+) -> Tensor:
     if not state.is_contiguous() or state.dtype != torch.float32:
         raise ValueError("the Triton decode step needs a contiguous float32 state")
-    return decode_step_op(q, k, v, beta, log_decay, state, RULE_CODES[rule],
-                          negative_eigenvalues, eps, scale)
+    return decode_step_op(
+        q, k, v, beta, log_decay, state, RULE_CODES[rule], negative_eigenvalues, eps, scale
+    )

@@ -57,8 +57,9 @@ def rule_strengths(beta, lam, eps, RULE: tl.constexpr, NEG: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA: tl.constexpr,
-                      HAS_DECAY: tl.constexpr):
+def _load_chunk_gates(
+    beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr
+):
     if HAS_BETA:
         b_beta = tl.load(beta_ptr + offs_t * H + i_h, mask=mask_t, other=0.0).to(tl.float32)
     else:
@@ -72,9 +73,21 @@ def _load_chunk_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA: tl.cons
 
 @triton.jit
 def chunk_prepare_kernel(
-    k_ptr, beta_ptr, g_ptr, T_ptr, cu_seqlens_ptr, chunk_indices_ptr, eps,
-    H: tl.constexpr, Dk: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
-    RULE: tl.constexpr, NEG: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr,
+    k_ptr,
+    beta_ptr,
+    g_ptr,
+    T_ptr,
+    cu_seqlens_ptr,
+    chunk_indices_ptr,
+    eps,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    BK: tl.constexpr,
+    C: tl.constexpr,
+    RULE: tl.constexpr,
+    NEG: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -87,8 +100,11 @@ def chunk_prepare_kernel(
     offs_t = bos + rows
     mask_t = offs_t < eos
     offs_k = tl.arange(0, BK)
-    b_k = tl.load(k_ptr + (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :],
-                  mask=mask_t[:, None] & (offs_k[None, :] < Dk), other=0.0).to(tl.float32)
+    b_k = tl.load(
+        k_ptr + (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :],
+        mask=mask_t[:, None] & (offs_k[None, :] < Dk),
+        other=0.0,
+    ).to(tl.float32)
     b_beta, b_g = _load_chunk_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
     lam = tl.sum(b_k * b_k, axis=1)  # λ_i = ‖k_i‖²
     a, _ = rule_strengths(b_beta, lam, eps, RULE, NEG)
@@ -114,11 +130,31 @@ def chunk_prepare_kernel(
 
 @triton.jit
 def chunk_forward_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, T_ptr, s0_ptr, o_ptr, sT_ptr, cu_seqlens_ptr,
-    chunk_offsets_ptr, scale, eps,
-    H: tl.constexpr, Dk: tl.constexpr, Dv: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, RULE: tl.constexpr, NEG: tl.constexpr, HAS_BETA: tl.constexpr,
-    HAS_DECAY: tl.constexpr, HAS_S0: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    T_ptr,
+    s0_ptr,
+    o_ptr,
+    sT_ptr,
+    cu_seqlens_ptr,
+    chunk_offsets_ptr,
+    scale,
+    eps,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    RULE: tl.constexpr,
+    NEG: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -152,8 +188,9 @@ def chunk_forward_kernel(
         v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
         v_mask = mask_t[:, None] & mask_v[None, :]
         b_v = tl.load(v_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
-        b_beta, b_g = _load_chunk_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA,
-                                        HAS_DECAY)
+        b_beta, b_g = _load_chunk_gates(
+            beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY
+        )
         b_kf = b_k.to(tl.float32)
         lam = tl.sum(b_kf * b_kf, axis=1)
         a, b = rule_strengths(b_beta, lam, eps, RULE, NEG)
@@ -180,17 +217,34 @@ def chunk_forward_kernel(
 
         # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
         k_to_end = (b_kf * tl.exp(gamma_last - gamma)[:, None]).to(DT)
-        S = tl.exp(gamma_last) * S + tl.dot(tl.trans(k_to_end), U.to(DT),
-                                            input_precision=DOT_PRECISION)
+        S = tl.exp(gamma_last) * S + tl.dot(
+            tl.trans(k_to_end), U.to(DT), input_precision=DOT_PRECISION
+        )
 
     tl.store(sT_ptr + state_offs, S, mask=state_mask)
 
 
 @triton.jit
 def decode_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, state_ptr, o_ptr, scale, eps, T,
-    H: tl.constexpr, Dk: tl.constexpr, Dv: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    RULE: tl.constexpr, NEG: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    state_ptr,
+    o_ptr,
+    scale,
+    eps,
+    T,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    RULE: tl.constexpr,
+    NEG: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
 ):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -219,6 +273,5 @@ def decode_kernel(
             S = tl.exp(tl.load(g_ptr + tok * H + i_h).to(tl.float32)) * S
         S = S + b * b_k[:, None] * b_v[None, :]
         b_o = scale * tl.sum(b_q[:, None] * S, axis=0)  # (2) o_t = scale·S_tᵀq_t
-        tl.store(o_ptr + (tok * H + i_h) * Dv + offs_v, b_o.to(o_ptr.dtype.element_ty),
-                 mask=mask_v)
+        tl.store(o_ptr + (tok * H + i_h) * Dv + offs_v, b_o.to(o_ptr.dtype.element_ty), mask=mask_v)
     tl.store(state_ptr + state_offs, S, mask=state_mask)
