@@ -119,6 +119,22 @@ def test_greedy_generation_matches_full_forwards(kwargs):
     assert lengths == [6] + [1] * 7
 
 
+def test_hf_beam_search_and_sampling_with_cache_match_no_cache():
+    """Beam search reorders the cache (DeltaFlowCache.reorder_cache); results must not change."""
+    model = tiny(use_decay=True, attn_every=2)
+    ids = torch.randint(0, V, (2, 5))
+    kw = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2)
+    cached = model.generate(ids, **kw)
+    assert torch.equal(cached, model.generate(ids, use_cache=False, **kw))
+    torch.manual_seed(1)
+    a = model.generate(ids, max_new_tokens=5, do_sample=True, num_return_sequences=2)
+    torch.manual_seed(1)
+    b = model.generate(
+        ids, max_new_tokens=5, do_sample=True, num_return_sequences=2, use_cache=False
+    )
+    assert a.shape == (4, 10) and torch.equal(a, b)
+
+
 def test_left_padded_batch_generation_matches_single_rows():
     model = tiny(rule="longhorn", use_decay=True, mixer_types=["delta", "attention"])
     a, b = torch.randint(0, V, (1, 7)), torch.randint(0, V, (1, 4))

@@ -226,10 +226,14 @@ class DeltaAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         state: dict[str, torch.Tensor] | None = None,
         use_cache: bool = False,
+        *,
+        mask_prepared: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """hidden_states ``[B, T, hidden]``; attention_mask ``[B, T]`` (1 = token, 0 = padding).
 
         ``state``: the dict returned by a previous call (continue that sequence), or None.
+        ``mask_prepared``: attention_mask is already the output of ``prepare_padding_mask``
+        (bool or None), so the per-layer checks and host syncs are skipped.
         Returns ``(y [B, T, hidden], state)``; with ``use_cache`` the state dict (updated in
         place) holds ``recurrent_state`` [B, Hv, Dk, Dv] float32 and ``conv_q/k/v`` windows.
         """
@@ -240,7 +244,10 @@ class DeltaAttention(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         B, T, _ = x.shape
-        mask = prepare_padding_mask(attention_mask, B, T, x.device)
+        if mask_prepared:  # a model already ran prepare_padding_mask once for all its layers
+            mask = attention_mask
+        else:
+            mask = prepare_padding_mask(attention_mask, B, T, x.device)
         state = {} if state is None else state
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
 

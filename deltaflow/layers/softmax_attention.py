@@ -108,8 +108,11 @@ class SoftmaxAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         state: dict[str, torch.Tensor] | None = None,
         use_cache: bool = False,
+        *,
+        mask_prepared: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        """hidden_states ``[B, T, hidden]``; attention_mask ``[B, T]`` for these T tokens.
+        """hidden_states ``[B, T, hidden]``; attention_mask ``[B, T]`` for these T tokens
+        (``mask_prepared``: already the bool-or-None output of ``prepare_padding_mask``).
 
         Returns ``(y, state)``; ``state`` (with ``use_cache``) holds ``key``/``value``
         ``[B, Hkv, Tc, D]``, ``key_mask`` and ``key_pos`` ``[B, Tc]``.
@@ -121,7 +124,10 @@ class SoftmaxAttention(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         B, T, _ = x.shape
-        mask = prepare_padding_mask(attention_mask, B, T, x.device)
+        if mask_prepared:  # a model already ran prepare_padding_mask once for all its layers
+            mask = attention_mask
+        else:
+            mask = prepare_padding_mask(attention_mask, B, T, x.device)
         state = {} if state is None else state
         past_k = state.get("key")
 

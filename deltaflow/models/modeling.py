@@ -24,6 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from deltaflow.layers.cache import DeltaFlowCache
 from deltaflow.layers.conv import ShortConvolution
 from deltaflow.layers.delta_attention import DeltaAttention
+from deltaflow.layers.mask import prepare_padding_mask
 from deltaflow.layers.norm import RMSNorm
 from deltaflow.layers.softmax_attention import SoftmaxAttention
 from deltaflow.models.config import DeltaFlowConfig
@@ -100,11 +101,13 @@ class DeltaFlowBlock(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,  # bool [B, T] from prepare_padding_mask
         state: dict[str, torch.Tensor] | None = None,
         use_cache: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        o, state = self.mixer(self.mixer_norm(h), attention_mask, state, use_cache)
+        o, state = self.mixer(
+            self.mixer_norm(h), attention_mask, state, use_cache, mask_prepared=True
+        )
         h = h + o
         h = h + self.mlp(self.mlp_norm(h))
         return h, state
@@ -201,6 +204,8 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
                     f"attention_mask must be [B, T] = [{B}, {T}] (or [B, past + T] = "
                     f"[{B}, {past + T}] with a cache), got {tuple(attention_mask.shape)}"
                 )
+        # Validate once (and drop an all-ones mask) instead of once per layer.
+        attention_mask = prepare_padding_mask(attention_mask, B, T, inputs_embeds.device)
 
         h = inputs_embeds
         all_hidden: list[torch.Tensor] = []
