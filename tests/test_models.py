@@ -117,6 +117,10 @@ def test_greedy_generation_matches_full_forwards(kwargs):
         hook.remove()
     assert torch.equal(out, ref)
     assert lengths == [6] + [1] * 7
+    # A prompt given as embeddings: transformers then returns only the new tokens.
+    embeds = model.get_input_embeddings()(ids)
+    out = model.generate(inputs_embeds=embeds, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref[:, 6:])
 
 
 def test_hf_beam_search_and_sampling_with_cache_match_no_cache():
@@ -305,3 +309,5 @@ def test_bad_forward_inputs_raise():
         model(ids, past_key_values=((1, 2),), use_cache=True)
     with pytest.raises(TypeError, match="unexpected"):
         model(ids, foo=1)
+    with pytest.raises(ValueError, match="no tokens"):
+        model(ids[:, :0])

@@ -102,7 +102,7 @@ class ShortConvolution(nn.Module):
                 last = torch.where(mask, pos, torch.full_like(pos, -1)).amax(dim=1)  # [B]
                 idx = last[:, None] + 1 + torch.arange(W - 1, device=x.device)  # [B, W-1]
                 new_state = full.gather(2, idx[:, None, :].expand(B, C, W - 1)).contiguous()
-        return y.transpose(1, 2), new_state
+        return y.transpose(1, 2).contiguous(), new_state  # [B, T, C] row-major for the heads
 
     def extra_repr(self) -> str:
         return f"{self.channels}, kernel_size={self.kernel_size}, activation={self.activation}"

@@ -187,6 +187,8 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
                 f"got {tuple(inputs_embeds.shape)}"
             )
         B, T = inputs_embeds.shape[:2]
+        if T == 0:
+            raise ValueError("the input has no tokens (sequence length 0)")
         if past_key_values is not None and not isinstance(past_key_values, DeltaFlowCache):
             raise TypeError(
                 "past_key_values must be a deltaflow.layers.DeltaFlowCache (or None), "
@@ -360,8 +362,21 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         }
         if inputs_embeds is not None and seen == 0:
             inputs["inputs_embeds"] = inputs_embeds
+        elif seen:
+            # The mask spans past + new tokens. input_ids is the full sequence, except after
+            # an inputs_embeds prompt, where it holds only the generated tokens.
+            total = attention_mask.shape[1] if attention_mask is not None else input_ids.shape[1]
+            n_new = total - seen
+            if attention_mask is None and n_new <= 0:
+                n_new = 1
+            if not 1 <= n_new <= input_ids.shape[1]:
+                raise ValueError(
+                    f"cannot tell the new tokens: the cache has seen {seen} tokens, the mask "
+                    f"spans {total} and input_ids has {input_ids.shape[1]}"
+                )
+            inputs["input_ids"] = input_ids[:, -n_new:]
         else:
-            inputs["input_ids"] = input_ids[:, seen:] if seen else input_ids
+            inputs["input_ids"] = input_ids
         if use_cache:
             inputs["logits_to_keep"] = 1  # generation only reads the last position's logits
         return inputs
