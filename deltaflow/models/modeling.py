@@ -118,7 +118,6 @@ class DeltaFlowPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeltaFlowBlock"]
-    _supports_cache_class = True
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -316,7 +315,7 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             shifted = (
                 self.config.labels_are_shifted if labels_are_shifted is None else labels_are_shifted
             )
-            loss = self.loss(logits, labels, labels_are_shifted=shifted)
+            loss = self.lm_loss(logits, labels, labels_are_shifted=shifted)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
@@ -325,7 +324,9 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         )
 
     @staticmethod
-    def loss(logits: torch.Tensor, labels: torch.Tensor, labels_are_shifted: bool) -> torch.Tensor:
+    def lm_loss(
+        logits: torch.Tensor, labels: torch.Tensor, labels_are_shifted: bool
+    ) -> torch.Tensor:
         """Mean float32 cross-entropy over labels != -100 (0 if every label is ignored)."""
         if labels.shape != logits.shape[:2]:
             raise ValueError(
