@@ -267,8 +267,12 @@ def test_softmax_attention_modes_agree(kwargs):
         with torch.no_grad():
             torch.testing.assert_close(y, _naive_attention(layer, x), atol=1e-5, rtol=0)
     _, state = _decode(layer, x, prefix=4)
-    assert state["key"].shape == (2, layer.num_kv_heads, x.shape[1], layer.head_dim)
-    assert state["key_pos"][0, -1] == x.shape[1] - 1
+    T = x.shape[1]
+    kept = T if layer.window_size is None else layer.window_size - 1  # trimmed window cache
+    assert state["key"].shape == (2, layer.num_kv_heads, kept, layer.head_dim)
+    assert state["key_pos"].shape == (2, kept) and (state["num_tokens"] == T).all()
+    if kept:
+        assert (state["key_pos"][:, -1] == T - 1).all()
 
 
 def test_softmax_attention_bad_config():

@@ -5,8 +5,8 @@ Same interface as :class:`deltaflow.layers.DeltaAttention`:
 
 torch SDPA with RoPE and grouped KV heads. Positions count real tokens only, so a left-padded
 row sees exactly what the unpadded sequence sees. The KV cache stores keys after RoPE with
-their validity mask and positions; a sliding window is applied by masking (the cache keeps
-every key, so padded rows never lose keys they still need).
+their validity mask and positions; a sliding window is applied by masking, and the cache is
+trimmed to the last ``window_size - 1`` keys whenever no row has padding in it.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class SoftmaxAttention(nn.Module):
         (``mask_prepared``: already the bool-or-None output of ``prepare_padding_mask``).
 
         Returns ``(y, state)``; ``state`` (with ``use_cache``) holds ``key``/``value``
-        ``[B, Hkv, Tc, D]``, ``key_mask`` and ``key_pos`` ``[B, Tc]``.
+        ``[B, Hkv, Tc, D]``, ``key_mask`` and ``key_pos`` ``[B, Tc]`` and ``num_tokens [B]``.
         """
         x = hidden_states
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
@@ -139,11 +139,9 @@ class SoftmaxAttention(nn.Module):
 
         # Position of each token = number of real tokens before it in its row.
         valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
-        n_past = (
-            state["key_mask"].sum(1)
-            if past_k is not None
-            else torch.zeros(B, dtype=torch.long, device=x.device)
-        )
+        n_past = state.get("num_tokens")  # real tokens seen so far, per row
+        if n_past is None:
+            n_past = torch.zeros(B, dtype=torch.long, device=x.device)
         pos = n_past[:, None] + valid.long().cumsum(1) - 1
         pos = pos.clamp_min(0)
         q = apply_rope(q, pos, self.rope_theta)
@@ -184,5 +182,12 @@ class SoftmaxAttention(nn.Module):
 
         if not use_cache:
             return y, None
-        state.update(key=k_all, value=v_all, key_mask=kmask, key_pos=kpos)
+        if self.window_size is not None and Tk >= self.window_size and bool(kmask.all()):
+            # Without padding, column = position: later queries only reach the last W-1 keys.
+            keep = self.window_size - 1
+            k_all, v_all = k_all[:, :, Tk - keep :], v_all[:, :, Tk - keep :]
+            kmask, kpos = kmask[:, Tk - keep :], kpos[:, Tk - keep :]
+        state.update(
+            key=k_all, value=v_all, key_mask=kmask, key_pos=kpos, num_tokens=n_past + valid.sum(1)
+        )
         return y, state
