@@ -7,6 +7,7 @@ same subcommand through `add_stability_parser(subparsers)`.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from deltaflow.analysis.growth import BETA_REGIMES, KEY_REGIMES, check_regimes, parse_precision
@@ -154,7 +155,11 @@ def run_stability(args: argparse.Namespace) -> int:
         return 2
     if cfg.device.startswith("cpu"):
         torch.set_num_threads(args.threads)
-    data = run_study(cfg, args.out, progress=not args.no_progress)
+    command = getattr(args, "command_line", None)
+    if command is None:  # reconstruct from the process's own command line
+        i = sys.argv.index("stability") + 1 if "stability" in sys.argv else 1
+        command = shlex.join(["deltaflow", "stability", *sys.argv[i:]])
+    data = run_study(cfg, args.out, progress=not args.no_progress, command=command)
     print(f"wrote {args.out}/summary.md ({data['elapsed_s']:.0f} s)")
     for f in data["findings"]:
         print(" -", f)
@@ -164,6 +169,8 @@ def run_stability(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = _configure(argparse.ArgumentParser(prog="python -m deltaflow.analysis.cli"))
     args = p.parse_args(argv)
+    if argv is not None:
+        args.command_line = shlex.join(["deltaflow", "stability", *argv])
     return args.func(args)
 
 

@@ -411,7 +411,7 @@ def plot_growth(
     title: str = "",
     by: str = "rule",
 ) -> None:
-    """||S_t|| against t (log-log), one panel per precision, one line per selected chain
+    """||S_t|| (log) against t (linear), one panel per precision, one line per selected chain
     (colour by rule label; seeds share a colour). A cross marks the step a chain blew up.
 
     select: keep chains whose attributes equal these values (e.g. {"keys": "gaussian"});
@@ -441,11 +441,20 @@ def plot_growth(
     cmap = plt.get_cmap("tab10" if len(labels) <= 10 else "tab20")
     color = {lab: cmap(j % cmap.N) for j, lab in enumerate(labels)}
     precs = res.precisions
+    ncols = min(3, len(precs))
+    nrows = math.ceil(len(precs) / ncols)
     fig, axes = plt.subplots(
-        1, len(precs), figsize=(4.2 * len(precs), 4.2), sharey=True, squeeze=False
+        nrows, ncols, figsize=(5.2 * ncols, 3.9 * nrows), sharey=True, squeeze=False
     )
+    # y range: the finite data, up to the cross marks at 1e39 when something blew up.
+    sel = torch.stack([res.norms[p.name][:, idx] for p in precs])
+    fin = sel[torch.isfinite(sel) & (sel > 0)]
+    blown = any(bool((res.first_nonfinite[p.name][idx] >= 0).any()) for p in precs)
+    lo = float(fin.min()) / 3 if len(fin) else 1e-2
+    hi = 1e40 if blown else (float(fin.max()) * 3 if len(fin) else 1.0)
+    hi = min(hi, 1e40)
     t = res.steps.numpy()
-    for ax, p in zip(axes[0], precs):
+    for ax, p in zip(axes.flat, precs):
         seen = set()
         for i in idx:
             c = res.chains[i]
@@ -465,19 +474,26 @@ def plot_growth(
             fb = int(res.first_nonfinite[p.name][i])
             if fb >= 0:
                 ax.plot([fb], [1e39], "x", color=color[lab], ms=7, mew=2)
-        ax.set_xscale("log")
+        # Linear t: exponential growth is a straight line on these axes, sqrt(t) bends over.
         ax.set_yscale("log")
         # Few y ticks: the range can span 70 decades and per-decade minor ticks are slow to lay out.
         ax.yaxis.set_major_locator(LogLocator(base=10, numticks=8))
         ax.yaxis.set_minor_locator(NullLocator())
-        ax.set_ylim(1e-2, 1e40)
+        ax.set_ylim(lo, hi)
+        ax.set_xlim(0, float(t[-1]))
         ax.set_title(f"precision {p.name}", fontsize=10)
         ax.set_xlabel("t (tokens)")
-        ax.grid(alpha=0.3, which="both")
-    axes[0, 0].set_ylabel("||S_t||_F   (x: first non-finite step)")
-    axes[0, 0].legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(precs) :]:
+        ax.set_visible(False)
+    for r in range(nrows):
+        axes[r, 0].set_ylabel("||S_t||_F   (x: non-finite)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    ncol = min(len(labels), 6)
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    rows_of_legend = math.ceil(len(labels) / ncol)
+    fig.tight_layout(rect=(0, 0.035 * rows_of_legend / nrows + 0.02, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -3,9 +3,9 @@
 `run_study(StudyConfig(...), out_dir)` writes into out_dir:
   summary.md          the tables and the findings, with the numbers, linking the plots
   study.json          every number behind the tables (rows per rule/regime/precision)
-  spectrum.png        mu against h and against ||k||, every rule, with and without neg. eigenvalues
-  growth_keys_*.png   ||S_t|| per rule and precision for each key regime (experiment A)
-  growth_pinned.png   ||S_t|| for beta pinned near 1 with negative eigenvalues (experiment B)
+  spectrum.png        mu against h and against ‖k‖, every rule, with and without neg. eigenvalues
+  growth_keys_*.png   ‖S_t‖ per rule and precision for each key regime (experiment A)
+  growth_pinned.png   ‖S_t‖ for beta pinned near 1 with negative eigenvalues (experiment B)
   discretization.png  one-step error against exp(-beta kk^T), log-log, with fitted orders
   layer_mu.png        (only with a checkpoint) mu per head of a trained model's layers
 
@@ -23,7 +23,6 @@ import json
 import math
 import os
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -80,6 +79,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)  # mkstemp makes it private; results are meant to be shared
     os.replace(tmp, path)
 
 
@@ -99,12 +99,12 @@ def _table(headers: list[str], rows: list[list]) -> str:
 
 @dataclass
 class Verdict:
-    """How one chain's ||S_t|| behaved in one precision."""
+    """How one chain's ‖S_t‖ behaved in one precision."""
 
     status: str  # "non-finite" | "diverging" | "growing" | "bounded"
     first_nonfinite: int | None
     final_norm: float
-    exponent: float  # d log||S|| / d log t over the second half: 0 bounded, 0.5 sqrt(t)
+    exponent: float  # d log‖S‖ / d log t over the second half: 0 bounded, 0.5 sqrt(t)
     dec_per_10k: float  # decades of growth per 10k steps over the second half
     projected_overflow: float | None  # step where the state dtype would overflow, if diverging
 
@@ -120,7 +120,7 @@ def verdict(res: growth.GrowthResult, prec: str, i: int) -> Verdict:
     y = res.norms[prec][:, i]
     t = res.steps.double()
     y1, t1 = float(y[-1]), float(t[-1])
-    # Slope of log||S|| on log t over the last decade of the run: robust to the fluctuations of
+    # Slope of log‖S‖ on log t over the last decade of the run: robust to the fluctuations of
     # a bounded state (slope ~0) where a two-point ratio is not.
     m = (t >= t1 / 10) & (y > 0)
     if int(m.sum()) < 3:
@@ -160,12 +160,15 @@ def _chain_index(res: growth.GrowthResult, **attrs) -> list[int]:
     ]
 
 
-def run_study(cfg: StudyConfig, out_dir: str | Path, *, progress: bool = True) -> dict:
-    """Run the selected parts, write summary.md, study.json and the PNGs; return the numbers."""
+def run_study(
+    cfg: StudyConfig, out_dir: str | Path, *, progress: bool = True, command: str | None = None
+) -> dict:
+    """Run the selected parts, write summary.md, study.json and the PNGs; return the numbers.
+    `command` is recorded in the summary (the CLI passes the command line that ran it)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    data: dict = {"config": asdict(cfg)}
+    data: dict = {"config": asdict(cfg), "command": command}
     md: list[str] = []
     findings: list[str] = []
 
@@ -173,8 +176,8 @@ def run_study(cfg: StudyConfig, out_dir: str | Path, *, progress: bool = True) -
         spectrum.plot_spectrum(cfg.rules, str(out / "spectrum.png"), eps=cfg.eps)
         regimes = {
             "unit keys, beta in [0,1]": ((0.0, 1.0), (1.0, 1.0)),
-            "||k|| in [0.1,10], beta in [0,1]": ((0.0, 1.0), (0.1, 10.0)),
-            "||k|| in [0.1,10], beta in [0,5] (softplus)": ((0.0, 5.0), (0.1, 10.0)),
+            "‖k‖ in [0.1,10], beta in [0,1]": ((0.0, 1.0), (0.1, 10.0)),
+            "‖k‖ in [0.1,10], beta in [0,5] (softplus)": ((0.0, 5.0), (0.1, 10.0)),
         }
         rows = spectrum.spectrum_table(cfg.rules, regimes, eps=cfg.eps)
         data["spectrum"] = rows
@@ -183,10 +186,10 @@ def run_study(cfg: StudyConfig, out_dir: str | Path, *, progress: bool = True) -
             "",
             "![spectrum](spectrum.png)",
             "",
-            "mu = 1 - a*||k||^2 is the transition's only eigenvalue that is not 1; the state is",
-            "stable over long products only if |mu| <= 1. Left: against h = beta*||k||^2 at",
-            "||k|| = 1 (kaczmarz and relaxed_kaczmarz depend on beta, not h: there they read",
-            "beta = h). Right: against ||k|| at beta = 0.9. Range of mu over each regime",
+            "mu = 1 - a*‖k‖² is the transition's only eigenvalue that is not 1; the state is",
+            "stable over long products only if |mu| <= 1. Left: against h = beta*‖k‖² at",
+            "‖k‖ = 1 (kaczmarz and relaxed_kaczmarz depend on beta, not h: there they read",
+            "beta = h). Right: against ‖k‖ at beta = 0.9. Range of mu over each regime",
             "(**bold** = leaves [-1, 1]):",
             "",
         ]
@@ -219,7 +222,7 @@ def run_study(cfg: StudyConfig, out_dir: str | Path, *, progress: bool = True) -
             "![discretization](discretization.png)",
             "",
             "Spectral-norm error of I - a kk^T against torch.linalg.matrix_exp(-beta kk^T)",
-            "(float64, ||k||^2 = 2, h = beta*||k||^2). Local error O(h^p) means a method of order",
+            "(float64, ‖k‖² = 2, h = beta*‖k‖²). Local error O(h^p) means a method of order",
             "p - 1; slope fitted on h <= 0.1. negative_eigenvalues is not a step of this flow,",
             "and the kaczmarz rules step a normalized flow, so they are not consistent here.",
             "",
@@ -260,7 +263,7 @@ def run_study(cfg: StudyConfig, out_dir: str | Path, *, progress: bool = True) -
     head = [
         "# deltaflow stability study",
         "",
-        "Command: `" + " ".join(["deltaflow stability", *sys.argv[1:]]) + "`  ",
+        f"Command: `{command or 'deltaflow.analysis.run_study(...)'}`  ",
         f"Runtime {elapsed:.0f} s on {cfg.device} ({platform.processor() or platform.machine()}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads).",
         "",
@@ -270,8 +273,20 @@ def run_study(cfg: StudyConfig, out_dir: str | Path, *, progress: bool = True) -
         "",
     ]
     atomic_write_text(out / "summary.md", "\n".join(head + md) + "\n")
-    atomic_write_text(out / "study.json", json.dumps(data, indent=1, default=_json_default))
+    text = json.dumps(_finite(data), separators=(",", ":"), default=_json_default, allow_nan=False)
+    atomic_write_text(out / "study.json", text)
     return data
+
+
+def _finite(x):
+    """Replace inf/nan floats by the strings 'inf'/'nan' so study.json is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
 
 
 def _json_default(x):
@@ -313,14 +328,19 @@ def _dump(res: growth.GrowthResult, experiment: str) -> dict:
                     "final_rel_err_vs_fp64": float(res.rel_err[p][-1, i]),
                 }
             )
-    stride = max(1, len(res.steps) // 250)
+    stride = max(1, len(res.steps) // 100)
+
+    def short(x: torch.Tensor) -> list:
+        # 4 significant digits keep the committed JSON small; inf/nan become strings.
+        return [[float(f"{v:.4g}") if math.isfinite(v) else str(v) for v in r] for r in x.tolist()]
+
     return {
         "steps": int(res.steps[-1]),
         "chains": rows,
         "curves": {
             "t": res.steps[::stride].tolist(),
             "order": [asdict(c) for c in res.chains],
-            "norms": {p: res.norms[p][::stride].T.tolist() for p in precs},
+            "norms": {p: short(res.norms[p][::stride].T) for p in precs},
         },
     }
 
@@ -342,17 +362,17 @@ def _growth_section(
     data["growth"] = {"simulate_s": sim_s, "A": _dump(res_a, "A"), "B": _dump(res_b, "B")}
 
     md = [
-        "## 2. Long-run growth of ||S_t||",
+        "## 2. Long-run growth of ‖S_t‖",
         "",
         f"{len(chains_a) + len(chains_b)} independent chains (Dk = {cfg.dk}, Dv = {cfg.dv}, "
         f"v ~ N(0, I); simulated in {sim_s:.0f} s) in precisions {', '.join(precs)}. "
-        "`IN/STATE`: k, v, beta, lam = ||k||^2 and (a, b) rounded to IN, the state rounded to "
+        "`IN/STATE`: k, v, beta, lam = ‖k‖² and (a, b) rounded to IN, the state rounded to "
         "STATE after every step, arithmetic in float32; fp64 is the reference on the unrounded "
         "inputs. Cells, worst seed first: **inf@t** = first step with a non-finite state entry "
-        "(seeds affected); **x exp** = diverging (log||S|| against log t steeper than 1.5 over "
+        "(seeds affected); **x exp** = diverging (log‖S‖ against log t steeper than 1.5 over "
         "the last decade of t: exponential growth); x ~t^p = growing like t^p (p = 0.5 is the "
         "random walk of a transition with |mu| = 1, which never forgets along k); a plain "
-        "number = bounded, the final ||S_T||_F.",
+        "number = bounded, the final ‖S_T‖_F.",
         "",
         f"### A. Key norms (T = {cfg.steps}, beta: {', '.join(cfg.betas)})",
         "",
@@ -363,7 +383,7 @@ def _growth_section(
             res_a,
             str(out / fn),
             select={"keys": kr},
-            title=f"||S_t||, {kr} keys ({growth.KEY_REGIMES.get(kr, kr)}), beta "
+            title=f"‖S_t‖, {kr} keys ({growth.KEY_REGIMES.get(kr, kr)}), beta "
             f"{', '.join(cfg.betas)}; [-1,1] = negative eigenvalues",
         )
         md += [f"![growth {kr}]({fn})", ""]
@@ -385,7 +405,7 @@ def _growth_section(
         "",
         "Unit keys, fresh every step (`unit`) or drawn from a fixed set of V unit vectors",
         "(`vocab:V`: keys that repeat, like frequent tokens). `near1`: beta = 1 - U(0, 1e-3),",
-        "which bf16 rounds to exactly 1, so mu = 1 - 2||k||^2 sits at -1 up to the rounding of",
+        "which bf16 rounds to exactly 1, so mu = 1 - 2‖k‖² sits at -1 up to the rounding of",
         "k. Each cell: outcome as above / max abs(mu) of the transition actually applied",
         "(rounded a times the squared norm of the rounded k) and, in brackets, the fraction of",
         "steps with abs(mu) > 1 / for diverging chains, the earliest step at which the state",
@@ -396,7 +416,7 @@ def _growth_section(
         res_b,
         str(out / "growth_pinned.png"),
         by="rule+keys+betas" if len(cfg.pinned_rules) > 1 else "keys+betas",
-        title="||S_t||, negative eigenvalues, unit keys: beta pinned near 1 vs beta <= 0.9",
+        title="‖S_t‖, negative eigenvalues, unit keys: beta pinned near 1 vs beta <= 0.9",
     )
     md += ["![growth pinned](growth_pinned.png)", ""]
     brows = []
@@ -420,7 +440,7 @@ def _growth_section(
 
 def _summ(res: growth.GrowthResult, precs: list[str], ix: list[int]) -> str:
     """Words for a finding, precisions grouped by outcome, e.g. 'non-finite in fp32 (t=109,
-    3/3 seeds), fp16 (t=9, 3/3); bounded in fp64 (||S_T|| <= 4.6)'."""
+    3/3 seeds), fp16 (t=9, 3/3); bounded in fp64 (‖S_T‖ <= 4.6)'."""
     groups: dict[str, list[str]] = {}
     agg: dict[str, list[float]] = {}
     for p in precs:
@@ -438,24 +458,21 @@ def _summ(res: growth.GrowthResult, precs: list[str], ix: list[int]) -> str:
             proj = [v.projected_overflow for v in div if v.projected_overflow]
             tail = f", overflow projected at t~{min(proj):.2g}" if proj else ""
             groups.setdefault("diverging in", []).append(
-                f"{p} ({len(div)}/{len(vs)} seeds, ||S_T|| up to {worst:.3g}{tail})"
+                f"{p} ({len(div)}/{len(vs)} seeds, ‖S_T‖ up to {worst:.3g}{tail})"
             )
         elif grow:
-            groups.setdefault("growing in", []).append(p)
-            agg.setdefault("growing in", []).extend([max(grow), worst])
+            # Listed per precision: the exponent is where bf16 and fp64 differ.
+            groups.setdefault("growing in", []).append(
+                f"{p} (like t^{max(grow):.1f}, ‖S_T‖ <= {worst:.3g})"
+            )
         else:
             groups.setdefault("bounded in", []).append(p)
             agg.setdefault("bounded in", []).append(worst)
     out = []
     for k, names in groups.items():
         who = "all precisions" if len(names) == len(precs) and k in agg else ", ".join(names)
-        if k == "growing in":
-            vals = agg[k]
-            out.append(
-                f"{k} {who} (like t^{max(vals[0::2]):.1f}, ||S_T|| <= {max(vals[1::2]):.3g})"
-            )
-        elif k == "bounded in":
-            out.append(f"{k} {who} (||S_T|| <= {max(agg[k]):.3g})")
+        if k == "bounded in":
+            out.append(f"{k} {who} (‖S_T‖ <= {max(agg[k]):.3g})")
         else:
             out.append(f"{k} {who}")
     return "; ".join(out)
@@ -544,7 +561,7 @@ def _layer_section(cfg: StudyConfig, out: Path, data: dict) -> list[str]:
                 "p99",
                 "max",
                 "frac abs>1",
-                "median ||k||",
+                "median ‖k‖",
             ],
             [
                 [
