@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from deltaflow import delta_rule
 from deltaflow.layers import (
@@ -104,6 +106,37 @@ def test_delta_attention_modes_agree(rule, use_decay):
 def test_delta_attention_variants_modes_agree(kwargs):
     layer = DeltaAttention(32, num_heads=2, chunk_size=8, backend="torch", **kwargs)
     _check_modes(layer)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rule=st.sampled_from(ALL_RULES + ["softmax", "sliding"]),
+    T=st.integers(1, 20),
+    left=st.integers(0, 9),
+    right=st.integers(0, 9),
+    chunk=st.sampled_from([2, 4, 16]),
+    conv=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_padding_invariance_property(rule, T, left, right, chunk, conv, seed):
+    """Any left/right padding, length, chunk size and conv width: real positions unchanged."""
+    torch.manual_seed(seed)
+    if rule in ("softmax", "sliding"):
+        layer = SoftmaxAttention(16, num_heads=2, window_size=3 if rule == "sliding" else None)
+    else:
+        layer = DeltaAttention(
+            16, num_heads=2, rule=rule, use_decay=seed % 2 == 0, conv_size=conv,
+            chunk_size=chunk, backend="torch",
+        )  # fmt: skip
+    x = torch.randn(1, T, 16)
+    xp, m = _pad(x, left, right)
+    with torch.no_grad():
+        y, _ = layer(x)
+        yp, _ = layer(xp, attention_mask=m)
+    assert torch.isfinite(yp).all()
+    torch.testing.assert_close(yp[:, left : left + T], y, atol=TOL, rtol=0)
 
 
 def test_padded_decode_continues_like_unpadded():
