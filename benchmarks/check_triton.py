@@ -88,6 +88,15 @@ def check_case(label, x, rule, ne, cu_seqlens, dtype, rows, forward_reference):
     worst = max(errs.values(), key=lambda e: float("inf") if e != e else e)
     ok = worst <= TOL[dtype]
     rows.append((label, rule, ne, str(dtype).split(".")[-1], errs, ok))
+    print(
+        label,
+        rule,
+        ne,
+        dtype,
+        "ok" if ok else "FAIL",
+        " ".join(f"{n}={e:.1e}" for n, e in errs.items()),
+        flush=True,
+    )
     return ok
 
 
