@@ -307,3 +307,54 @@ def test_layer_eigenvalues_of_a_tiny_model():
         assert lay["mu"].abs().max() <= 1 + 1e-5
     rows = spectrum.layer_mu_table(layers)
     assert len(rows) == 4 and all(r["frac_unstable"] == 0 for r in rows)
+
+
+def test_real_op_reproduces_emulated_bf16_run():
+    # bf16 k, v, beta into delta_rule (float32 state) == the emulated 'bf16/fp32' precision.
+    from deltaflow.analysis.report import op_crosscheck
+
+    chains = [
+        growth.Chain("delta", True, "vocab:1", "near1", 7),
+        growth.Chain("delta", True, "unit", "uniform:0.9", 1),
+        growth.Chain("efla", False, "gaussian", "uniform", 2),
+    ]
+    steps = 400
+    res = growth.simulate(chains, ["bf16/fp32"], steps=steps, dk=8, dv=4, progress=False)
+    chk = op_crosscheck(chains, steps, dk=8, dv=4, seed=0, backend="torch", segments=4)
+    assert chk["t"][-1] == steps
+    final = chk["bf16"][-1]
+    torch.testing.assert_close(final, res.norms["bf16/fp32"][-1], rtol=2e-3, atol=0)
+    assert torch.isfinite(chk["bf16, fp32 beta"]).all()
+
+
+def test_verdict_classifies_known_curves():
+    from deltaflow.analysis.report import verdict
+
+    t = torch.arange(1, 2001, dtype=torch.float64)
+    curves = torch.stack(
+        [
+            torch.full_like(t, 5.0) + 0.1 * torch.sin(t),  # bounded
+            3 * t.sqrt(),  # random-walk growth
+            torch.exp(t / 100),  # exponential
+        ],
+        1,
+    )
+    chains = [growth.Chain("delta", False, "unit", "one", s) for s in range(4)]
+    norms = torch.cat([curves, torch.ones(len(t), 1)], 1)
+    res = growth.GrowthResult(
+        chains=chains,
+        precisions=[growth.parse_precision("fp16")],
+        steps=t.long(),
+        norms={"fp16": norms},
+        rel_err={"fp16": torch.zeros_like(norms)},
+        first_nonfinite={"fp16": torch.tensor([-1, -1, -1, 1234])},
+        mu_max={"fp16": torch.ones(4)},
+        frac_mu_gt1={"fp16": torch.zeros(4)},
+        final_states={},
+    )
+    v = [verdict(res, "fp16", i) for i in range(4)]
+    assert [x.status for x in v] == ["bounded", "growing", "diverging", "non-finite"]
+    assert v[1].exponent == pytest.approx(0.5, abs=1e-6)
+    assert v[3].first_nonfinite == 1234
+    # exp(t/100) reaches fp16's 65504 at t = 100 ln(65504) ~ 1109.
+    assert v[2].projected_overflow == pytest.approx(100 * math.log(65504), rel=0.01)

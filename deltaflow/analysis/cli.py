@@ -64,6 +64,12 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--pinned-betas", type=_csv, default=d.pinned_betas, help="experiment B betas")
     p.add_argument("--pinned-seeds", type=int, default=d.pinned_seeds, help="experiment B seeds")
     p.add_argument("--pinned-steps", type=int, default=d.pinned_steps, help="experiment B length T")
+    p.add_argument(
+        "--op-backend",
+        default=d.op_backend,
+        help="backend for running experiment B through deltaflow.delta_rule "
+        "(torch, triton, reference, auto) or 'none' to skip",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="base random seed")
     p.add_argument("--device", default=d.device, help="cpu, cuda, cuda:1, ...")
     p.add_argument(
@@ -134,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
         pinned_betas=args.pinned_betas,
         pinned_seeds=args.pinned_seeds,
         pinned_steps=args.pinned_steps,
+        op_backend=args.op_backend,
         seed=args.seed,
         device=args.device,
         parts=parts,
@@ -156,6 +163,8 @@ def run_stability(args: argparse.Namespace) -> int:
     if cfg.device.startswith("cpu"):
         torch.set_num_threads(args.threads)
     command = getattr(args, "command_line", None)
+    if command is None and getattr(args, "argv", None) is not None:  # the main deltaflow CLI
+        command = shlex.join(["deltaflow", *args.argv])
     if command is None:  # reconstruct from the process's own command line
         i = sys.argv.index("stability") + 1 if "stability" in sys.argv else 1
         command = shlex.join(["deltaflow", "stability", *sys.argv[i:]])
