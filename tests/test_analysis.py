@@ -284,6 +284,8 @@ def test_cli_subparser_and_tiny_study(tmp_path):
     # Standalone entry point validates options with a clear error and exit code 2.
     assert main(["--out", str(out), "--dtypes", "fp8"]) == 2
     assert main(["--out", str(out), "--parts", "spectra"]) == 2
+    assert main(["--out", str(out), "--op-backend", "cuda"]) == 2
+    assert main(["--out", str(out), "--keys", "sphere"]) == 2
 
 
 def test_layer_eigenvalues_of_a_tiny_model():

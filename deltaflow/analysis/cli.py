@@ -14,6 +14,7 @@ from deltaflow.analysis.growth import BETA_REGIMES, KEY_REGIMES, check_regimes, 
 from deltaflow.analysis.report import StudyConfig, run_study
 
 PARTS = ("spectrum", "growth", "discretization", "layer")
+OP_BACKENDS = ("torch", "triton", "reference", "auto", "none")
 
 
 def _csv(s: str) -> list[str]:
@@ -116,6 +117,8 @@ def config_from_args(args: argparse.Namespace) -> StudyConfig:
     ):
         if getattr(args, opt) < 1:
             raise ValueError(f"--{opt.replace('_', '-')} must be >= 1, got {getattr(args, opt)}")
+    if args.op_backend not in OP_BACKENDS:
+        raise ValueError(f"--op-backend {args.op_backend!r}: expected one of {list(OP_BACKENDS)}")
     bad = [x for x in args.parts if x not in PARTS]
     if bad:
         raise ValueError(f"--parts: unknown {bad}; expected a subset of {list(PARTS)}")

@@ -647,7 +647,9 @@ def _growth_findings(cfg, res_a, res_b, precs) -> list[str]:
                 ]
                 tag = f"{rule}{' with negative eigenvalues' if neg else ''}"
                 parts.append(f"{tag}: {_summ(res_a, precs, ix)}")
-        out.append(f"(3) Raw keys ({', '.join(raw)}), T = {cfg.steps}. " + ". ".join(parts) + ".")
+        if parts:
+            head = f"(3) Raw keys ({', '.join(raw)}), T = {cfg.steps}. "
+            out.append(head + ". ".join(parts) + ".")
     # (2) Negative eigenvalues with beta near 1.
     for rule in cfg.pinned_rules:
         for kr in cfg.pinned_keys:
