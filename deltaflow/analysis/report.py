@@ -9,12 +9,14 @@
   discretization.png  one-step error against exp(-beta kk^T), log-log, with fitted orders
   layer_mu.png        (only with a checkpoint) mu per head of a trained model's layers
 
-Two growth experiments share one simulation (one batch, one loop over t):
+Two growth experiments, each one batched simulation (one loop over t for all its chains):
   A "keys":   every rule, with and without negative eigenvalues, unit / raw Gaussian /
               heavy-tailed keys, beta ~ U(0, 1): questions 1 (DeltaNet needs normalized keys)
               and 3 (EFLA, Longhorn, trapezoid and Kaczmarz do not).
   B "pinned": delta with negative eigenvalues, unit keys that change every step or repeat (a
               small vocabulary of keys), beta pinned near 1 against beta <= 0.9: question 2.
+  C:          B's exact inputs through the real op `deltaflow.delta_rule` in bf16, to check the
+              emulation and to see the layer's own setting (beta in float32).
 """
 
 from __future__ import annotations
