@@ -250,6 +250,16 @@ def test_short_conv_matches_explicit_loop_and_caches_last_real_window():
     torch.testing.assert_close(state[0], x[0, 6:9].T)
 
 
+def test_short_conv_packed_sequences_restart():
+    conv = ShortConvolution(6, kernel_size=4)
+    lens = [3, 0, 1, 7]
+    parts = [torch.randn(1, n, 6) for n in lens]
+    cu = torch.tensor([0, 3, 3, 4, 11])
+    y, _ = conv(torch.cat(parts, 1), cu_seqlens=cu)
+    ref = torch.cat([conv(p)[0] for p in parts if p.shape[1]], 1)
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=0)
+
+
 def test_short_conv_bad_inputs():
     conv = ShortConvolution(4, kernel_size=3)
     with pytest.raises(ValueError, match="x must be"):

@@ -311,3 +311,53 @@ def test_bad_forward_inputs_raise():
         model(ids, foo=1)
     with pytest.raises(ValueError, match="no tokens"):
         model(ids[:, :0])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(rule="delta", use_decay=True),
+        dict(rule="kaczmarz"),
+        dict(rule="efla", attn_every=2, sliding_window=3, num_v_heads=4),
+        dict(mixer_types=["attention", "sliding_attention"], sliding_window=3),
+    ],
+    ids=["gated_delta", "kaczmarz", "efla_hybrid", "attention"],
+)
+def test_packed_documents_equal_separate_runs(kwargs):
+    """cu_seqlens: logits, loss and gradients as if each document ran alone."""
+    model = tiny(chunk_size=4, **kwargs).train()
+    lens = [5, 1, 0, 9, 3]  # an empty and a one-token document included
+    docs = [torch.randint(0, V, (1, n)) for n in lens]
+    packed = torch.cat(docs, 1)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    out = model(packed, cu_seqlens=cu, labels=packed)
+    ref = torch.cat([model(d).logits for d in docs if d.shape[1]], 1)
+    torch.testing.assert_close(out.logits, ref, atol=TOL, rtol=0)
+    # Unshifted labels: mean over within-document next-token predictions only.
+    total = sum(
+        F.cross_entropy(model(d).logits[0, :-1], d[0, 1:], reduction="sum")
+        for d in docs
+        if d.shape[1] > 1
+    )
+    ref_loss = total / sum(max(n - 1, 0) for n in lens)
+    torch.testing.assert_close(out.loss, ref_loss, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(out.loss, list(model.parameters()), allow_unused=True)
+    ref_grads = torch.autograd.grad(ref_loss, list(model.parameters()), allow_unused=True)
+    for g, r in zip(grads, ref_grads):
+        if r is not None:
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_packed_documents_bad_inputs():
+    model = tiny()
+    ids = torch.randint(0, V, (1, 8))
+    with pytest.raises(ValueError, match="batch size 1"):
+        model(ids.expand(2, 8), cu_seqlens=torch.tensor([0, 8]))
+    with pytest.raises(ValueError, match="start at 0"):
+        model(ids, cu_seqlens=torch.tensor([0, 5, 7]))
+    with pytest.raises(ValueError, match="never decrease"):
+        model(ids, cu_seqlens=torch.tensor([0, 5, 3, 8]))
+    with pytest.raises(ValueError, match="integer"):
+        model(ids, cu_seqlens=torch.tensor([0.0, 8.0]))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        model(ids, cu_seqlens=torch.tensor([0, 8]), use_cache=True)

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from deltaflow.layers.mask import position_in_sequence
+
 
 class ShortConvolution(nn.Module):
     """Causal depthwise conv over time: ``y_t = act(sum_j w_j x_{t-W+1+j})``, input ``[B, T, C]``.
@@ -59,8 +61,11 @@ class ShortConvolution(nn.Module):
         mask: torch.Tensor | None = None,
         state: torch.Tensor | None = None,
         output_state: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x ``[B, T, C]``; mask ``[B, T]`` bool (True = real token); state ``[B, C, W-1]``.
+        """x ``[B, T, C]``; mask ``[B, T]`` bool (True = real token); state ``[B, C, W-1]``;
+        cu_seqlens: checked long offsets ``[N + 1]`` of sequences packed in x ``[1, T, C]``
+        (the conv restarts at every sequence; no mask, state or output_state with it).
 
         Returns ``(y [B, T, C], new_state [B, C, W-1] or None)``.
         """
@@ -70,6 +75,12 @@ class ShortConvolution(nn.Module):
             )
         B, T, C = x.shape
         W = self.kernel_size
+        if cu_seqlens is not None:
+            if mask is not None or state is not None or output_state:
+                raise ValueError(
+                    "ShortConvolution: cu_seqlens excludes mask, state and output_state"
+                )
+            return self._forward_packed(x, cu_seqlens), None
         if mask is not None:
             if mask.shape != (B, T):
                 raise ValueError(
@@ -103,6 +114,20 @@ class ShortConvolution(nn.Module):
                 idx = last[:, None] + 1 + torch.arange(W - 1, device=x.device)  # [B, W-1]
                 new_state = full.gather(2, idx[:, None, :].expand(B, C, W - 1)).contiguous()
         return y.transpose(1, 2).contiguous(), new_state  # [B, T, C] row-major for the heads
+
+    def _forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Tap by tap, dropping taps that reach back into the previous packed sequence."""
+        T, W = x.shape[1], self.kernel_size
+        _, p = position_in_sequence(cu_seqlens.to(x.device), T)
+        xpad = F.pad(x, (0, 0, W - 1, 0))
+        w = self.weight[:, 0].to(x.dtype)  # [C, W]; tap j multiplies x_{t - (W-1-j)}
+        y = xpad[:, W - 1 : W - 1 + T] * w[:, W - 1]
+        for j in range(W - 1):
+            back = W - 1 - j
+            y = y + xpad[:, j : j + T] * w[:, j] * (p >= back)[None, :, None].to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return F.silu(y) if self.activation == "silu" else y
 
     def extra_repr(self) -> str:
         return f"{self.channels}, kernel_size={self.kernel_size}, activation={self.activation}"

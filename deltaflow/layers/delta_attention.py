@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deltaflow.layers.conv import ShortConvolution
-from deltaflow.layers.mask import prepare_padding_mask
+from deltaflow.layers.mask import prepare_cu_seqlens, prepare_padding_mask
 from deltaflow.layers.norm import RMSNorm, l2_normalize
 from deltaflow.ops import delta_rule, delta_rule_step
 from deltaflow.rules import get_rule
@@ -227,13 +227,16 @@ class DeltaAttention(nn.Module):
         state: dict[str, torch.Tensor] | None = None,
         use_cache: bool = False,
         *,
+        cu_seqlens: torch.Tensor | None = None,
         mask_prepared: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """hidden_states ``[B, T, hidden]``; attention_mask ``[B, T]`` (1 = token, 0 = padding).
 
         ``state``: the dict returned by a previous call (continue that sequence), or None.
-        ``mask_prepared``: attention_mask is already the output of ``prepare_padding_mask``
-        (bool or None), so the per-layer checks and host syncs are skipped.
+        ``cu_seqlens``: int offsets ``[N + 1]`` of N sequences packed in a ``[1, T, hidden]``
+        input (training without padding; each sequence starts from a zero state and conv).
+        ``mask_prepared``: attention_mask / cu_seqlens are already checked (the outputs of
+        ``prepare_padding_mask`` / ``prepare_cu_seqlens``), so per-layer host syncs are skipped.
         Returns ``(y [B, T, hidden], state)``; with ``use_cache`` the state dict (updated in
         place) holds ``recurrent_state`` [B, Hv, Dk, Dv] float32 and ``conv_q/k/v`` windows.
         """
@@ -244,18 +247,26 @@ class DeltaAttention(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         B, T, _ = x.shape
-        if mask_prepared:  # a model already ran prepare_padding_mask once for all its layers
+        if mask_prepared:  # a model already checked the mask / offsets once for all layers
             mask = attention_mask
         else:
             mask = prepare_padding_mask(attention_mask, B, T, x.device)
+            if cu_seqlens is not None:
+                cu_seqlens = prepare_cu_seqlens(cu_seqlens, B, T, x.device)
+        if cu_seqlens is not None and (mask is not None or state or use_cache):
+            raise ValueError(
+                "cu_seqlens (packed sequences) cannot be combined with attention_mask, state "
+                "or use_cache"
+            )
         state = {} if state is None else state
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
 
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.use_short_conv:
-            q, new_state["conv_q"] = self.q_conv(q, mask, state.get("conv_q"), use_cache)
-            k, new_state["conv_k"] = self.k_conv(k, mask, state.get("conv_k"), use_cache)
-            v, new_state["conv_v"] = self.v_conv(v, mask, state.get("conv_v"), use_cache)
+            cu = cu_seqlens
+            q, new_state["conv_q"] = self.q_conv(q, mask, state.get("conv_q"), use_cache, cu)
+            k, new_state["conv_k"] = self.k_conv(k, mask, state.get("conv_k"), use_cache, cu)
+            v, new_state["conv_v"] = self.v_conv(v, mask, state.get("conv_v"), use_cache, cu)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         q = q.view(B, T, self.num_heads, self.head_dim)
@@ -318,6 +329,7 @@ class DeltaAttention(nn.Module):
                 eps=self.eps,
                 initial_state=S0,
                 output_final_state=use_cache,
+                cu_seqlens=cu_seqlens,
                 chunk_size=self.chunk_size,
                 backend=self.backend,
             )

@@ -43,3 +43,33 @@ def prepare_padding_mask(
             "padding); padding in the middle of a sequence is not supported"
         )
     return mask
+
+
+def prepare_cu_seqlens(
+    cu_seqlens: torch.Tensor, batch_size: int, seq_len: int, device: torch.device
+) -> torch.Tensor:
+    """Check packed-sequence offsets ``[N + 1]`` (0 = first, seq_len = last, non-decreasing)."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or len(cu_seqlens) < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [N + 1] of offsets, N >= 1")
+    if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if batch_size != 1:
+        raise ValueError(
+            f"cu_seqlens packs sequences along T and needs batch size 1, got {batch_size}"
+        )
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    if int(cu[0]) != 0 or int(cu[-1]) != seq_len or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, end at seq_len={seq_len} and never decrease, "
+            f"got {cu_seqlens.tolist()}"
+        )
+    return cu
+
+
+def position_in_sequence(
+    cu_seqlens: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, position within its sequence) of every packed token, both ``[T]``."""
+    pos = torch.arange(seq_len, device=cu_seqlens.device)
+    seq = torch.searchsorted(cu_seqlens[1:], pos, right=True)
+    return seq, pos - cu_seqlens[seq]

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaflow.layers.mask import prepare_padding_mask
+from deltaflow.layers.mask import position_in_sequence, prepare_cu_seqlens, prepare_padding_mask
 from deltaflow.layers.norm import RMSNorm
 
 
@@ -109,10 +109,13 @@ class SoftmaxAttention(nn.Module):
         state: dict[str, torch.Tensor] | None = None,
         use_cache: bool = False,
         *,
+        cu_seqlens: torch.Tensor | None = None,
         mask_prepared: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """hidden_states ``[B, T, hidden]``; attention_mask ``[B, T]`` for these T tokens
-        (``mask_prepared``: already the bool-or-None output of ``prepare_padding_mask``).
+        (``mask_prepared``: already the bool-or-None output of ``prepare_padding_mask``);
+        ``cu_seqlens``: offsets of sequences packed in ``[1, T, hidden]`` (block-diagonal
+        causal attention, positions restart per sequence).
 
         Returns ``(y, state)``; ``state`` (with ``use_cache``) holds ``key``/``value``
         ``[B, Hkv, Tc, D]``, ``key_mask`` and ``key_pos`` ``[B, Tc]`` and ``num_tokens [B]``.
@@ -124,10 +127,17 @@ class SoftmaxAttention(nn.Module):
                 f"got {tuple(x.shape)}"
             )
         B, T, _ = x.shape
-        if mask_prepared:  # a model already ran prepare_padding_mask once for all its layers
+        if mask_prepared:  # a model already checked the mask / offsets once for all layers
             mask = attention_mask
         else:
             mask = prepare_padding_mask(attention_mask, B, T, x.device)
+            if cu_seqlens is not None:
+                cu_seqlens = prepare_cu_seqlens(cu_seqlens, B, T, x.device)
+        if cu_seqlens is not None and (mask is not None or state or use_cache):
+            raise ValueError(
+                "cu_seqlens (packed sequences) cannot be combined with attention_mask, state "
+                "or use_cache"
+            )
         state = {} if state is None else state
         past_k = state.get("key")
 
@@ -144,6 +154,9 @@ class SoftmaxAttention(nn.Module):
             n_past = torch.zeros(B, dtype=torch.long, device=x.device)
         pos = n_past[:, None] + valid.long().cumsum(1) - 1
         pos = pos.clamp_min(0)
+        if cu_seqlens is not None:  # packed sequences: positions restart in every sequence
+            seq_id, pos_in_seq = position_in_sequence(cu_seqlens, T)
+            pos = pos_in_seq[None]
         q = apply_rope(q, pos, self.rope_theta)
         k = apply_rope(k, pos, self.rope_theta)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
@@ -159,7 +172,13 @@ class SoftmaxAttention(nn.Module):
 
         attn_mask = None
         is_causal = False
-        if mask is None and past_k is None and self.window_size is None:
+        if cu_seqlens is not None:
+            same = seq_id[:, None] == seq_id[None, :]
+            allowed = same & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            if self.window_size is not None:
+                allowed = allowed & (pos[0][:, None] - pos[0][None, :] < self.window_size)
+            attn_mask = allowed[None, None]  # block-diagonal causal [1, 1, T, T]
+        elif mask is None and past_k is None and self.window_size is None:
             is_causal = T > 1  # the fast path: plain causal attention
         elif not (past_k is not None and T == 1 and self.window_size is None and bool(kmask.all())):
             # Column causality (query i sits at column Tk - T + i), padding and window by position.

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from deltaflow.layers.cache import DeltaFlowCache
 from deltaflow.layers.conv import ShortConvolution
 from deltaflow.layers.delta_attention import DeltaAttention
-from deltaflow.layers.mask import prepare_padding_mask
+from deltaflow.layers.mask import prepare_cu_seqlens, prepare_padding_mask
 from deltaflow.layers.norm import RMSNorm
 from deltaflow.layers.softmax_attention import SoftmaxAttention
 from deltaflow.models.config import DeltaFlowConfig
@@ -104,9 +104,15 @@ class DeltaFlowBlock(nn.Module):
         attention_mask: torch.Tensor | None = None,  # bool [B, T] from prepare_padding_mask
         state: dict[str, torch.Tensor] | None = None,
         use_cache: bool = False,
+        cu_seqlens: torch.Tensor | None = None,  # checked offsets from prepare_cu_seqlens
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         o, state = self.mixer(
-            self.mixer_norm(h), attention_mask, state, use_cache, mask_prepared=True
+            self.mixer_norm(h),
+            attention_mask,
+            state,
+            use_cache,
+            cu_seqlens=cu_seqlens,
+            mask_prepared=True,
         )
         h = h + o
         h = h + self.mlp(self.mlp_norm(h))
@@ -171,7 +177,10 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = False,
         output_hidden_states: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> BaseModelOutputWithPast:
+        """``cu_seqlens``: int offsets ``[N + 1]`` of N documents packed in ``[1, T]`` input
+        (no padding, no cross-document state, attention or conv; not with a cache)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(
                 "pass exactly one of input_ids [B, T] and inputs_embeds [B, T, hidden]"
@@ -207,6 +216,13 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
                 )
         # Validate once (and drop an all-ones mask) instead of once per layer.
         attention_mask = prepare_padding_mask(attention_mask, B, T, inputs_embeds.device)
+        if cu_seqlens is not None:
+            cu_seqlens = prepare_cu_seqlens(cu_seqlens, B, T, inputs_embeds.device)
+            if attention_mask is not None or use_cache or past_key_values is not None:
+                raise ValueError(
+                    "cu_seqlens (packed sequences) cannot be combined with attention_mask or "
+                    "a cache"
+                )
 
         h = inputs_embeds
         all_hidden: list[torch.Tensor] = []
@@ -215,9 +231,11 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
                 all_hidden.append(h)
             state = past_key_values[i] if past_key_values is not None else None
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                h, _ = checkpoint(block, h, attention_mask, state, use_cache, use_reentrant=False)
+                h, _ = checkpoint(
+                    block, h, attention_mask, state, use_cache, cu_seqlens, use_reentrant=False
+                )
             else:
-                h, _ = block(h, attention_mask, state, use_cache)
+                h, _ = block(h, attention_mask, state, use_cache, cu_seqlens)
         h = self.norm(h)
         if output_hidden_states:
             all_hidden.append(h)
@@ -275,6 +293,7 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
         labels_are_shifted: bool | None = None,
+        cu_seqlens: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Returns ``CausalLMOutputWithPast(loss, logits, past_key_values, hidden_states)``.
@@ -282,7 +301,8 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         ``use_cache`` defaults to False (training and scoring need no cache); ``generate``
         and :meth:`generate_greedy` turn it on. ``logits_to_keep=n`` computes logits for the
         last n positions only (0 = all). Positions for RoPE come from ``attention_mask``, so
-        ``position_ids`` is not an argument.
+        ``position_ids`` is not an argument. ``cu_seqlens`` [N + 1] packs N documents in a
+        ``[1, T]`` batch; with unshifted labels no document predicts the next one's first token.
         """
         # transformers' generation code may add these; they carry no information for us.
         for key in ("position_ids", "cache_position", "output_attentions"):
@@ -302,6 +322,7 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             inputs_embeds=inputs_embeds,
             use_cache=bool(use_cache),
             output_hidden_states=bool(output_hidden_states),
+            cu_seqlens=cu_seqlens,
         )
         h = out.last_hidden_state
         if logits_to_keep:
@@ -315,6 +336,11 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             shifted = (
                 self.config.labels_are_shifted if labels_are_shifted is None else labels_are_shifted
             )
+            if cu_seqlens is not None and not shifted:
+                # labels[e] is the first token of the next document: not a target of e - 1.
+                labels = labels.clone()
+                starts = cu_seqlens[1:-1].to(device=labels.device, dtype=torch.long)
+                labels[:, starts[starts < labels.shape[1]]] = -100
             loss = self.lm_loss(logits, labels, labels_are_shifted=shifted)
         return CausalLMOutputWithPast(
             loss=loss,
