@@ -404,6 +404,25 @@ def _growth_section(
     md += [
         _table(["rule", "neg. eig.", "keys", "beta", "max abs(mu)", *precs], trows),
         "",
+    ]
+    # Error against the float64 run, where the state is bounded (elsewhere it is meaningless).
+    erows = []
+    for rule in cfg.rules:
+        for neg in cfg.negative_eigenvalues:
+            for kr in cfg.keys:
+                ix = _chain_index(res_a, rule=rule, negative_eigenvalues=neg, keys=kr)
+                if any(verdict(res_a, "fp64", i).status != "bounded" for i in ix):
+                    continue
+                cells = [
+                    _fmt(float(res_a.rel_err[p][-1, ix].median()), 2) for p in precs if p != "fp64"
+                ]
+                erows.append([rule, "yes" if neg else "no", kr, *cells])
+    md += [
+        "Relative error ‖S_T − S_T^fp64‖ / ‖S_T^fp64‖ at T (median over seeds), for the settings",
+        "whose fp64 state is bounded:",
+        "",
+        _table(["rule", "neg. eig.", "keys", *[p for p in precs if p != "fp64"]], erows),
+        "",
         f"### B. beta pinned near 1 with negative eigenvalues (T = {cfg.pinned_steps})",
         "",
         "Unit keys, fresh every step (`unit`) or drawn from a fixed set of V unit vectors",
