@@ -95,73 +95,79 @@ def _forward(
     scale,
     chunk_size,
 ) -> tuple[Tensor, Tensor]:
+    # The kernels use chunks of 64 tokens whatever `chunk_size` says: the result is the same
+    # function, and 64 is what the 16-row block substitution of the prepare kernel is built for.
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
-    C = min(max(chunk_size, 16), 64)  # the kernels hold C×C tiles: 16 ≤ C ≤ 64
     dot_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     q, k, v = (x.to(dot_dtype).contiguous() for x in (q, k, v))
     beta = None if beta is None else beta.contiguous()
     log_decay = None if log_decay is None else log_decay.contiguous()
-    cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, C, q.device)
+    cu, _, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, 64, q.device)
     N = cu.numel() - 1
-    BK, BV = _block(Dk), min(_block(Dv), 64)
-    flags = dict(
-        RULE=rule,
-        NEG=negative_eigenvalues,
-        HAS_BETA=beta is not None,
-        HAS_DECAY=log_decay is not None,
-    )
+    BK, BV_all = _block(Dk), _block(Dv)
     dummy = q  # stands in for absent optional pointers (never read: the flags say so)
 
-    T_mat = _output(n_chunks, H, C, C, like=q, dtype=dot_dtype)
+    # W = T diag(aΓ) K and Ũ = T diag(b) V, stored like k and v (rows past a sequence's end
+    # are never written nor read).
+    w = _output(B, T, H, Dk, like=q, dtype=dot_dtype)
+    u = _output(B, T, H, Dv, like=q, dtype=dot_dtype)
     if n_chunks > 0:
         kernels.chunk_prepare_kernel[(n_chunks, H)](
             k,
+            v,
             dummy if beta is None else beta,
             dummy if log_decay is None else log_decay,
-            T_mat,
+            w,
+            u,
             cu,
             chunk_indices,
             eps,
             H=H,
             Dk=Dk,
+            Dv=Dv,
             BK=BK,
-            C=C,
-            DOT_PRECISION=precision,
+            BV=BV_all,
+            RULE=rule,
+            NEG=negative_eigenvalues,
+            HAS_BETA=beta is not None,
+            HAS_DECAY=log_decay is not None,
+            PREC=precision,
             num_warps=4,
-            **flags,
         )
     o = _output(B, T, H, Dv, like=q, dtype=v.dtype)
     final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    BV = min(BV_all, SEQUENTIAL_BLOCK_V)
     kernels.chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
         q,
         k,
-        v,
-        dummy if beta is None else beta,
+        w,
+        u,
         dummy if log_decay is None else log_decay,
-        T_mat,
         dummy if s0 is None else s0,
         o,
         final_state,
         cu,
-        chunk_offsets,
         scale,
-        eps,
         H=H,
         Dk=Dk,
         Dv=Dv,
         BK=BK,
         BV=BV,
-        C=C,
+        HAS_DECAY=log_decay is not None,
         HAS_S0=s0 is not None,
-        DOT_PRECISION=precision,
-        num_warps=4 if BK * BV <= 4096 else 8,
+        PREC=precision,
+        num_warps=SEQUENTIAL_WARPS,
         num_stages=1,
-        **flags,
     )
     return o, final_state
+
+
+# Launch settings of the sequential kernel (benchmarks/NOTES.md: value columns per program).
+SEQUENTIAL_BLOCK_V = 32
+SEQUENTIAL_WARPS = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,7 +273,7 @@ def chunk_bwd_op(
     _, vjp = torch.func.vjp(forward, *(inputs[i].detach().float() for i in present))
     grads = vjp((grad_o.float(), grad_state.float()))
     grads = iter(grads)
-    return [q.new_empty(0) if x is None else next(grads).to(x.dtype) for x in inputs]
+    return [q.new_empty(0) if x is None else next(grads).to(x.dtype).contiguous() for x in inputs]
 
 
 @chunk_bwd_op.register_fake

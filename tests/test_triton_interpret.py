@@ -1,0 +1,163 @@
+"""The Triton kernels against the reference: on the GPU when there is one, else on the CPU
+interpreter (TRITON_INTERPRET=1, set in conftest.py). Tiny shapes: the interpreter is slow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _inputs import make_inputs, rel_err
+
+from deltaflow import delta_rule, delta_rule_step
+from deltaflow.rules import RULES
+
+triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
+if not triton_backend.available():
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
+
+
+def on_device(inputs: dict) -> dict:
+    return {n: None if t is None else t.to(DEVICE) for n, t in inputs.items()}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_forward_every_rule(rule):
+    # T = 130: three chunks of 64 with a ragged tail; all 16-row blocks of the prepare kernel.
+    inputs = on_device(make_inputs(1, 130, 2, 16, 24, rule=rule, dtype=torch.float32, seed=1))
+    for ne in (False, True):
+        o_ref, s_ref = delta_rule(
+            **inputs,
+            rule=rule,
+            negative_eigenvalues=ne,
+            output_final_state=True,
+            backend="reference",
+        )
+        o, s = delta_rule(
+            **inputs, rule=rule, negative_eigenvalues=ne, output_final_state=True, backend="triton"
+        )
+        assert rel_err(o, o_ref) <= 1e-4 and rel_err(s, s_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("T", [1, 63, 65])
+def test_lengths_without_decay_or_state(T):
+    inputs = on_device(
+        make_inputs(
+            2,
+            T,
+            1,
+            16,
+            16,
+            rule="longhorn",
+            dtype=torch.float32,
+            decay=False,
+            initial_state=False,
+            seed=T,
+        )
+    )
+    o_ref, s_ref = delta_rule(
+        **inputs, rule="longhorn", output_final_state=True, backend="reference"
+    )
+    o, s = delta_rule(**inputs, rule="longhorn", output_final_state=True, backend="triton")
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(s, s_ref) <= 1e-4
+
+
+def test_beta_none_and_odd_head_dims():
+    inputs = on_device(make_inputs(1, 70, 2, 20, 12, rule="kaczmarz", dtype=torch.float32))
+    inputs["beta"] = None
+    o_ref, s_ref = delta_rule(
+        **inputs, rule="kaczmarz", output_final_state=True, backend="reference"
+    )
+    o, s = delta_rule(**inputs, rule="kaczmarz", output_final_state=True, backend="triton")
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(s, s_ref) <= 1e-4
+
+
+def test_varlen_with_initial_states():
+    lengths = [0, 5, 64, 0, 70, 1]
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    inputs = on_device(
+        make_inputs(
+            1,
+            sum(lengths),
+            2,
+            16,
+            16,
+            rule="efla",
+            dtype=torch.float32,
+            n_states=len(lengths),
+            seed=4,
+        )
+    )
+    o_ref, s_ref = delta_rule(
+        **inputs, rule="efla", cu_seqlens=cu, output_final_state=True, backend="reference"
+    )
+    o, s = delta_rule(
+        **inputs, rule="efla", cu_seqlens=cu, output_final_state=True, backend="triton"
+    )
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(s, s_ref) <= 1e-4
+
+
+def test_half_precision_inputs():
+    # fp16 here: the CPU interpreter's bf16 tl.dot is wrong (numpy has no bf16), so bf16 is
+    # checked on the GPU by benchmarks/check_triton.py (and here too when a GPU is present).
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    inputs = make_inputs(1, 80, 2, 32, 32, rule="delta", dtype=torch.float32, seed=6)
+    for n in ("q", "k", "v"):
+        inputs[n] = inputs[n].to(dtype)
+    inputs = on_device(inputs)
+    o_ref, _ = delta_rule(**{n: t.double() for n, t in inputs.items()}, backend="reference")
+    o, _ = delta_rule(**inputs, backend="triton")
+    assert o.dtype == dtype and rel_err(o, o_ref) <= 1e-2
+
+
+@pytest.mark.parametrize("rule", ["delta", "trapezoid"])
+def test_backward(rule):
+    inputs = on_device(make_inputs(1, 70, 2, 16, 16, rule=rule, dtype=torch.float32, seed=8))
+    grads = {}
+    for backend in ("reference", "triton"):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in inputs.items()}
+        o, s = delta_rule(**leaves, rule=rule, output_final_state=True, backend=backend)
+        (o.sin().sum() + s.pow(2).sum()).backward()
+        grads[backend] = [leaves[n].grad for n in NAMES]
+    for name, g, g_ref in zip(NAMES, grads["triton"], grads["reference"]):
+        assert rel_err(g, g_ref) <= 1e-4, name
+
+
+@pytest.mark.parametrize("rule", ["efla", "linear"])
+def test_decode_kernel(rule):
+    inputs = on_device(make_inputs(3, 4, 2, 16, 24, rule=rule, dtype=torch.float32, seed=2))
+    o_ref, s_ref = delta_rule(**inputs, rule=rule, output_final_state=True, backend="reference")
+    state = inputs["initial_state"].clone()
+    pieces = {n: inputs[n] for n in ("q", "k", "v", "beta", "log_decay")}
+    outs = [
+        triton_backend.delta_rule_step(
+            *(pieces[n][:, t : t + 2] for n in ("q", "k", "v", "beta")),
+            state,
+            rule=rule,
+            log_decay=pieces["log_decay"][:, t : t + 2],
+            negative_eigenvalues=False,
+            eps=1e-6,
+            scale=16**-0.5,
+        )
+        for t in (0, 2)
+    ]
+    assert rel_err(torch.cat(outs, 1), o_ref) <= 1e-4 and rel_err(state, s_ref) <= 1e-4
+    if DEVICE == "cuda":  # the public entry dispatches to the kernel on CUDA
+        state2 = inputs["initial_state"].clone()
+        delta_rule_step(
+            *(pieces[n] for n in ("q", "k", "v", "beta")),
+            state2,
+            rule=rule,
+            log_decay=pieces["log_decay"],
+        )
+        assert rel_err(state2, s_ref) <= 1e-4
+
+
+def test_custom_op_registration():
+    # The fake (meta) implementations must agree with the real ones on shapes and strides.
+    inputs = on_device(make_inputs(1, 20, 2, 16, 16, rule="delta", dtype=torch.float32))
+    args = [inputs[n] for n in NAMES] + [None, 1, False, 1e-6, 0.25, 64]
+    torch.library.opcheck(
+        triton_backend.chunk_fwd_op, args, test_utils=("test_schema", "test_faketensor")
+    )
