@@ -278,6 +278,8 @@ def run_study(
     atomic_write_text(out / "summary.md", "\n".join(head + md) + "\n")
     text = json.dumps(_finite(data), separators=(",", ":"), default=_json_default, allow_nan=False)
     atomic_write_text(out / "study.json", text)
+    if command:  # the same convention as the other result directories
+        atomic_write_text(out / "command.txt", command + "\n")
     return data
 
 
