@@ -1,6 +1,6 @@
 """Smallest GPU smoke test of the Triton forward (for compute-sanitizer runs).
 
-    compute-sanitizer python benchmarks/smoke_triton.py
+compute-sanitizer python benchmarks/smoke_triton.py
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ for dtype in (torch.float32, torch.bfloat16):
     beta = torch.rand(B, T, H, device="cuda", generator=g)
     ld = -0.1 * torch.rand(B, T, H, device="cuda", generator=g)
     o, s = delta_rule(q, k, v, beta, log_decay=ld, output_final_state=True, backend="triton")
-    o_ref, s_ref = delta_rule(q, k, v, beta, log_decay=ld, output_final_state=True,
-                              backend="torch")
+    o_ref, s_ref = delta_rule(q, k, v, beta, log_decay=ld, output_final_state=True, backend="torch")
     torch.cuda.synchronize()
     err = ((o.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
     print(dtype, "rel err", f"{err:.2e}")

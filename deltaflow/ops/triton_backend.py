@@ -134,12 +134,16 @@ def _forward(
             HAS_BETA=beta is not None,
             HAS_DECAY=log_decay is not None,
             PREC=precision,
-            num_warps=4,
+            LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32,
+            num_warps=PREPARE_WARPS,
         )
     o = _output(B, T, H, Dv, like=q, dtype=v.dtype)
     final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    BV = min(BV_all, SEQUENTIAL_BLOCK_V)
+    # bf16/fp16: 64 value columns and 8 warps. Triton 3.6 on Hopper miscompiles this kernel
+    # with 16/32 columns in bf16 (compute-sanitizer: invalid __shared__ read; benchmarks/NOTES.md).
+    BV = min(BV_all, 32 if dot_dtype == torch.float32 else 64)
+    warps = 4 if dot_dtype == torch.float32 else 8
     kernels.chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
         q,
         k,
@@ -159,15 +163,16 @@ def _forward(
         HAS_DECAY=log_decay is not None,
         HAS_S0=s0 is not None,
         PREC=precision,
-        num_warps=SEQUENTIAL_WARPS,
+        num_warps=warps,
         num_stages=1,
     )
     return o, final_state
 
 
-# Launch settings of the sequential kernel (benchmarks/NOTES.md: value columns per program).
-SEQUENTIAL_BLOCK_V = 32
-SEQUENTIAL_WARPS = 4
+# Launch settings of the prepare kernel (benchmarks/NOTES.md). Low-precision dots: its small
+# products take bf16/fp16 operands (as fla does) instead of tf32; accumulation stays fp32.
+PREPARE_LOW_PRECISION_DOTS = True
+PREPARE_WARPS = 4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,19 +126,25 @@ def _store_rows(ptr, x, t0, eos, i_h, H: tl.constexpr, D: tl.constexpr, BD: tl.c
 
 
 @triton.jit
-def _a_block(k_i, k_j, a_i, gamma_i, gamma_j, PREC: tl.constexpr):
+def _mm(x, y, PREC: tl.constexpr, DT: tl.constexpr):
+    """x @ y with operands in DT, accumulated in fp32."""
+    return tl.dot(x.to(DT), y.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def _a_block(k_i, k_j, a_i, gamma_i, gamma_j, PREC: tl.constexpr, DT: tl.constexpr):
     """(3) off-diagonal block A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j (every j before every i)."""
-    kk = tl.dot(k_i, tl.trans(k_j), input_precision=PREC)
+    kk = tl.dot(k_i.to(DT), tl.trans(k_j.to(DT)), input_precision=PREC)
     return a_i[:, None] * tl.exp(gamma_i[:, None] - gamma_j[None, :]) * kk
 
 
 @triton.jit
-def _diag_a(k_i, a_i, gamma_i, PREC: tl.constexpr):
+def _diag_a(k_i, a_i, gamma_i, PREC: tl.constexpr, DT: tl.constexpr):
     """(3) diagonal block of A: a_i e^{γ_i − γ_j} k_iᵀk_j for j < i inside one 16-token block."""
     rows = tl.arange(0, 16)
     strict = rows[:, None] > rows[None, :]
     decay = tl.exp(tl.where(strict, gamma_i[:, None] - gamma_i[None, :], -float("inf")))
-    kk = tl.dot(k_i, tl.trans(k_i), input_precision=PREC)
+    kk = tl.dot(k_i.to(DT), tl.trans(k_i.to(DT)), input_precision=PREC)
     return tl.where(strict, a_i[:, None] * decay * kk, 0.0)
 
 
@@ -192,6 +198,7 @@ def chunk_prepare_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
+    LOW_PRECISION_DOTS: tl.constexpr,
 ):
     """(3)–(4) for one 64-token chunk and head, in four 16-token blocks:
     W = T diag(aΓ) K and Ũ = T diag(b) V with T = (I + A)^{-1} by block forward substitution
@@ -219,70 +226,68 @@ def chunk_prepare_kernel(
     c2 = tl.cumsum(g2, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
     c3 = tl.cumsum(g3, axis=0) + tl.sum(g0, axis=0) + tl.sum(g1, axis=0) + tl.sum(g2, axis=0)
 
+    # Operand dtype of the small matrix products: the inputs' (bf16/fp16) or fp32.
+    DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
     D0, D1, D2, D3 = _diag_inverses(
-        _diag_a(k0, a0, c0, PREC),
-        _diag_a(k1, a1, c1, PREC),
-        _diag_a(k2, a2, c2, PREC),
-        _diag_a(k3, a3, c3, PREC),
+        _diag_a(k0, a0, c0, PREC, DT),
+        _diag_a(k1, a1, c1, PREC, DT),
+        _diag_a(k2, a2, c2, PREC, DT),
+        _diag_a(k3, a3, c3, PREC, DT),
     )
-    A10 = _a_block(k1, k0, a1, c1, c0, PREC)
-    A20 = _a_block(k2, k0, a2, c2, c0, PREC)
-    A21 = _a_block(k2, k1, a2, c2, c1, PREC)
-    A30 = _a_block(k3, k0, a3, c3, c0, PREC)
-    A31 = _a_block(k3, k1, a3, c3, c1, PREC)
-    A32 = _a_block(k3, k2, a3, c3, c2, PREC)
+    A10 = _a_block(k1, k0, a1, c1, c0, PREC, DT)
+    A20 = _a_block(k2, k0, a2, c2, c0, PREC, DT)
+    A21 = _a_block(k2, k1, a2, c2, c1, PREC, DT)
+    A30 = _a_block(k3, k0, a3, c3, c0, PREC, DT)
+    A31 = _a_block(k3, k1, a3, c3, c1, PREC, DT)
+    A32 = _a_block(k3, k2, a3, c3, c2, PREC, DT)
 
-    # W = T diag(aΓ) K
-    w0 = tl.dot(D0, (a0 * tl.exp(c0))[:, None] * k0, input_precision=PREC)
-    w1 = tl.dot(
-        D1,
-        (a1 * tl.exp(c1))[:, None] * k1 - tl.dot(A10, w0, input_precision=PREC),
-        input_precision=PREC,
-    )
-    w2 = tl.dot(
+    # W = T diag(aΓ) K, block by block: W_b = D_b (X_b − Σ_{j<b} A_bj W_j)
+    w0 = _mm(D0, (a0 * tl.exp(c0))[:, None] * k0, PREC, DT)
+    w1 = _mm(D1, (a1 * tl.exp(c1))[:, None] * k1 - _mm(A10, w0, PREC, DT), PREC, DT)
+    w2 = _mm(
         D2,
-        (a2 * tl.exp(c2))[:, None] * k2
-        - tl.dot(A20, w0, input_precision=PREC)
-        - tl.dot(A21, w1, input_precision=PREC),
-        input_precision=PREC,
+        (a2 * tl.exp(c2))[:, None] * k2 - _mm(A20, w0, PREC, DT) - _mm(A21, w1, PREC, DT),
+        PREC,
+        DT,
     )
-    w3 = tl.dot(
+    w3 = _mm(
         D3,
         (a3 * tl.exp(c3))[:, None] * k3
-        - tl.dot(A30, w0, input_precision=PREC)
-        - tl.dot(A31, w1, input_precision=PREC)
-        - tl.dot(A32, w2, input_precision=PREC),
-        input_precision=PREC,
+        - _mm(A30, w0, PREC, DT)
+        - _mm(A31, w1, PREC, DT)
+        - _mm(A32, w2, PREC, DT),
+        PREC,
+        DT,
     )
     _store_rows(w_ptr, w0, t0, eos, i_h, H, Dk, BK)
     _store_rows(w_ptr, w1, t0 + 16, eos, i_h, H, Dk, BK)
     _store_rows(w_ptr, w2, t0 + 32, eos, i_h, H, Dk, BK)
     _store_rows(w_ptr, w3, t0 + 48, eos, i_h, H, Dk, BK)
 
-    # Ũ = T diag(b) V
-    u0 = tl.dot(
-        D0, b0[:, None] * _load_values(v_ptr, t0, eos, i_h, H, Dv, BV), input_precision=PREC
-    )
-    u1 = tl.dot(
+    # Ũ = T diag(b) V, the same substitution
+    u0 = _mm(D0, b0[:, None] * _load_values(v_ptr, t0, eos, i_h, H, Dv, BV), PREC, DT)
+    u1 = _mm(
         D1,
-        b1[:, None] * _load_values(v_ptr, t0 + 16, eos, i_h, H, Dv, BV)
-        - tl.dot(A10, u0, input_precision=PREC),
-        input_precision=PREC,
+        b1[:, None] * _load_values(v_ptr, t0 + 16, eos, i_h, H, Dv, BV) - _mm(A10, u0, PREC, DT),
+        PREC,
+        DT,
     )
-    u2 = tl.dot(
+    u2 = _mm(
         D2,
         b2[:, None] * _load_values(v_ptr, t0 + 32, eos, i_h, H, Dv, BV)
-        - tl.dot(A20, u0, input_precision=PREC)
-        - tl.dot(A21, u1, input_precision=PREC),
-        input_precision=PREC,
+        - _mm(A20, u0, PREC, DT)
+        - _mm(A21, u1, PREC, DT),
+        PREC,
+        DT,
     )
-    u3 = tl.dot(
+    u3 = _mm(
         D3,
         b3[:, None] * _load_values(v_ptr, t0 + 48, eos, i_h, H, Dv, BV)
-        - tl.dot(A30, u0, input_precision=PREC)
-        - tl.dot(A31, u1, input_precision=PREC)
-        - tl.dot(A32, u2, input_precision=PREC),
-        input_precision=PREC,
+        - _mm(A30, u0, PREC, DT)
+        - _mm(A31, u1, PREC, DT)
+        - _mm(A32, u2, PREC, DT),
+        PREC,
+        DT,
     )
     _store_rows(u_ptr, u0, t0, eos, i_h, H, Dv, BV)
     _store_rows(u_ptr, u1, t0 + 16, eos, i_h, H, Dv, BV)
