@@ -204,8 +204,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- eval / generate
 def _load_trained(path: str, device: str) -> tuple[Any, Any, Path]:
     """(config, model with checkpoint weights, checkpoint dir) for a run or checkpoint dir."""
-    import torch
-
     from deltaflow.train import TrainConfig, build_model, load_checkpoint, resolve_checkpoint
     from deltaflow.train.trainer import DistInfo, resolve_device
 
@@ -215,7 +213,6 @@ def _load_trained(path: str, device: str) -> tuple[Any, Any, Path]:
     model = build_model(config, vocab).to(resolve_device(device, DistInfo()))
     load_checkpoint(ckpt, model=model, restore_rng=False)
     model.eval()
-    torch.set_grad_enabled(False)
     return config, model, ckpt
 
 
@@ -364,6 +361,8 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         help="folder with corpus/ and tokenizers/ (lm_corpus preset); "
         "default: $DELTAFLOW_SHARED, ./shared or ../shared",
     )
+    p.add_argument("--jobs", type=int, help="parallel runs (default: CPU cores on CPU, 1 on GPU)")
+    p.add_argument("--threads", type=int, help="torch threads per run (default 1 when --jobs > 1)")
     p.add_argument("--list", action="store_true", help="list presets and variants, exit")
     p.add_argument("--dry-run", action="store_true", help="print the runs, train nothing")
     p.add_argument("--no-progress", action="store_true")

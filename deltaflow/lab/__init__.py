@@ -7,7 +7,7 @@
 ``deltaflow compare --preset NAME`` is the command-line form; see docs/lab.md.
 """
 
-from deltaflow.lab.compare import RunSpec, compare, expand_grid, run_grid, select_best
+from deltaflow.lab.grid import RunSpec, compare, expand_grid, run_grid, select_best
 from deltaflow.lab.plots import make_plots
 from deltaflow.lab.presets import PRESETS, VARIANTS, Preset, get_preset
 from deltaflow.lab.report import markdown_report, results_table

@@ -8,6 +8,7 @@ results are never reused.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -148,6 +149,25 @@ def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     return record
 
 
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def default_jobs(specs: list[RunSpec]) -> int:
+    """CPU grids: one single-threaded run per core (small models waste a second thread, and
+    oversubscribed OpenMP threads spin). GPU grids: one run at a time."""
+    import torch
+
+    on_gpu = any(
+        s.config.device.startswith("cuda")
+        or (s.config.device == "auto" and torch.cuda.is_available())
+        for s in specs
+    )
+    return 1 if on_gpu else max(1, min(len(specs), os.cpu_count() or 1))
+
+
 def run_grid(
     specs: list[RunSpec],
     out_dir: str | Path,
@@ -155,8 +175,14 @@ def run_grid(
     metric: str | None = None,
     progress: bool = True,
     run_progress: bool = False,
+    jobs: int = 1,
+    threads: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Train every spec not already in ``out_dir/runs.jsonl``; returns the records of ``specs``."""
+    """Train every spec not already in ``out_dir/runs.jsonl``; returns the records of ``specs``.
+
+    ``jobs > 1`` trains that many runs at once in worker processes (``threads`` torch threads
+    each, default 1); results do not depend on ``jobs``.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "runs.jsonl"
@@ -169,12 +195,31 @@ def run_grid(
         unit="run",
         disable=not progress,
     )
-    with open(log_path, "a") as log:
-        for spec in todo:
-            bar.set_postfix_str(
-                f"{spec.variant} {spec.cell} w={spec.width} lr={spec.lr:g} s={spec.seed}"
-            )
-            record = run_one(spec, progress=run_progress)
+    if jobs > 1 and len(todo) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        pool = ProcessPoolExecutor(
+            max_workers=min(jobs, len(todo)),
+            mp_context=mp.get_context("spawn"),  # fork + OpenMP can deadlock
+            initializer=_init_worker,
+            initargs=(threads or 1,),
+        )
+        futures = [pool.submit(run_one, spec) for spec in todo]
+        results = (f.result() for f in as_completed(futures))
+        bar.set_postfix_str(f"{min(jobs, len(todo))} parallel jobs")
+    else:
+        pool = None
+        if threads is not None:
+            _init_worker(threads)
+        results = (run_one(spec, progress=run_progress) for spec in todo)
+    by_id = {s.run_id: s for s in todo}
+    with contextlib.ExitStack() as stack:
+        if pool is not None:  # on Ctrl-C, drop queued runs instead of waiting for them
+            stack.callback(pool.shutdown, cancel_futures=True)
+        log = stack.enter_context(open(log_path, "a"))
+        for record in results:
+            spec = by_id[record["id"]]
             done[spec.run_id] = record
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -265,10 +310,13 @@ def compare(
     overrides: dict[str, Any] | None = None,
     command: str = "",
     progress: bool = True,
+    jobs: int | None = None,
+    threads: int | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run the grid, then write results.md, summary.json and PNG plots into ``out_dir``.
 
-    Returns (best rows, markdown table).
+    ``jobs``: parallel runs (default: one per CPU core on CPU, 1 on GPU). Returns (best rows,
+    markdown table).
     """
     from deltaflow.lab.plots import make_plots
     from deltaflow.lab.report import markdown_report, results_table
@@ -278,7 +326,10 @@ def compare(
     specs = expand_grid(
         preset, device=device, steps=steps, scale=scale, shared=shared, overrides=overrides
     )
-    records = run_grid(specs, out, metric=preset.metric, progress=progress)
+    jobs = default_jobs(specs) if jobs is None else jobs
+    records = run_grid(
+        specs, out, metric=preset.metric, progress=progress, jobs=jobs, threads=threads
+    )
     rows = select_best(records, preset)
     plots = make_plots(rows, preset, out)
     seconds = time.perf_counter() - start

@@ -1,0 +1,236 @@
+"""The `deltaflow` CLI and the compare lab, end to end on tiny real tasks and models."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+import deltaflow.lab.grid as grid_module
+from deltaflow.cli import build_parser, main
+from deltaflow.lab import Preset, compare, expand_grid, select_best
+from deltaflow.train import latest_checkpoint, read_log
+
+TINY_MODEL = ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2", "--backend", "torch"]
+TINY_MQAR = ["--task", "mqar", "--seq-len", "16", "--num-kv-pairs", "2", "--vocab-size", "24"]
+FAST = ["--device", "cpu", "--no-progress", "--log-every", "1", "--batch-size", "8"]
+EVAL = ["--set", "eval_kwargs={num_examples: 32, batch_size: 32}"]
+
+
+def test_train_eval_resume_roundtrip(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", *TINY_MQAR, "--rule", "efla", "--decay", *TINY_MODEL, *FAST, *EVAL]
+    assert main([*args, "--steps", "3", "--ckpt-every", "2", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["step"] == 3 and 0 <= summary["eval"]["accuracy"] <= 1
+    assert latest_checkpoint(out).name == "step_0000003"
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["model"]["rule"] == "efla" and saved["model"]["use_decay"] is True
+    # Asking for more steps in the same directory continues from step 3.
+    assert main([*args, "--steps", "5", "--out", str(out)]) == 0
+    capsys.readouterr()
+    events = [r for r in read_log(out) if r["kind"] == "event"]
+    assert [e["event"] for e in events] == ["start", "resume"] and events[1]["step"] == 3
+    assert [r["step"] for r in read_log(out) if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+
+    assert main(["eval", str(out), "--device", "cpu", "--json", "--num-examples", "16"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert {"accuracy", "scaled_accuracy", "loss"} <= set(metrics)
+    assert metrics["num_scored"] == 16 * 2  # 16 examples x 2 queries: the override took effect
+
+
+def test_config_file_flags_and_set_precedence(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "task": "mqar",
+                "task_kwargs": {"seq_len": 64, "num_kv_pairs": 4},
+                "model": {"rule": "delta", "hidden_size": 64},
+                "lr": "1e-3",  # YAML 1.1 reads this as a string; must still work
+                "steps": 100,
+            }
+        )
+    )
+    argv = ["train", "--config", str(cfg), "--rule", "longhorn", "--steps", "7"]
+    argv += ["--set", "model.hidden_size=32", "--qk-norm", "l2,none", "--print-config"]
+    assert main(argv) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["model"] == {"rule": "longhorn", "hidden_size": 32, "qk_norm": ["l2", "none"]}
+    assert resolved["steps"] == 7 and resolved["lr"] == 1e-3
+    assert resolved["task_kwargs"] == {"seq_len": 64, "num_kv_pairs": 4}
+
+
+def test_shipped_config_files_parse(capsys):
+    configs = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    assert configs, "configs/*.yaml missing"
+    for path in configs:
+        assert main(["train", "--config", str(path), "--print-config"]) == 0, path
+    capsys.readouterr()
+
+
+def test_bad_input_is_a_clear_error_not_a_traceback(capsys):
+    assert (
+        main(["train", "--task", "nope", "--steps", "1", "--device", "cpu", "--no-progress"]) == 2
+    )
+    assert "unknown task 'nope'" in capsys.readouterr().err
+    assert main(["train", "--steps", "0", "--print-config"]) == 2
+    assert "steps must be a positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--set", "no_equals_sign"])
+
+
+def test_parser_has_every_subcommand():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert {"train", "eval", "generate", "compare"} <= set(sub.choices)
+    try:
+        import deltaflow.analysis.cli  # noqa: F401
+    except ImportError:
+        return
+    assert "stability" in sub.choices
+
+
+def test_generate_from_a_byte_level_lm(tmp_path, capsys):
+    data = tmp_path / "text"
+    data.mkdir()
+    (data / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    (data / "b.txt").write_text("a stitch in time saves nine. " * 40)
+    out = tmp_path / "lm"
+    argv = ["train", "--task", "lm", "--data-dir", str(data), "--seq-len", "32", *TINY_MODEL]
+    argv += [
+        "--task-arg",
+        f"cache_dir={tmp_path / 'cache'}",
+        "--steps",
+        "2",
+        *FAST,
+        "--out",
+        str(out),
+    ]
+    argv += ["--set", "eval_kwargs={num_examples: 4}"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    argv = ["generate", str(out), "--prompt", "the quick", "--max-new-tokens", "12"]
+    assert main([*argv, "--device", "cpu", "--num-samples", "2"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("--- sample") == 2 and text.count("the quick") == 2
+    # greedy decoding through the cache equals greedy decoding by full forwards
+    import torch
+
+    from deltaflow.cli import _load_trained
+    from deltaflow.lab.generate import sample
+
+    _, model, _ = _load_trained(str(out), "cpu")
+    ids = torch.tensor([[116, 104, 101, 32, 113]])
+    cached = sample(model, ids, 6, temperature=0)
+    full = ids
+    for _ in range(6):
+        full = torch.cat([full, model(input_ids=full).logits[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(cached, full)
+
+
+# ---------------------------------------------------------------------------- the lab
+def tiny_preset() -> Preset:
+    return Preset(
+        name="tiny",
+        description="test grid",
+        base={
+            "steps": 2,
+            "batch_size": 8,
+            "log_every": 1,
+            "eval_kwargs": {"num_examples": 16, "batch_size": 16},
+            "model": {"num_layers": 1, "num_heads": 2, "backend": "torch"},
+        },
+        cells={
+            "mqar": {
+                "task": "mqar",
+                "task_kwargs": {"seq_len": 16, "num_kv_pairs": 2, "vocab_size": 24},
+            }
+        },
+        variants=["linear", "deltanet"],
+        widths=[8, 16],
+        lrs=[1e-3, 3e-3],
+        metric="accuracy",
+    )
+
+
+def test_compare_grid_writes_table_plots_and_resumes(tmp_path, monkeypatch):
+    preset = tiny_preset()
+    rows, table = compare(
+        preset, tmp_path, device="cpu", progress=False, command="deltaflow x", jobs=2
+    )
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)  # 2 variants x 2 widths
+    assert table.splitlines()[0] == "| model | d=8 | d=16 | params | best lr |"
+    assert {r["best_lr"] for r in rows} <= {1e-3, 3e-3}
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 8
+    assert (tmp_path / "metric_vs_width.png").stat().st_size > 1000
+    assert (tmp_path / "loss_curves.png").stat().st_size > 1000
+    report = (tmp_path / "results.md").read_text()
+    assert "metric_vs_width.png" in report and "deltaflow x" in report
+    assert len(json.loads((tmp_path / "summary.json").read_text())) == 4
+
+    def no_training(*a, **k):
+        raise AssertionError("finished runs must not be retrained")
+
+    monkeypatch.setattr(grid_module, "run_one", no_training)
+    rows2, table2 = compare(preset, tmp_path, device="cpu", progress=False)
+    assert table2 == table
+    # a changed grid point (steps) gets a new id: it is not silently reused
+    ids = {s.run_id for s in expand_grid(preset, device="cpu")}
+    assert not ids & {s.run_id for s in expand_grid(preset, device="cpu", steps=3)}
+
+
+def _record(variant, lr, seed, value, status="ok", width=None):
+    return {
+        "variant": variant,
+        "cell": "c",
+        "width": width,
+        "lr": lr,
+        "seed": seed,
+        "status": status,
+        "eval": {"m": value, "m@8": value} if status == "ok" else {},
+        "curve": [[1, 1.0]],
+    }
+
+
+def test_select_best_picks_lr_by_seed_aggregate_and_penalizes_failures():
+    preset = Preset(
+        "p", "", {}, {"c": {"task": "mqar"}}, ["a"], [0.1, 0.2], seeds=[0, 1], metric="m"
+    )
+    records = [
+        _record("a", 0.1, 0, 0.9),
+        _record("a", 0.1, 1, 0.1),  # mean 0.5, max 0.9
+        _record("a", 0.2, 0, 0.6),
+        _record("a", 0.2, 1, 0.6),  # mean 0.6, max 0.6
+    ]
+    (row,) = select_best(records, preset)
+    assert row["best_lr"] == 0.2 and row["value"] == pytest.approx(0.6) and row["std"] == 0
+    preset.seed_aggregate = "max"
+    (row,) = select_best(records, preset)
+    assert row["best_lr"] == 0.1 and row["value"] == pytest.approx(0.9)
+    # a diverged seed makes its lr the worst under 'mean'
+    preset.seed_aggregate = "mean"
+    records[2] = _record("a", 0.2, 0, None, status="diverged")
+    (row,) = select_best(records, preset)
+    assert row["best_lr"] == 0.1 and row["value"] == pytest.approx(0.5)
+    # lower is better (perplexity)
+    preset.higher_is_better = False
+    records = [_record("a", 0.1, 0, 30.0), _record("a", 0.2, 0, 20.0)]
+    (row,) = select_best(records, preset)
+    assert row["best_lr"] == 0.2 and row["metrics"]["m@8"] == 20.0
+    (row,) = select_best([_record("a", 0.1, 0, None, status="diverged")], preset)
+    assert math.isinf(row["value"])
+
+
+def test_compare_cli_dry_run_and_list(capsys):
+    assert main(["compare", "--dry-run", "--variants", "linear,deltanet", "--steps", "5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("2 runs of 5 steps")
+    assert main(["compare", "--list"]) == 0
+    assert "mqar_512" in capsys.readouterr().out
+    assert main(["compare", "--preset", "state_tracking", "--dry-run", "--seeds", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("18 runs")
+    with pytest.raises(SystemExit, match="unknown variants"):
+        main(["compare", "--variants", "bogus", "--dry-run"])
