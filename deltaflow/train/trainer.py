@@ -24,7 +24,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,7 +311,7 @@ class Trainer:
             kwargs = dict(self.config.eval_kwargs)
             if length is not None:
                 kwargs["length"] = length
-            metrics = _aggregate(self._eval_batches(model, split, kwargs))
+            metrics = self._evaluate_one(model, split, kwargs)
             per_length.append(metrics)
             if length is not None and len(lengths) > 1:
                 out.update({f"{k}@{length}": v for k, v in metrics.items()})
@@ -322,19 +322,35 @@ class Trainer:
             out.update(per_length[0])
         return out
 
-    def _eval_batches(
+    def _evaluate_one(
         self, model: nn.Module, split: str, kwargs: dict[str, Any]
-    ) -> Iterator[tuple[dict[str, float], int]]:
+    ) -> dict[str, float]:
+        """Pool the whole evaluation set exactly when the task offers ``metric_sums``/``finalize``
+        (additive statistics); otherwise average per-batch ``metrics`` weighted by scored tokens."""
+        pooled = hasattr(self.task, "metric_sums") and hasattr(self.task, "finalize")
+        sums: dict[str, float] = {}
+        total = 0
         for batch in self.task.eval_batches(split, **kwargs):
             check_batch(batch)
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with self._autocast():
-                logits = model_logits(model, batch["input_ids"])
-            metrics = self.task.metrics(logits.float(), batch)
-            yield (
-                {k: float(v) for k, v in metrics.items()},
-                int((batch["labels"] != IGNORE_INDEX).sum()),
-            )
+                logits = model_logits(model, batch["input_ids"]).float()
+            if pooled:
+                stats, weight = self.task.metric_sums(logits, batch), 1
+            else:
+                weight = int((batch["labels"] != IGNORE_INDEX).sum())
+                stats = self.task.metrics(logits, batch)
+            total += weight
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
+        if total == 0:
+            raise ValueError(f"evaluation set of task {self.config.task!r} ({split}) is empty")
+        if pooled:
+            return {k: float(v) for k, v in self.task.finalize(sums).items()}
+        out = {k: v / total for k, v in sums.items()}
+        if "loss" in out and "ppl" in out:
+            out["ppl"] = math.exp(out["loss"])  # exp of the mean loss, not the mean of exps
+        return out
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -423,22 +439,6 @@ class Trainer:
     def close(self) -> None:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _aggregate(items: Iterator[tuple[dict[str, float], int]]) -> dict[str, float]:
-    """Mean of per-batch metrics weighted by scored tokens; perplexity recomputed from the loss."""
-    sums: dict[str, float] = {}
-    total = 0
-    for metrics, weight in items:
-        total += weight
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + v * weight
-    if total == 0:
-        raise ValueError("evaluation set is empty (no scored tokens)")
-    out = {k: v / total for k, v in sums.items()}
-    if "loss" in out and "ppl" in out:
-        out["ppl"] = math.exp(out["loss"])  # exp of the mean loss, not the mean of exps
-    return out
 
 
 def train(config: TrainConfig, **kwargs: Any) -> dict[str, Any]:
