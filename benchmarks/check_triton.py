@@ -128,7 +128,9 @@ def main() -> int:
                 T = sum(lengths)
                 cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
             for j, rule in enumerate(sorted(RULES)):
-                ne = (i + j) % 2 == 1
+                # trapezoid + negative eigenvalues maps μ into (−3, 1]: unstable by design
+                # (results/stability), so its error grows with the state; check it without.
+                ne = (i + j) % 2 == 1 and rule != "trapezoid"
                 x = make(
                     B,
                     T,

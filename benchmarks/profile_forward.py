@@ -26,7 +26,7 @@ def main() -> None:
     w, u, o = torch.empty_like(k), torch.empty_like(v), torch.empty_like(v)
     sT = torch.empty(B, H, D, D, device="cuda")
 
-    def prepare(warps):
+    def prepare(warps, low=True):
         kernels.chunk_prepare_kernel[(n_chunks, H)](
             k,
             v,
@@ -74,18 +74,10 @@ def main() -> None:
             num_stages=stages,
         )
 
-    for warps in (4, 8):
-        ms = triton.testing.do_bench(lambda warps=warps: prepare(warps), return_mode="median")
-        print(f"prepare warps={warps}: {ms:.3f} ms", flush=True)
-    for BV, warps, stages in [
-        (32, 4, 1),
-        (64, 4, 1),
-        (64, 8, 1),
-        (32, 4, 2),
-        (16, 4, 1),
-        (32, 8, 1),
-        (16, 2, 1),
-    ]:
+    for warps, low in [(4, True), (2, True), (8, True), (4, False)]:
+        ms = triton.testing.do_bench(lambda a=(warps, low): prepare(*a), return_mode="median")
+        print(f"prepare warps={warps} low-precision dots={low}: {ms:.3f} ms", flush=True)
+    for BV, warps, stages in [(64, 8, 1), (64, 8, 2), (128, 8, 1), (64, 4, 1)]:
         ms = triton.testing.do_bench(
             lambda a=(BV, warps, stages): sequential(*a), return_mode="median"
         )

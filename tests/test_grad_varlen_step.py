@@ -201,3 +201,9 @@ def test_bad_cu_seqlens():
         delta_rule(
             **{**d, "initial_state": torch.zeros(1, 2, 4, 3)}, cu_seqlens=torch.tensor([0, 4, 10])
         )
+
+
+def test_trapezoid_negative_eigenvalues_warns():
+    d = make_inputs(1, 4, 1, 3, 2, rule="trapezoid")
+    with pytest.warns(UserWarning, match="unstable"):
+        delta_rule(**d, rule="trapezoid", negative_eigenvalues=True)

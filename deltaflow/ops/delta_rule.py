@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -75,6 +77,13 @@ def delta_rule(
     check_inputs(
         q, k, v, beta, step_rule, log_decay, initial_state, cu_seqlens, chunk_size, backend, eps
     )
+    if negative_eigenvalues and step_rule.name == "trapezoid":
+        warnings.warn(
+            "rule='trapezoid' with negative_eigenvalues=True maps mu into (-3, 1] and is "
+            "unstable for large beta*||k||^2; trapezoid already reaches negative mu by itself "
+            "(see results/stability)",
+            stacklevel=2,
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = resolve_backend(backend, q, step_rule)
     dtype = compute_dtype(q, k, v, beta, initial_state)
