@@ -294,6 +294,9 @@ def select_best(records: list[dict[str, Any]], preset: Preset) -> list[dict[str,
         # the curve of the best seed at the best lr (the run the table number comes from)
         best_run = (max if higher else min)(runs, key=lambda r: metric_value(r, metric, higher))
         row["curve"] = best_run.get("curve", [])
+        row["eval_curve"] = [
+            [r["step"], r[metric]] for r in best_run.get("eval_curve", []) if metric in r
+        ]
         rows.append(row)
     return rows
 
@@ -335,6 +338,8 @@ def compare(
     seconds = time.perf_counter() - start
     n_steps = specs[0].config.steps if specs else 0
     device_name = _device_name(specs[0].config.device if specs else device)
+    if jobs > 1:
+        device_name += f", {jobs} runs in parallel ({threads or 1} thread each)"
     report = markdown_report(
         rows,
         preset,
@@ -345,7 +350,7 @@ def compare(
         plots=plots,
     )
     _atomic_text(out / "results.md", report)
-    summary = [{k: v for k, v in r.items() if k != "curve"} for r in rows]
+    summary = [{k: v for k, v in r.items() if k not in ("curve", "eval_curve")} for r in rows]
     _atomic_text(out / "summary.json", json.dumps(summary, indent=2))
     if command:
         _atomic_text(out / "command.txt", command + "\n")
@@ -359,7 +364,7 @@ def _device_name(device: str) -> str:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{device} ({torch.cuda.get_device_name()})"
-    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    return f"cpu ({os.cpu_count()} cores)"
 
 
 def _atomic_text(path: Path, text: str) -> None:

@@ -116,11 +116,36 @@ def plot_metric_vs_length(rows: list[dict[str, Any]], preset: Preset, out: Path)
     return _save(fig, out / f"{base}_vs_length.png")
 
 
+def plot_metric_curves(rows: list[dict[str, Any]], preset: Preset, out: Path) -> str | None:
+    """Validation headline metric during training (runs with periodic evaluation)."""
+    width = max(preset.widths) if preset.widths else None
+    cells = [
+        c for c in preset.cells if any(r["cell"] == c and len(r["eval_curve"]) > 1 for r in rows)
+    ]
+    if not cells:
+        return None
+    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4), squeeze=False)
+    for ax, cell in zip(axes[0], cells):
+        for variant in preset.variants:
+            for r in rows:
+                if (r["variant"], r["cell"], r["width"]) == (variant, cell, width):
+                    pts = [(s, v) for s, v in r["eval_curve"] if _finite(v)]
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o", label=variant)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"validation {preset.metric}")
+        ax.set_title(cell + (f", d={width}" if width else ""))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, out / f"{preset.metric}_curves.png")
+
+
 def make_plots(rows: list[dict[str, Any]], preset: Preset, out_dir: str | Path) -> list[str]:
     out = Path(out_dir)
     made = [
         plot_metric_vs_width(rows, preset, out),
         plot_metric_vs_length(rows, preset, out),
         plot_loss_curves(rows, preset, out),
+        plot_metric_curves(rows, preset, out),
     ]
     return [m for m in made if m]

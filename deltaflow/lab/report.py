@@ -75,6 +75,8 @@ def markdown_report(
 ) -> str:
     seeds = len(preset.seeds)
     agg = "best of" if preset.seed_aggregate == "max" else "mean ± std over"
+    if seeds == 1:
+        agg = "one seed"
     direction = "higher" if preset.higher_is_better else "lower"
     lines = [
         f"# deltaflow compare: `{preset.name}`",
@@ -82,7 +84,8 @@ def markdown_report(
         preset.description,
         "",
         f"Metric: **{preset.metric}** ({direction} is better) on the validation set at the best "
-        f"learning rate of {[f'{lr:g}' for lr in preset.lrs]} per cell, {agg} {seeds} seed(s). "
+        f"learning rate of {[f'{lr:g}' for lr in preset.lrs]} per cell, "
+        f"{agg if seeds == 1 else f'{agg} {seeds} seeds'}. "
         f"{steps} training steps per run; device {device}; grid wall time {seconds / 60:.1f} min.",
         "",
         results_table(rows, preset),
