@@ -357,6 +357,16 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", type=int, help="number of seeds (0..N-1)")
     p.add_argument("--batch-size", type=int, help="override the preset's batch size")
     p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        type=_kv,
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a base config field of every run, e.g. "
+        "model.num_layers=4 or 'eval_kwargs={num_examples: 64}' (repeatable)",
+    )
+    p.add_argument(
         "--shared",
         help="folder with corpus/ and tokenizers/ (lm_corpus preset); "
         "default: $DELTAFLOW_SHARED, ./shared or ../shared",
@@ -415,7 +425,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         preset.lrs = _csv(args.lrs, float)
     if args.seeds is not None:
         preset.seeds = list(range(args.seeds))
-    overrides = {"batch_size": args.batch_size} if args.batch_size else None
+    from deltaflow.train import apply_overrides
+
+    overrides = apply_overrides({}, args.overrides)
+    if args.batch_size:
+        overrides["batch_size"] = args.batch_size
     shared = _shared_dir(args.shared)
     out = Path(args.out or f"results/{preset.name}")
     specs = expand_grid(

@@ -23,7 +23,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from deltaflow.lab.presets import Preset
+from deltaflow.lab.presets import VARIANTS, Preset
 from deltaflow.train import DivergenceError, TrainConfig, Trainer
 
 
@@ -67,7 +67,11 @@ def expand_grid(
 ) -> list[RunSpec]:
     """All runs of a preset, in the order they will be trained (cheapest widths first)."""
     base = copy.deepcopy(preset.base)
-    base.update(overrides or {})
+    for key, value in (overrides or {}).items():  # section overrides merge: model.x=... keeps model
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
     n_steps = steps if steps is not None else max(1, round(base.get("steps", 1000) * scale))
     base["steps"] = n_steps
     if base.get("warmup_steps") is not None:
@@ -82,14 +86,16 @@ def expand_grid(
                 for lr in preset.lrs:
                     for seed in preset.seeds:
                         data = copy.deepcopy(base)
-                        data["model"] = preset.variant_model(variant)
+                        preset.variant_model(variant)  # validates the name
+                        data["model"] = {**base.get("model", {}), **VARIANTS[variant]}
                         if width is not None:
                             data["model"]["hidden_size"] = width
                         data["task"] = cell_spec["task"]
                         task_kwargs = {
                             k: _fill(v, shared) for k, v in cell_spec.get("task_kwargs", {}).items()
                         }
-                        data["task_kwargs"] = {**task_kwargs, "seed": seed}
+                        extra = base.get("task_kwargs", {})  # from --set task_kwargs.x=...
+                        data["task_kwargs"] = {**task_kwargs, **extra, "seed": seed}
                         for key, value in cell_spec.items():  # per-cell TrainConfig overrides
                             if key not in ("task", "task_kwargs"):
                                 data[key] = copy.deepcopy(value)
