@@ -346,14 +346,32 @@ def compare(
     device_name = _device_name(specs[0].config.device if specs else device)
     if jobs > 1:
         device_name += f", {jobs} runs in parallel ({threads or 1} thread each)"
+    details = []
+    for cell in preset.cells:  # what actually ran (after --set overrides), self-describing
+        cfg = next(s.config for s in specs if s.cell == cell)
+        kwargs = {k: v for k, v in cfg.task_kwargs.items() if k != "seed"}
+        details.append(f"cell `{cell}`: task `{cfg.task}` {json.dumps(kwargs)}")
+    if specs:
+        cfg = specs[0].config
+        model = {k: v for k, v in cfg.model.items() if k not in VARIANTS[specs[0].variant]}
+        details.append(
+            f"shared model args {json.dumps(model)}; batch {cfg.batch_size}, warmup "
+            f"{cfg.resolved_warmup_steps}, weight decay {cfg.weight_decay}, "
+            f"grad clip {cfg.grad_clip}"
+        )
+    run_seconds = sum(r.get("seconds", 0.0) for r in records)
+    details.append(
+        f"{len(records)} runs, {run_seconds / 60:.1f} run-minutes in total; this invocation "
+        f"took {seconds / 60:.1f} min wall"
+    )
     report = markdown_report(
         rows,
         preset,
         command=command,
-        seconds=seconds,
         device=device_name,
         steps=n_steps,
         plots=plots,
+        details=details,
     )
     _atomic_text(out / "results.md", report)
     summary = [{k: v for k, v in r.items() if k not in ("curve", "eval_curve")} for r in rows]

@@ -68,10 +68,10 @@ def markdown_report(
     preset: Preset,
     *,
     command: str,
-    seconds: float,
     device: str,
     steps: int,
     plots: list[str],
+    details: list[str] | None = None,
 ) -> str:
     seeds = len(preset.seeds)
     agg = "best of" if preset.seed_aggregate == "max" else "mean ± std over"
@@ -86,11 +86,13 @@ def markdown_report(
         f"Metric: **{preset.metric}** ({direction} is better) on the validation set at the best "
         f"learning rate of {[f'{lr:g}' for lr in preset.lrs]} per cell, "
         f"{agg if seeds == 1 else f'{agg} {seeds} seeds'}. "
-        f"{steps} training steps per run; device {device}; grid wall time {seconds / 60:.1f} min.",
+        f"{steps} training steps per run; device {device}.",
         "",
         results_table(rows, preset),
         "",
     ]
+    if details:
+        lines += [f"- {d}" for d in details] + [""]
     if preset.expect:
         lines += [f"Expected: {preset.expect}", ""]
     failed = [r for r in rows if r["status"] != "ok"]
