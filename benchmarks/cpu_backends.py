@@ -20,8 +20,9 @@ import torch
 from deltaflow import delta_rule
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
+def timed(fn, repeats: int, warmup: bool = True) -> float:
+    if warmup:  # the reference loop needs none (and a warm-up would cost minutes)
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -38,9 +39,12 @@ def main() -> None:
     parser.add_argument("--D", type=int, default=64)
     parser.add_argument("--rule", default="delta")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_backends.md"))
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     B, T, H, D = args.B, args.T, args.H, args.D
     q = torch.randn(B, T, H, D, generator=g)
@@ -62,7 +66,14 @@ def main() -> None:
             o, _ = delta_rule(*xs[:4], rule=args.rule, log_decay=xs[4], backend=backend)
             o.sum().backward()
 
-        rows.append((backend, timed(forward, args.repeats), timed(forward_backward, args.repeats)))
+        warm = backend != "reference"
+        rows.append(
+            (
+                backend,
+                timed(forward, args.repeats, warm),
+                timed(forward_backward, args.repeats, warm),
+            )
+        )
 
     ref = rows[0]
     commit = subprocess.run(
