@@ -47,6 +47,7 @@ def main() -> None:
             HAS_BETA=True,
             HAS_DECAY=True,
             PREC="tf32",
+            LOW_PRECISION_DOTS=low,
             num_warps=warps,
         )
 
