@@ -155,7 +155,13 @@ def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
     return record
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, counter: Any = None, num_gpus: int = 0) -> None:
+    """Worker setup: torch threads, and on multi-GPU hosts one GPU per worker (round robin)."""
+    if counter is not None and num_gpus > 1:
+        with counter.get_lock():
+            index = counter.value
+            counter.value += 1
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(index % num_gpus)  # before CUDA initializes
     import torch
 
     torch.set_num_threads(threads)
@@ -187,7 +193,8 @@ def run_grid(
     """Train every spec not already in ``out_dir/runs.jsonl``; returns the records of ``specs``.
 
     ``jobs > 1`` trains that many runs at once in worker processes (``threads`` torch threads
-    each, default 1); results do not depend on ``jobs``.
+    each, default 1; on a multi-GPU host the workers are spread over the GPUs); results do
+    not depend on ``jobs``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -205,11 +212,15 @@ def run_grid(
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
+        import torch
+
+        ctx = mp.get_context("spawn")  # fork + OpenMP (or CUDA) can deadlock
+        num_gpus = torch.cuda.device_count() if default_jobs(todo) == 1 else 0
         pool = ProcessPoolExecutor(
             max_workers=min(jobs, len(todo)),
-            mp_context=mp.get_context("spawn"),  # fork + OpenMP can deadlock
+            mp_context=ctx,
             initializer=_init_worker,
-            initargs=(threads or 1,),
+            initargs=(threads or 1, ctx.Value("i", 0), num_gpus),
         )
         futures = [pool.submit(run_one, spec) for spec in todo]
         results = (f.result() for f in as_completed(futures))
