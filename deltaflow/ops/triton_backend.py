@@ -140,10 +140,10 @@ def _forward(
     o = _output(B, T, H, Dv, like=q, dtype=v.dtype)
     final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    # bf16/fp16: 64 value columns and 8 warps. Triton 3.6 on Hopper miscompiles this kernel
-    # with 16/32 columns in bf16 (compute-sanitizer: invalid __shared__ read; benchmarks/NOTES.md).
+    # 64 value columns, 4 warps (benchmarks/NOTES.md). Triton 3.6 on Hopper miscompiles this
+    # kernel with 16/32 columns in bf16 (compute-sanitizer: invalid __shared__ read).
     BV = min(BV_all, 32 if dot_dtype == torch.float32 else 64)
-    warps = 4 if dot_dtype == torch.float32 else 8
+    warps = 4
     kernels.chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
         q,
         k,
@@ -172,7 +172,7 @@ def _forward(
 # Launch settings of the prepare kernel (benchmarks/NOTES.md). Low-precision dots: its small
 # products take bf16/fp16 operands (as fla does) instead of tf32; accumulation stays fp32.
 PREPARE_LOW_PRECISION_DOTS = True
-PREPARE_WARPS = 4
+PREPARE_WARPS = 2
 
 
 # ---------------------------------------------------------------------------------------------
