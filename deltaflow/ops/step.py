@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_coefficients
+from deltaflow.ops.naive import recurrent_delta_rule
+from deltaflow.rules import CoefficientFn, StepRule, get_rule
 
 
 def delta_rule_step(
@@ -40,7 +41,7 @@ def delta_rule_step(
         from deltaflow.ops.delta_rule import _triton_backend
 
         triton_backend = _triton_backend()
-        if triton_backend is not None and hasattr(triton_backend, "delta_rule_step"):
+        if triton_backend is not None:
             return triton_backend.delta_rule_step(
                 q,
                 k,
@@ -54,31 +55,13 @@ def delta_rule_step(
                 scale=scale,
             )
 
-    dtype = state.dtype
-    kf, vf, qf = k.to(dtype), v.to(dtype), q.to(dtype)
-    lam = (kf * kf).sum(-1)
-    a, b = step_coefficients(
-        step_rule,
-        None if beta is None else beta.to(dtype),
-        lam,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
+    # Elsewhere: the reference recurrence from this state, written back in place.
+    o, new_state = recurrent_delta_rule(
+        q, k, v, beta, step_rule, log_decay, negative_eigenvalues, eps, scale, state, state.dtype
     )
-    alpha = None if log_decay is None else torch.exp(log_decay.to(dtype))
-    S = state
-    outputs = []
-    for t in range(q.shape[1]):
-        k_t = kf[:, t]
-        kS = torch.einsum("bhk,bhkv->bhv", k_t, S)
-        # S_t = α_t (I − a_t k kᵀ) S_{t−1} + b_t k vᵀ  (DESIGN.md §1)
-        S = S - torch.einsum("bhk,bhv->bhkv", k_t, a[:, t, :, None] * kS)
-        if alpha is not None:
-            S = alpha[:, t, :, None, None] * S
-        S = S + torch.einsum("bhk,bhv->bhkv", k_t, b[:, t, :, None] * vf[:, t])
-        outputs.append(scale * torch.einsum("bhkv,bhk->bhv", S, qf[:, t]))
     with torch.no_grad():
-        state.copy_(S)
-    return torch.stack(outputs, dim=1).to(v.dtype)
+        state.copy_(new_state)
+    return o.to(v.dtype)
 
 
 def _check_step_shapes(q, k, v, beta, rule, log_decay, state) -> None:
