@@ -373,6 +373,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--jobs", type=int, help="parallel runs (default: CPU cores on CPU, 1 on GPU)")
     p.add_argument("--threads", type=int, help="torch threads per run (default 1 when --jobs > 1)")
+    p.add_argument("--note", help="a line put at the top of results.md (e.g. 'CPU-scale run')")
     p.add_argument("--list", action="store_true", help="list presets and variants, exit")
     p.add_argument("--dry-run", action="store_true", help="print the runs, train nothing")
     p.add_argument("--no-progress", action="store_true")
@@ -456,6 +457,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         overrides=overrides,
         command=command.strip(),
         progress=not args.no_progress,
+        jobs=args.jobs,
+        threads=args.threads,
+        note=args.note,
     )
     print(f"\n{preset.name}: {preset.metric} at the best lr per cell ({out}/results.md)\n")
     print(table)

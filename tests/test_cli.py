@@ -234,3 +234,27 @@ def test_compare_cli_dry_run_and_list(capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("18 runs")
     with pytest.raises(SystemExit, match="unknown variants"):
         main(["compare", "--variants", "bogus", "--dry-run"])
+
+
+def test_compare_cli_passes_every_knob_through(monkeypatch, tmp_path, capsys):
+    import deltaflow.lab
+
+    seen = {}
+
+    def fake_compare(preset, out, **kw):
+        seen.update(kw, preset=preset, out=out)
+        return [], "| table |"
+
+    monkeypatch.setattr(deltaflow.lab, "compare", fake_compare)
+    argv = ["compare", "--preset", "mqar_512", "--out", str(tmp_path), "--jobs", "3"]
+    argv += ["--threads", "2", "--note", "CPU-scale", "--widths", "16,32", "--lrs", "1e-2"]
+    argv += ["--set", "model.num_layers=1", "--batch-size", "8", "--steps", "9", "--seeds", "2"]
+    assert main([*argv, "--device", "cpu", "--variants", "linear"]) == 0
+    assert "| table |" in capsys.readouterr().out
+    assert seen["jobs"] == 3 and seen["threads"] == 2 and seen["note"] == "CPU-scale"
+    assert seen["overrides"] == {"model": {"num_layers": 1}, "batch_size": 8}
+    assert seen["steps"] == 9 and seen["device"] == "cpu" and seen["out"] == tmp_path
+    preset = seen["preset"]
+    assert preset.widths == [16, 32] and preset.lrs == [1e-2] and preset.seeds == [0, 1]
+    assert preset.variants == ["linear"]
+    assert seen["command"].startswith("deltaflow compare --preset mqar_512")

@@ -332,6 +332,7 @@ def compare(
     progress: bool = True,
     jobs: int | None = None,
     threads: int | None = None,
+    note: str | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run the grid, then write results.md, summary.json and PNG plots into ``out_dir``.
 
@@ -347,6 +348,9 @@ def compare(
         preset, device=device, steps=steps, scale=scale, shared=shared, overrides=overrides
     )
     jobs = default_jobs(specs) if jobs is None else jobs
+    if specs and specs[0].config.eval_lengths and len(specs[0].config.eval_lengths) > 1:
+        preset = copy.deepcopy(preset)  # one table column per evaluation length
+        preset.table_metrics = [f"{preset.metric}@{n}" for n in specs[0].config.eval_lengths]
     records = run_grid(
         specs, out, metric=preset.metric, progress=progress, jobs=jobs, threads=threads
     )
@@ -364,7 +368,8 @@ def compare(
         details.append(f"cell `{cell}`: task `{cfg.task}` {json.dumps(kwargs)}")
     if specs:
         cfg = specs[0].config
-        model = {k: v for k, v in cfg.model.items() if k not in VARIANTS[specs[0].variant]}
+        skip = set(VARIANTS[specs[0].variant]) | ({"hidden_size"} if preset.widths else set())
+        model = {k: v for k, v in cfg.model.items() if k not in skip}
         details.append(
             f"shared model args {json.dumps(model)}; batch {cfg.batch_size}, warmup "
             f"{cfg.resolved_warmup_steps}, weight decay {cfg.weight_decay}, "
@@ -383,6 +388,7 @@ def compare(
         steps=n_steps,
         plots=plots,
         details=details,
+        note=note,
     )
     _atomic_text(out / "results.md", report)
     summary = [{k: v for k, v in r.items() if k not in ("curve", "eval_curve")} for r in rows]

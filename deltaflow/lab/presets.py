@@ -194,7 +194,6 @@ LM_CORPUS = Preset(
     lrs=[1.5e-3],
     metric="ppl",
     higher_is_better=False,
-    table_metrics=["ppl@512", "ppl@1024", "ppl@2048"],
     expect=(
         "compare ranks, not values: gated variants and EFLA ahead of DeltaNet; Kaczmarz "
         "behind relaxed Kaczmarz; recurrent models hold perplexity at 2x/4x length, the "

@@ -72,6 +72,7 @@ def markdown_report(
     steps: int,
     plots: list[str],
     details: list[str] | None = None,
+    note: str | None = None,
 ) -> str:
     seeds = len(preset.seeds)
     agg = "best of" if preset.seed_aggregate == "max" else "mean ± std over"
@@ -81,6 +82,7 @@ def markdown_report(
     lines = [
         f"# deltaflow compare: `{preset.name}`",
         "",
+        *([f"> **{note}**", ""] if note else []),
         preset.description,
         "",
         f"Metric: **{preset.metric}** ({direction} is better) on the validation set at the best "
