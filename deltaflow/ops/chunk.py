@@ -61,44 +61,149 @@ def chunk_delta_rule(
     C = chunk_size
     if log_decay is None:
         log_decay = torch.zeros_like(a)
+    if initial_state is None:
+        initial_state = q.new_zeros(B, H, Dk, Dv)
     pad = (-T) % C
     if pad:  # identity steps at the end: k = v = 0, a = b = 0, α = 1
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         a, b, log_decay = (F.pad(x, (0, 0, 0, pad)) for x in (a, b, log_decay))
     N = (T + pad) // C
-    q, k, v = (_to_chunks(x, N, C) for x in (q, k, v))  # [B, H, N, C, D]
-    a, b, log_decay = (_to_chunks(x, N, C) for x in (a, b, log_decay))  # [B, H, N, C]
+    chunks = [_to_chunks(x, N, C) for x in (q, k, v, a, b, log_decay)]  # [B, H, N, C, ...]
+    o, state, *_ = ChunkedRecurrence.apply(*chunks, initial_state, scale)
+    return o.movedim(1, 3).reshape(B, N * C, H, Dv)[:, :T], state
 
+
+class ChunkedRecurrence(torch.autograd.Function):
+    """(3)–(6) on chunked tensors, with the hand-derived backward of :func:`_backward`.
+
+    New-style (``setup_context``) so that torch.func transforms work through it; the saved
+    intermediates leave ``forward`` as extra, non-differentiable outputs.
+    """
+
+    @staticmethod
+    def forward(q, k, v, a, b, log_decay, initial_state, scale):
+        o, state, saved = _forward(q, k, v, a, b, log_decay, initial_state, scale)
+        return (o, state, *saved)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, a, b, _, _, scale = inputs
+        _, _, *saved = output
+        ctx.mark_non_differentiable(*saved)
+        ctx.save_for_backward(q, k, v, a, b, *saved)
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_state, *_):
+        q, k, v, a, b, *saved = ctx.saved_tensors
+        return (*_backward(q, k, v, a, b, saved, grad_o, grad_state, ctx.scale), None)
+
+
+def _forward(q, k, v, a, b, log_decay, S, scale):
+    """Chunked forward on [B, H, N, C, ...]; returns o, the final state, and what backward needs."""
+    C = q.shape[-2]
+    N = q.shape[2]
     gamma = log_decay.cumsum(-1)  # γ_i = Σ_{j≤i} log α_j
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)  # j < i
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j ≤ i
     # e^{γ_i − γ_j} for j ≤ i, formed from the difference (never Γ_i / Γ_j), 0 above the diagonal.
     decay = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, -torch.inf))
 
-    # A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i;  T = (I + A)^{-1}
-    A = (a[..., :, None] * decay * (k @ k.transpose(-1, -2))).masked_fill(~strict, 0)
+    # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i;  T = (I + A)^{-1}
+    A = (a[..., :, None] * decay * (k @ k.mT)).masked_fill(~strict, 0)
     Gamma = torch.exp(gamma)  # Γ_i = e^{γ_i}
-    # W = T diag(aΓ) K,  Ũ = T diag(b) V   (all chunks at once)
+    # (4) W = T diag(aΓ) K,  Ũ = T diag(b) V   (all chunks at once)
     T_inv = unit_lower_inverse(A)
     W = T_inv @ ((a * Gamma)[..., None] * k)
     U_tilde = T_inv @ (b[..., None] * v)
-    # Kᵀ diag(e^{γ_C − γ_j}): token j's key, weighted by how much of its write survives to
-    # the chunk's end, laid out for the state update (6).
-    k_to_end = (k * torch.exp(gamma[..., -1:] - gamma)[..., None]).mT.contiguous()
+    # diag(e^{γ_C − γ_j}) K: token j's key, weighted by how much of its write survives to the
+    # chunk's end; transposed, it carries U into the state (6).
+    k_to_end = k * torch.exp(gamma[..., -1:] - gamma)[..., None]
+    k_to_end_t = k_to_end.mT.contiguous()
     Gamma_C = Gamma[..., -1, None, None]  # [B, H, N, 1, 1]
 
-    S = q.new_zeros(B, H, Dk, Dv) if initial_state is None else initial_state
     states, updates = [], []
     for n in range(N):  # the only sequential part: one state update per chunk
         U = U_tilde[:, :, n] - W[:, :, n] @ S  # U = Ũ − W S_0
         states.append(S)
         updates.append(U)
-        # S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
-        S = Gamma_C[:, :, n] * S + k_to_end[:, :, n] @ U
+        # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
+        S = Gamma_C[:, :, n] * S + k_to_end_t[:, :, n] @ U
     S0 = torch.stack(states, dim=2)  # state entering each chunk, [B, H, N, Dk, Dv]
     U = torch.stack(updates, dim=2)  # [B, H, N, C, Dv]
 
-    # O = scale [diag(Γ) Q S_0 + ((Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}) U]
-    o = Gamma[..., None] * (q @ S0) + ((q @ k.transpose(-1, -2)) * decay) @ U
-    o = (scale * o).movedim(1, 3).reshape(B, N * C, H, Dv)[:, :T]
-    return o, S
+    # (5) O = scale [diag(Γ) Q S_0 + ((Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}) U]
+    o = scale * (Gamma[..., None] * (q @ S0) + ((q @ k.mT) * decay) @ U)
+    return o, S, (gamma, decay, T_inv, W, k_to_end, S0, U)
+
+
+def _backward(q, k, v, a, b, saved, dO, dS, scale):
+    """Gradients of (5)–(6) and (3)–(4) for q, k, v, a, b, log α and the initial state.
+
+    Reverse over chunks only for the state's gradient g (the mirror of (6)):
+    dU_n = scale·P_nᵀ dO_n + K̃_n g_{n+1},  g_n = scale·(diag(Γ)Q_n)ᵀ dO_n + Γ_C g_{n+1} − W_nᵀ dU_n,
+    with K̃ = diag(e^{γ_C − γ}) K and P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}; everything else is batched.
+    """
+    gamma, decay, T_inv, W, k_to_end, S0, U = saved
+    N = q.shape[2]
+    Gamma = torch.exp(gamma)
+    Gamma_C = Gamma[..., -1]  # [B, H, N]
+    QK = q @ k.mT
+    P = QK * decay
+    dU_local = scale * (P.mT @ dO)  # from the output (5)
+    QG_t = (scale * Gamma[..., None] * q).mT  # d o / d S_0, transposed: [B, H, N, Dk, C]
+
+    g = dS
+    dUs, gs = [None] * N, [None] * N
+    for n in reversed(range(N)):  # the state's gradient, chunk by chunk from the end
+        gs[n] = g  # gradient of the state leaving chunk n
+        dU_n = dU_local[:, :, n] + k_to_end[:, :, n] @ g
+        dUs[n] = dU_n
+        g = QG_t[:, :, n] @ dO[:, :, n] + Gamma_C[:, :, n, None, None] * g - W[:, :, n].mT @ dU_n
+    d_initial = g
+    dU = torch.stack(dUs, dim=2)  # [B, H, N, C, Dv]
+    g_end = torch.stack(gs, dim=2)  # [B, H, N, Dk, Dv]
+
+    # (5): O = scale [diag(Γ) Q S_0 + P U]
+    dP = scale * (dO @ U.mT)  # [B, H, N, C, C]
+    dq = scale * Gamma[..., None] * (dO @ S0.mT) + (dP * decay) @ k
+    dk = (dP * decay).mT @ q
+    d_decay = dP * QK
+    d_Gamma = scale * (dO * (q @ S0)).sum(-1)
+
+    # (6): S_C = Γ_C S_0 + K̃ᵀ U, K̃ = diag(e^{γ_C − γ}) K
+    d_k_to_end = U @ g_end.mT  # [B, H, N, C, Dk]
+    to_end = torch.exp(gamma[..., -1:] - gamma)
+    dk = dk + to_end[..., None] * d_k_to_end
+    t = (d_k_to_end * k_to_end).sum(-1)  # d/dγ_C of K̃ (and minus d/dγ_i)
+    d_gamma = -t
+    d_gamma_C = t.sum(-1) + (g_end * S0).sum((-1, -2)) * Gamma_C
+
+    # (4): U = Ũ − W S_0, Ũ = T Y, W = T X with X = diag(aΓ) K, Y = diag(b) V
+    dW = -(dU @ S0.mT)
+    X = (a * Gamma)[..., None] * k
+    Y = b[..., None] * v
+    dT = dW @ X.mT + dU @ Y.mT
+    dX = T_inv.mT @ dW
+    dY = T_inv.mT @ dU
+    # (3): T = (I + A)^{-1} → dA = −Tᵀ dT Tᵀ on the strictly lower part
+    strict = torch.ones_like(decay, dtype=torch.bool).tril(-1)
+    dA = -(T_inv.mT @ dT @ T_inv.mT) * strict
+    KK = k @ k.mT
+    da = (dA * decay * KK).sum(-1)
+    dKK = dA * (a[..., :, None] * decay)
+    dk = dk + dKK @ k + dKK.mT @ k
+    d_decay = d_decay + dA * a[..., :, None] * KK
+    xk = (dX * k).sum(-1)
+    da = da + Gamma * xk
+    d_Gamma = d_Gamma + a * xk
+    dk = dk + (a * Gamma)[..., None] * dX
+    db = (dY * v).sum(-1)
+    dv = b[..., None] * dY
+
+    # decay_ij = e^{γ_i − γ_j}, Γ_i = e^{γ_i}, γ_C = γ of the chunk's last token
+    dE = d_decay * decay
+    d_gamma = d_gamma + dE.sum(-1) - dE.sum(-2) + d_Gamma * Gamma
+    d_gamma[..., -1] += d_gamma_C
+    d_log_decay = d_gamma.flip(-1).cumsum(-1).flip(-1)  # γ = cumsum(log α)
+    return dq, dk, dv, da, db, d_log_decay, d_initial
