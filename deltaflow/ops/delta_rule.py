@@ -66,7 +66,8 @@ def delta_rule(
         initial_state: ``[B, H, Dk, Dv]`` (``[N, H, Dk, Dv]`` with ``cu_seqlens``).
         output_final_state: also return the final state (float32, float64 for float64 inputs).
         cu_seqlens: int ``[N + 1]`` offsets of ``N`` sequences packed along T; requires B == 1.
-        chunk_size: tokens per chunk of the chunked backends (positive power of two).
+        chunk_size: tokens per chunk of the torch backend (positive power of two); it changes
+            speed, not the result. The Triton kernels always use chunks of 64.
         backend: 'auto' | 'reference' | 'torch' | 'triton'.
 
     Returns:

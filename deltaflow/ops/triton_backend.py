@@ -2,9 +2,9 @@
 custom ops (with fake implementations and autograd), so ``torch.compile(fullgraph=True)`` traces
 through ``delta_rule`` without graph breaks.
 
-Backward: recomputes the chunked PyTorch algorithm (``ops/chunk.py``) under autograd from the
-saved inputs, inside its own opaque custom op. It is exact but not fused; a fused Triton
-backward is the next step (benchmarks/NOTES.md).
+Backward: an opaque custom op recomputes the chunked PyTorch algorithm (``ops/chunk.py``) from
+the saved inputs and applies its hand-derived chunked backward through ``torch.func.vjp``. It is
+exact but not fused; a fused Triton backward is the next step (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
