@@ -85,8 +85,10 @@ QUICK = Preset(
     lrs=[1e-2],
     metric="accuracy",
     expect=(
-        "DeltaNet recalls > 90% of the queried values; linear attention, whose state only "
-        "adds (it cannot overwrite what the filler tokens wrote), stays near 60%."
+        "DeltaNet recalls > 90% of the queried values. Linear attention, whose state only "
+        "adds, lands anywhere from ~58% to ~94% depending on the run (one seed, one schedule): "
+        "at this size the separation is not robust; see results/mqar_widths_cpu and the GPU "
+        "presets for sturdier comparisons."
     ),
 )
 
