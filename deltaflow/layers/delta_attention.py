@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deltaflow.layers.conv import ShortConvolution
-from deltaflow.layers.mask import prepare_cu_seqlens, prepare_padding_mask
+from deltaflow.layers.mask import prepare_mixer_inputs
 from deltaflow.layers.norm import RMSNorm, l2_normalize
 from deltaflow.ops import delta_rule, delta_rule_step
 from deltaflow.rules import get_rule
@@ -241,24 +241,16 @@ class DeltaAttention(nn.Module):
         place) holds ``recurrent_state`` [B, Hv, Dk, Dv] float32 and ``conv_q/k/v`` windows.
         """
         x = hidden_states
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"DeltaAttention: hidden_states must be [B, T, {self.hidden_size}], "
-                f"got {tuple(x.shape)}"
-            )
-        B, T, _ = x.shape
-        if mask_prepared:  # a model already checked the mask / offsets once for all layers
-            mask = attention_mask
-        else:
-            mask = prepare_padding_mask(attention_mask, B, T, x.device)
-            if cu_seqlens is not None:
-                cu_seqlens = prepare_cu_seqlens(cu_seqlens, B, T, x.device)
-        if cu_seqlens is not None and (mask is not None or state or use_cache):
-            raise ValueError(
-                "cu_seqlens (packed sequences) cannot be combined with attention_mask, state "
-                "or use_cache"
-            )
-        state = {} if state is None else state
+        B, T, mask, cu_seqlens, state = prepare_mixer_inputs(
+            "DeltaAttention",
+            x,
+            self.hidden_size,
+            attention_mask,
+            state,
+            use_cache,
+            cu_seqlens,
+            mask_prepared,
+        )
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
 
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)

@@ -73,3 +73,33 @@ def position_in_sequence(
     pos = torch.arange(seq_len, device=cu_seqlens.device)
     seq = torch.searchsorted(cu_seqlens[1:], pos, right=True)
     return seq, pos - cu_seqlens[seq]
+
+
+def prepare_mixer_inputs(
+    name: str,
+    x: torch.Tensor,
+    hidden_size: int,
+    attention_mask: torch.Tensor | None,
+    state: dict | None,
+    use_cache: bool,
+    cu_seqlens: torch.Tensor | None,
+    mask_prepared: bool,
+) -> tuple[int, int, torch.Tensor | None, torch.Tensor | None, dict]:
+    """The checks every token mixer starts with; returns ``B, T, mask, cu_seqlens, state``."""
+    if x.dim() != 3 or x.shape[-1] != hidden_size:
+        raise ValueError(
+            f"{name}: hidden_states must be [B, T, {hidden_size}], got {tuple(x.shape)}"
+        )
+    B, T, _ = x.shape
+    if mask_prepared:  # a model already checked the mask / offsets once for all layers
+        mask = attention_mask
+    else:
+        mask = prepare_padding_mask(attention_mask, B, T, x.device)
+        if cu_seqlens is not None:
+            cu_seqlens = prepare_cu_seqlens(cu_seqlens, B, T, x.device)
+    if cu_seqlens is not None and (mask is not None or state or use_cache):
+        raise ValueError(
+            "cu_seqlens (packed sequences) cannot be combined with attention_mask, state "
+            "or use_cache"
+        )
+    return B, T, mask, cu_seqlens, ({} if state is None else state)

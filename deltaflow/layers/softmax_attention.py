@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaflow.layers.mask import position_in_sequence, prepare_cu_seqlens, prepare_padding_mask
+from deltaflow.layers.mask import position_in_sequence, prepare_mixer_inputs
 from deltaflow.layers.norm import RMSNorm
 
 
@@ -121,24 +121,16 @@ class SoftmaxAttention(nn.Module):
         ``[B, Hkv, Tc, D]``, ``key_mask`` and ``key_pos`` ``[B, Tc]`` and ``num_tokens [B]``.
         """
         x = hidden_states
-        if x.dim() != 3 or x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"SoftmaxAttention: hidden_states must be [B, T, {self.hidden_size}], "
-                f"got {tuple(x.shape)}"
-            )
-        B, T, _ = x.shape
-        if mask_prepared:  # a model already checked the mask / offsets once for all layers
-            mask = attention_mask
-        else:
-            mask = prepare_padding_mask(attention_mask, B, T, x.device)
-            if cu_seqlens is not None:
-                cu_seqlens = prepare_cu_seqlens(cu_seqlens, B, T, x.device)
-        if cu_seqlens is not None and (mask is not None or state or use_cache):
-            raise ValueError(
-                "cu_seqlens (packed sequences) cannot be combined with attention_mask, state "
-                "or use_cache"
-            )
-        state = {} if state is None else state
+        B, T, mask, cu_seqlens, state = prepare_mixer_inputs(
+            "SoftmaxAttention",
+            x,
+            self.hidden_size,
+            attention_mask,
+            state,
+            use_cache,
+            cu_seqlens,
+            mask_prepared,
+        )
         past_k = state.get("key")
 
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
