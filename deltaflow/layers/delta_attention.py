@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deltaflow.layers.conv import ShortConvolution
+from deltaflow.layers.heads import resolve_head_dim
 from deltaflow.layers.mask import prepare_mixer_inputs
 from deltaflow.layers.norm import RMSNorm, l2_normalize
 from deltaflow.ops import delta_rule, delta_rule_step
@@ -103,17 +104,7 @@ class DeltaAttention(nn.Module):
         layer_idx: int | None = None,
     ) -> None:
         super().__init__()
-        if hidden_size <= 0 or num_heads <= 0:
-            raise ValueError(
-                f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}"
-            )
-        if head_dim is None:
-            if hidden_size % num_heads != 0:
-                raise ValueError(
-                    f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) "
-                    "when head_dim is not given"
-                )
-            head_dim = hidden_size // num_heads
+        head_dim = resolve_head_dim(hidden_size, num_heads, head_dim)
         if head_dim <= 0:
             raise ValueError(f"head_dim must be positive, got {head_dim}")
         if head_v_dim is None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from deltaflow.layers.heads import resolve_head_dim
 from deltaflow.layers.mask import position_in_sequence, prepare_mixer_inputs
 from deltaflow.layers.norm import RMSNorm
 
@@ -58,17 +59,7 @@ class SoftmaxAttention(nn.Module):
         layer_idx: int | None = None,
     ) -> None:
         super().__init__()
-        if hidden_size <= 0 or num_heads <= 0:
-            raise ValueError(
-                f"hidden_size and num_heads must be positive, got {hidden_size}, {num_heads}"
-            )
-        if head_dim is None:
-            if hidden_size % num_heads != 0:
-                raise ValueError(
-                    f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}) "
-                    "when head_dim is not given"
-                )
-            head_dim = hidden_size // num_heads
+        head_dim = resolve_head_dim(hidden_size, num_heads, head_dim)
         if head_dim <= 0 or head_dim % 2 != 0:
             raise ValueError(f"head_dim must be a positive even number (RoPE), got {head_dim}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
