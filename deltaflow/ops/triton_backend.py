@@ -17,10 +17,10 @@ from torch import Tensor
 try:
     import triton
 
-    from deltaflow.ops.triton import kernels
+    from deltaflow.ops.triton import backward, kernels
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
-    kernels = None
+    kernels = backward = None
 
 RULE_CODES = {
     "linear": 0,
@@ -81,6 +81,101 @@ def _sequences(cu_seqlens: Tensor | None, B: int, T: int, C: int, device) -> tup
     return cu, chunk_offsets, chunk_indices, n_chunks
 
 
+def _launch_prepare(k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, neg, eps, store_t):
+    """(3)–(4): W and Ũ laid out like k and v, and T = (I + A)^{-1} per chunk when asked."""
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    dot_dtype = k.dtype
+    # W = T diag(aΓ) K and Ũ = T diag(b) V (rows past a sequence's end are never written nor read)
+    w = _output(B, T, H, Dk, like=k, dtype=dot_dtype)
+    u = _output(B, T, H, Dv, like=k, dtype=dot_dtype)
+    t = _output(max(n_chunks, 1) if store_t else 1, H, 64, 64, like=k, dtype=torch.float32)
+    if n_chunks > 0:
+        kernels.chunk_prepare_kernel[(n_chunks, H)](
+            k,
+            v,
+            k if beta is None else beta,  # absent pointers are never read: the flags say so
+            k if log_decay is None else log_decay,
+            w,
+            u,
+            t,
+            cu,
+            chunk_indices,
+            eps,
+            H=H,
+            Dk=Dk,
+            Dv=Dv,
+            BK=_block(Dk),
+            BV=_block(Dv),
+            RULE=rule,
+            NEG=bool(neg),
+            HAS_BETA=beta is not None,
+            HAS_DECAY=log_decay is not None,
+            PREC=_precision(dot_dtype),
+            LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32,
+            STORE_T=store_t,
+            num_warps=PREPARE_WARPS,
+        )
+    return w, u, t
+
+
+def _precision(dot_dtype) -> str:
+    return "ieee" if dot_dtype == torch.float32 else "tf32"
+
+
+def _launch_states(k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, BV):
+    """(4), (6) sequentially per sequence: S_0 of every chunk (h), U = Ũ − W S_0, final state."""
+    B, T, H, Dk = k.shape
+    Dv = u.shape[-1]
+    h = _output(max(n_chunks, 1), H, Dk, Dv, like=k, dtype=k.dtype)
+    v_new = _output(B, T, H, Dv, like=k, dtype=k.dtype)
+    final_state = _output(N, H, Dk, Dv, like=k, dtype=torch.float32)
+    backward.chunk_states_kernel[(triton.cdiv(Dv, BV), N * H)](
+        k,
+        w,
+        u,
+        k if log_decay is None else log_decay,
+        k if s0 is None else s0,
+        h,
+        v_new,
+        final_state,
+        cu,
+        chunk_offsets,
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        BK=_block(Dk),
+        BV=BV,
+        HAS_DECAY=log_decay is not None,
+        HAS_S0=s0 is not None,
+        PREC=_precision(k.dtype),
+        num_warps=STATES_WARPS,
+        num_stages=STATES_STAGES,
+    )
+    return h, v_new, final_state
+
+
+def _inputs(q, k, v, beta, log_decay, initial_state):
+    """Operands in the matrix units' dtype (bf16/fp16 as given, else fp32), contiguous."""
+    dot_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    q, k, v = (x.to(dot_dtype).contiguous() for x in (q, k, v))
+    beta = None if beta is None else beta.contiguous()
+    log_decay = None if log_decay is None else log_decay.contiguous()
+    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    return q, k, v, beta, log_decay, s0
+
+
+def _use_two_pass(N: int, H: int, Dv: int, device) -> bool:
+    """The fused sequential kernel runs N·H·(Dv/64) programs; with fewer than the GPU has
+    multiprocessors, split the state pass (more, narrower programs) from the output."""
+    if FORWARD_MODE != "auto":
+        return FORWARD_MODE == "two_pass"
+    if interpreting():
+        return False
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return N * H * triton.cdiv(Dv, 64) < sms
+
+
 def _forward(
     q,
     k,
@@ -99,58 +194,54 @@ def _forward(
     # function, and 64 is what the 16-row block substitution of the prepare kernel is built for.
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
-    dot_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    precision = "ieee" if dot_dtype == torch.float32 else "tf32"
-    q, k, v = (x.to(dot_dtype).contiguous() for x in (q, k, v))
-    beta = None if beta is None else beta.contiguous()
-    log_decay = None if log_decay is None else log_decay.contiguous()
-    cu, _, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, 64, q.device)
+    v_dtype = v.dtype
+    q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
+    cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, 64, q.device)
     N = cu.numel() - 1
-    BK, BV_all = _block(Dk), _block(Dv)
-    dummy = q  # stands in for absent optional pointers (never read: the flags say so)
-
-    # W = T diag(aΓ) K and Ũ = T diag(b) V, stored like k and v (rows past a sequence's end
-    # are never written nor read).
-    w = _output(B, T, H, Dk, like=q, dtype=dot_dtype)
-    u = _output(B, T, H, Dv, like=q, dtype=dot_dtype)
-    if n_chunks > 0:
-        kernels.chunk_prepare_kernel[(n_chunks, H)](
-            k,
-            v,
-            dummy if beta is None else beta,
-            dummy if log_decay is None else log_decay,
-            w,
-            u,
-            cu,
-            chunk_indices,
-            eps,
-            H=H,
-            Dk=Dk,
-            Dv=Dv,
-            BK=BK,
-            BV=BV_all,
-            RULE=rule,
-            NEG=negative_eigenvalues,
-            HAS_BETA=beta is not None,
-            HAS_DECAY=log_decay is not None,
-            PREC=precision,
-            LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32,
-            num_warps=PREPARE_WARPS,
+    BK = _block(Dk)
+    w, u, _ = _launch_prepare(
+        k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, negative_eigenvalues, eps, False
+    )
+    o = _output(B, T, H, Dv, like=q, dtype=v_dtype)
+    if _use_two_pass(N, H, Dv, q.device):
+        BV = min(_block(Dv), TWO_PASS_BV)
+        h, v_new, final_state = _launch_states(
+            k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, BV
         )
-    o = _output(B, T, H, Dv, like=q, dtype=v.dtype)
+        if n_chunks > 0:
+            BVo = min(_block(Dv), 64)
+            backward.chunk_output_kernel[(triton.cdiv(Dv, BVo), n_chunks, H)](
+                q,
+                k,
+                h,
+                v_new,
+                q if log_decay is None else log_decay,
+                o,
+                cu,
+                chunk_indices,
+                scale,
+                H=H,
+                Dk=Dk,
+                Dv=Dv,
+                BK=BK,
+                BV=BVo,
+                HAS_DECAY=log_decay is not None,
+                PREC=_precision(q.dtype),
+                num_warps=4,
+            )
+        return o, final_state
+
     final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
-    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     # 64 value columns, 4 warps (benchmarks/NOTES.md). Triton 3.6 on Hopper miscompiles this
     # kernel with 16/32 columns in bf16 (compute-sanitizer: invalid __shared__ read).
-    BV = min(BV_all, 32 if dot_dtype == torch.float32 else 64)
-    warps = 4
+    BV = min(_block(Dv), 32 if q.dtype == torch.float32 else 64)
     kernels.chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
         q,
         k,
         w,
         u,
-        dummy if log_decay is None else log_decay,
-        dummy if s0 is None else s0,
+        q if log_decay is None else log_decay,
+        q if s0 is None else s0,
         o,
         final_state,
         cu,
@@ -162,17 +253,119 @@ def _forward(
         BV=BV,
         HAS_DECAY=log_decay is not None,
         HAS_S0=s0 is not None,
-        PREC=precision,
-        num_warps=warps,
+        PREC=_precision(q.dtype),
+        num_warps=4,
         num_stages=1,
     )
     return o, final_state
 
 
-# Launch settings of the prepare kernel (benchmarks/NOTES.md). Low-precision dots: its small
-# products take bf16/fp16 operands (as fla does) instead of tf32; accumulation stays fp32.
+def _backward_fused(
+    q, k, v, beta, log_decay, initial_state, cu_seqlens, grad_o, grad_state, rule, neg, eps, scale
+) -> list[Tensor | None]:
+    """The fused backward: prepare (W, Ũ, T) and state pass recomputed from the inputs, then the
+    reverse state-gradient pass and the parallel per-chunk gradients. Four launches."""
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    dtypes = [None if x is None else x.dtype for x in (q, k, v, beta, log_decay, initial_state)]
+    q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
+    do = grad_o.to(q.dtype).contiguous()
+    dsT = grad_state.to(torch.float32).contiguous()
+    cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, 64, q.device)
+    N = cu.numel() - 1
+    BK = _block(Dk)
+    w, u, t = _launch_prepare(
+        k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, neg, eps, True
+    )
+    h, v_new, _ = _launch_states(
+        k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, min(_block(Dv), BWD_STATES_BV)
+    )
+    dummy = q
+    dh = _output(max(n_chunks, 1), H, Dk, Dv, like=q, dtype=q.dtype)
+    du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
+    ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
+    BVd = min(_block(Dv), DSTATES_BV)
+    backward.chunk_dstates_kernel[(triton.cdiv(Dv, BVd), N * H)](
+        q,
+        k,
+        w,
+        dummy if log_decay is None else log_decay,
+        do,
+        dsT,
+        dh,
+        du,
+        ds0,
+        cu,
+        chunk_offsets,
+        scale,
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        BK=BK,
+        BV=BVd,
+        HAS_DECAY=log_decay is not None,
+        HAS_DST=True,
+        PREC=_precision(q.dtype),
+        num_warps=DSTATES_WARPS,
+        num_stages=DSTATES_STAGES,
+    )
+    dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)
+    dk = _output(B, T, H, Dk, like=q, dtype=q.dtype)
+    dv = _output(B, T, H, Dv, like=q, dtype=q.dtype)
+    dbeta = None if beta is None else _output(*beta.shape, like=q, dtype=torch.float32)
+    dg = None if log_decay is None else _output(*log_decay.shape, like=q, dtype=torch.float32)
+    if n_chunks > 0:
+        backward.chunk_grads_kernel[(n_chunks, H)](
+            q,
+            k,
+            v,
+            dummy if beta is None else beta,
+            dummy if log_decay is None else log_decay,
+            t,
+            h,
+            dh,
+            v_new,
+            du,
+            do,
+            dq,
+            dk,
+            dv,
+            dummy if dbeta is None else dbeta,
+            dummy if dg is None else dg,
+            cu,
+            chunk_indices,
+            scale,
+            eps,
+            H=H,
+            Dk=Dk,
+            Dv=Dv,
+            BK=BK,
+            BV=min(_block(Dv), GRADS_BV),
+            RULE=rule,
+            NEG=bool(neg),
+            HAS_BETA=beta is not None,
+            HAS_DECAY=log_decay is not None,
+            PREC=_precision(q.dtype),
+            num_warps=GRADS_WARPS,
+        )
+    grads = [dq, dk, dv, dbeta, dg, ds0 if initial_state is not None else None]
+    return [None if g is None else g.to(d) for g, d in zip(grads, dtypes)]
+
+
+# Launch settings (benchmarks/NOTES.md). Low-precision dots: the prepare kernel's small products
+# take bf16/fp16 operands (as fla does) instead of tf32; accumulation stays fp32.
 PREPARE_LOW_PRECISION_DOTS = True
 PREPARE_WARPS = 2
+FORWARD_MODE = "auto"  # "auto" | "fused" | "two_pass"
+TWO_PASS_BV = 32
+STATES_WARPS = 4
+STATES_STAGES = 1
+BWD_STATES_BV = 64
+DSTATES_BV = 64
+DSTATES_WARPS = 4
+DSTATES_STAGES = 1
+GRADS_BV = 64
+GRADS_WARPS = 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,35 +443,22 @@ def chunk_bwd_op(
     scale: float,
     chunk_size: int,
 ) -> list[Tensor]:
-    from deltaflow.ops.delta_rule import _torch_chunked
-    from deltaflow.rules import get_rule
-
-    # Inside a custom op the dispatcher runs below autograd, so the recompute is differentiated
-    # with torch.func.vjp (its own transform level) rather than torch.autograd.
-    inputs = [q, k, v, beta, log_decay, initial_state]
-    present = [i for i, x in enumerate(inputs) if x is not None]
-
-    def forward(*xs: Tensor) -> tuple[Tensor, Tensor]:
-        full: list[Tensor | None] = [None] * len(inputs)
-        for i, x in zip(present, xs):
-            full[i] = x
-        return _torch_chunked(
-            *full[:4],
-            get_rule(RULE_NAMES[rule]),
-            full[4],
-            negative_eigenvalues,
-            eps,
-            scale,
-            full[5],
-            cu_seqlens,
-            chunk_size,
-            torch.float32,
-        )
-
-    _, vjp = torch.func.vjp(forward, *(inputs[i].detach().float() for i in present))
-    grads = vjp((grad_o.float(), grad_state.float()))
-    grads = iter(grads)
-    return [q.new_empty(0) if x is None else next(grads).to(x.dtype).contiguous() for x in inputs]
+    grads = _backward_fused(
+        q,
+        k,
+        v,
+        beta,
+        log_decay,
+        initial_state,
+        cu_seqlens,
+        grad_o,
+        grad_state,
+        rule,
+        negative_eigenvalues,
+        eps,
+        scale,
+    )
+    return [q.new_empty(0) if g is None else g for g in grads]
 
 
 @chunk_bwd_op.register_fake

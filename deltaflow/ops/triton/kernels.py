@@ -185,6 +185,7 @@ def chunk_prepare_kernel(
     g_ptr,
     w_ptr,
     u_ptr,
+    t_ptr,
     cu_seqlens_ptr,
     chunk_indices_ptr,
     eps,
@@ -199,6 +200,7 @@ def chunk_prepare_kernel(
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
+    STORE_T: tl.constexpr,
 ):
     """(3)–(4) for one 64-token chunk and head, in four 16-token blocks:
     W = T diag(aΓ) K and Ũ = T diag(b) V with T = (I + A)^{-1} by block forward substitution
@@ -293,6 +295,47 @@ def chunk_prepare_kernel(
     _store_rows(u_ptr, u1, t0 + 16, eos, i_h, H, Dv, BV)
     _store_rows(u_ptr, u2, t0 + 32, eos, i_h, H, Dv, BV)
     _store_rows(u_ptr, u3, t0 + 48, eos, i_h, H, Dv, BV)
+
+    if STORE_T:  # T itself (fp32, [chunk, head, 64, 64]) for the backward: the same substitution
+        _store_t(t_ptr, i_c, i_h, H, D0, D1, D2, D3, A10, A20, A21, A30, A31, A32, PREC)
+
+
+@triton.jit
+def _store_t(t_ptr, i_c, i_h, H, D0, D1, D2, D3, A10, A20, A21, A30, A31, A32, PREC: tl.constexpr):
+    """T = (I + A)^{-1} row block by row block: T_b = D_b (E_b − Σ_{j<b} A_bj T_j), E_b the rows
+    of I, in fp32 (the backward's dY = Tᵀ dU rounds it to the dot dtype only once)."""
+    F32: tl.constexpr = tl.float32
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, 64)
+    t0 = _mm(D0, tl.where(rows[:, None] == cols[None, :], 1.0, 0.0), PREC, F32)
+    t1 = _mm(
+        D1,
+        tl.where(rows[:, None] + 16 == cols[None, :], 1.0, 0.0) - _mm(A10, t0, PREC, F32),
+        PREC,
+        F32,
+    )
+    t2 = _mm(
+        D2,
+        tl.where(rows[:, None] + 32 == cols[None, :], 1.0, 0.0)
+        - _mm(A20, t0, PREC, F32)
+        - _mm(A21, t1, PREC, F32),
+        PREC,
+        F32,
+    )
+    t3 = _mm(
+        D3,
+        tl.where(rows[:, None] + 48 == cols[None, :], 1.0, 0.0)
+        - _mm(A30, t0, PREC, F32)
+        - _mm(A31, t1, PREC, F32)
+        - _mm(A32, t2, PREC, F32),
+        PREC,
+        F32,
+    )
+    base = t_ptr + (i_c.to(tl.int64) * H + i_h) * 4096 + rows[:, None] * 64 + cols[None, :]
+    tl.store(base, t0)
+    tl.store(base + 16 * 64, t1)
+    tl.store(base + 32 * 64, t2)
+    tl.store(base + 48 * 64, t3)
 
 
 @triton.jit
