@@ -1,0 +1,261 @@
+"""Launch-setting sweep for the fused backward and the two-pass forward, one GPU call.
+
+    python benchmarks/tune_backward.py [--out DIR] [--variants NAME,...] [--profile]
+
+For each variant (a set of ``triton_backend`` launch settings): a correctness check against
+the float64 chunked torch backend (bf16 and fp32, all six gradients, NaN-poisoned outputs),
+then forward and forward+backward medians (``triton.testing.do_bench``) at the issue's three
+shapes, with fla timed in the same run. ``--profile`` adds a per-kernel table of one
+forward+backward at (8, 4096, 16, 128) from torch.profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+
+from deltaflow import delta_rule, set_value_checks
+from deltaflow.ops import triton_backend as tb
+
+SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 32, 64)]
+BASE = {
+    "FORWARD_MODE": "auto",
+    "TWO_PASS_BV": 32,
+    "STATES_WARPS": 4,
+    "STATES_STAGES": 1,
+    "BWD_STATES_BV": 64,
+    "DSTATES_BV": 64,
+    "DSTATES_WARPS": 4,
+    "DSTATES_STAGES": 1,
+    "GRADS_BV": 64,
+    "GRADS_WARPS": 8,
+}
+VARIANTS = {
+    "base": {},
+    "grads4w": {"GRADS_WARPS": 4},
+    "grads32": {"GRADS_BV": 32},
+    "dst32": {"DSTATES_BV": 32, "BWD_STATES_BV": 32},
+    "stages2": {"DSTATES_STAGES": 2, "STATES_STAGES": 2},
+    "tp16": {"TWO_PASS_BV": 16},
+    "tp64": {"TWO_PASS_BV": 64},
+    "fused_fwd": {"FORWARD_MODE": "fused"},
+    "two_pass_fwd": {"FORWARD_MODE": "two_pass"},
+}
+
+
+def load_fla():
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as e:  # noqa: BLE001 - report and go on without fla
+        print(f"fla not available: {e!r}")
+        return None
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only (fla issue #640): its grads are not used
+    return chunk_gated_delta_rule
+
+
+def inputs(B, T, H, D, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, H, D, device="cuda", generator=g).to(dtype)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", generator=g), dim=-1)
+    v = torch.randn(B, T, H, D, device="cuda", generator=g).to(dtype)
+    beta = torch.rand(B, T, H, device="cuda", generator=g).to(dtype)
+    ld = (-0.05 * torch.rand(B, T, H, device="cuda", generator=g)).to(dtype)
+    return [x.requires_grad_(True) for x in (q, k.to(dtype), v, beta, ld)]
+
+
+def grads_of(xs, backend, do, ds, s0=None, **kw):
+    xs = [x.detach().clone().requires_grad_(True) for x in xs]
+    s0 = None if s0 is None else s0.detach().clone().requires_grad_(True)
+    q, k, v, beta, ld = xs
+    o, s = delta_rule(
+        q,
+        k,
+        v,
+        beta,
+        log_decay=ld,
+        initial_state=s0,
+        output_final_state=True,
+        backend=backend,
+        **kw,
+    )
+    torch.autograd.backward([o, s], [do.to(o.dtype), ds])
+    return [o, s] + [x.grad for x in xs] + ([] if s0 is None else [s0.grad])
+
+
+def check(rule="delta", neg=False, shape=(2, 1000, 4, 128), dtype=torch.bfloat16) -> float:
+    """Worst ‖Δ‖/‖ref‖ over outputs and gradients against the float64 torch backend."""
+    B, T, H, D = shape
+    xs = inputs(B, T, H, D, dtype, seed=1)
+    s0 = torch.randn(B, H, D, D, device="cuda")
+    do = torch.randn(B, T, H, D, device="cuda")
+    ds = torch.randn(B, H, D, D, device="cuda")
+    ref = grads_of(
+        [x.double() for x in xs],
+        "torch",
+        do.double(),
+        ds.double(),
+        s0.double(),
+        rule=rule,
+        negative_eigenvalues=neg,
+    )
+    tb.POISON_OUTPUTS = True
+    got = grads_of(xs, "triton", do, ds, s0, rule=rule, negative_eigenvalues=neg)
+    tb.POISON_OUTPUTS = False
+    worst = 0.0
+    for g, r in zip(got, ref):
+        if not torch.isfinite(g).all():
+            return float("nan")
+        worst = max(worst, ((g.double() - r).norm() / r.norm()).item())
+    return worst
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def time_shape(shape, fla=None, rule="delta"):
+    B, T, H, D = shape
+    q, k, v, beta, ld = inputs(B, T, H, D)
+    do = torch.randn_like(v)
+    out = {}
+    with torch.no_grad():
+        out["fwd"] = bench(lambda: delta_rule(q, k, v, beta, rule=rule, log_decay=ld))
+
+    def fb():
+        o, _ = delta_rule(q, k, v, beta, rule=rule, log_decay=ld)
+        o.backward(do)
+
+    out["fwd_bwd"] = bench(fb)
+    if fla is not None:
+        ldf = ld.detach().float().requires_grad_(True)
+        with torch.no_grad():
+            out["fla_fwd"] = bench(lambda: fla(q, k, v, ldf, beta))
+
+        def fbf():
+            o, _ = fla(q, k, v, ldf, beta)
+            o.backward(do)
+
+        out["fla_fwd_bwd"] = bench(fbf)
+    return out
+
+
+def profile(shape=(8, 4096, 16, 128)) -> str:
+    B, T, H, D = shape
+    q, k, v, beta, ld = inputs(B, T, H, D)
+    do = torch.randn_like(v)
+    for _ in range(3):
+        o, _ = delta_rule(q, k, v, beta, log_decay=ld)
+        o.backward(do)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            o, _ = delta_rule(q, k, v, beta, log_decay=ld)
+            o.backward(do)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--rules", action="store_true", help="every rule at the first shape")
+    args = parser.parse_args()
+    set_value_checks(False)
+    fla = load_fla()
+    device = torch.cuda.get_device_name()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(f"{device}, commit {commit}, triton {triton.__version__}", flush=True)
+    results = {"device": device, "commit": commit, "variants": {}}
+    fla_times = {}
+    for name in args.variants.split(","):
+        settings = {**BASE, **VARIANTS[name]}
+        for key, value in settings.items():
+            setattr(tb, key, value)
+        rec = {"settings": settings}
+        rec["err_bf16"] = check(dtype=torch.bfloat16)
+        rec["err_fp32"] = check(dtype=torch.float32, shape=(1, 300, 2, 128))
+        print(name, "err bf16", rec["err_bf16"], "fp32", rec["err_fp32"], flush=True)
+        for shape in SHAPES:
+            t = time_shape(shape, fla if not fla_times.get(shape) else None)
+            if "fla_fwd" in t:
+                fla_times[shape] = (t.pop("fla_fwd"), t.pop("fla_fwd_bwd"))
+            rec[str(shape)] = t
+            print(name, shape, t, "fla", fla_times.get(shape), flush=True)
+            torch.cuda.empty_cache()
+        results["variants"][name] = rec
+    results["fla"] = {str(s): v for s, v in fla_times.items()}
+    lines = [
+        f"# Backward sweep: {device}, bf16, commit {commit}",
+        "",
+        "| variant | err bf16 | err fp32 | "
+        + " | ".join(f"{s} fwd / fwd+bwd (x fla)" for s in SHAPES)
+        + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in SHAPES) + " |",
+    ]
+    for name, rec in results["variants"].items():
+        cells = []
+        for s in SHAPES:
+            t = rec[str(s)]
+            f = fla_times.get(s)
+            ratio = f" ({f[0] / t['fwd']:.2f}x / {f[1] / t['fwd_bwd']:.2f}x)" if f else ""
+            cells.append(f"{t['fwd']:.3f} / {t['fwd_bwd']:.3f} ms{ratio}")
+        lines.append(
+            f"| {name} | {rec['err_bf16']:.1e} | {rec['err_fp32']:.1e} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines += [
+        "",
+        "fla: " + ", ".join(f"{s}: {v[0]:.3f} / {v[1]:.3f} ms" for s, v in fla_times.items()),
+    ]
+    if args.rules:
+        for key, value in BASE.items():
+            setattr(tb, key, value)
+        lines += [
+            "",
+            "| rule | neg | err bf16 | fwd ms | fwd+bwd ms |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        from deltaflow.rules import RULES
+
+        for rule in sorted(RULES):
+            for neg in (False, True):
+                if rule == "trapezoid" and neg:
+                    continue
+                err = check(rule=rule, neg=neg)
+                t = time_shape(SHAPES[0], None, rule) if not neg else {"fwd": 0, "fwd_bwd": 0}
+                lines.append(
+                    f"| {rule} | {neg} | {err:.1e} | {t['fwd']:.3f} | {t['fwd_bwd']:.3f} |"
+                )
+                print(lines[-1], flush=True)
+    if args.profile:
+        for key, value in BASE.items():
+            setattr(tb, key, value)
+        table = profile()
+        lines += [
+            "",
+            "Per-kernel profile, one fwd+bwd x5 at (8, 4096, 16, 128):",
+            "```",
+            table,
+            "```",
+        ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = device.replace(" ", "_")
+    (out / f"tune_backward_{tag}.json").write_text(json.dumps(results, indent=1))
+    (out / f"tune_backward_{tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
