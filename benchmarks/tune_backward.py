@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ from deltaflow.ops import triton_backend as tb
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 32, 64)]
 BASE = {
     "FORWARD_MODE": "auto",
-    "TWO_PASS_BV": 32,
+    "TWO_PASS_BV": 64,
     "STATES_WARPS": 4,
     "STATES_STAGES": 1,
     "BWD_STATES_BV": 64,
@@ -39,10 +41,13 @@ VARIANTS = {
     "base": {},
     "grads4w": {"GRADS_WARPS": 4},
     "grads32": {"GRADS_BV": 32},
+    "grads32_4w": {"GRADS_BV": 32, "GRADS_WARPS": 4},
     "dst32": {"DSTATES_BV": 32, "BWD_STATES_BV": 32},
     "stages2": {"DSTATES_STAGES": 2, "STATES_STAGES": 2},
+    "tp32": {"TWO_PASS_BV": 32},
+    "tp32_2w": {"TWO_PASS_BV": 32, "STATES_WARPS": 2},
+    "tp32_8w": {"TWO_PASS_BV": 32, "STATES_WARPS": 8},
     "tp16": {"TWO_PASS_BV": 16},
-    "tp64": {"TWO_PASS_BV": 64},
     "fused_fwd": {"FORWARD_MODE": "fused"},
     "two_pass_fwd": {"FORWARD_MODE": "two_pass"},
 }
@@ -161,37 +166,83 @@ def profile(shape=(8, 4096, 16, 128)) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
 
 
+def run_variant(name: str, fla) -> dict:
+    settings = {**BASE, **VARIANTS[name]}
+    for key, value in settings.items():
+        setattr(tb, key, value)
+    rec = {"settings": settings}
+    rec["err_bf16"] = check(dtype=torch.bfloat16)
+    rec["err_fp32"] = check(dtype=torch.float32, shape=(1, 300, 2, 128))
+    print(name, "err bf16", rec["err_bf16"], "fp32", rec["err_fp32"], flush=True)
+    for shape in SHAPES:
+        rec[str(shape)] = time_shape(shape, fla if name == "base" else None)
+        print(name, shape, rec[str(shape)], flush=True)
+        torch.cuda.empty_cache()
+    rec["compiled"] = compiled_stats()
+    return rec
+
+
+def compiled_stats() -> list:
+    """Registers, spills and shared memory of every kernel compiled so far in this process."""
+    from deltaflow.ops.triton import backward, kernels
+
+    stats = []
+    for module in (kernels, backward):
+        for name in dir(module):
+            fn = getattr(module, name)
+            try:
+                caches = [c[0] for c in getattr(fn, "device_caches", {}).values()]
+            except (TypeError, IndexError):
+                continue
+            for cache in caches:
+                for compiled in cache.values():
+                    stats.append(
+                        f"{name}: regs {compiled.n_regs}, spills {compiled.n_spills}, "
+                        f"shared {compiled.metadata.shared}, warps {compiled.metadata.num_warps}"
+                    )
+    print("\n".join(stats), flush=True)
+    return stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--rules", action="store_true", help="every rule at the first shape")
+    parser.add_argument("--one", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--one-out", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     set_value_checks(False)
     fla = load_fla()
     device = torch.cuda.get_device_name()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = (
+        os.environ.get("COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
     print(f"{device}, commit {commit}, triton {triton.__version__}", flush=True)
     results = {"device": device, "commit": commit, "variants": {}}
     fla_times = {}
+    if args.one:  # one variant in this process (a crash must not take the others with it)
+        rec = run_variant(args.one, fla)
+        Path(args.one_out).write_text(json.dumps(rec))
+        return
     for name in args.variants.split(","):
-        settings = {**BASE, **VARIANTS[name]}
-        for key, value in settings.items():
-            setattr(tb, key, value)
-        rec = {"settings": settings}
-        rec["err_bf16"] = check(dtype=torch.bfloat16)
-        rec["err_fp32"] = check(dtype=torch.float32, shape=(1, 300, 2, 128))
-        print(name, "err bf16", rec["err_bf16"], "fp32", rec["err_fp32"], flush=True)
-        for shape in SHAPES:
-            t = time_shape(shape, fla if not fla_times.get(shape) else None)
-            if "fla_fwd" in t:
-                fla_times[shape] = (t.pop("fla_fwd"), t.pop("fla_fwd_bwd"))
-            rec[str(shape)] = t
-            print(name, shape, t, "fla", fla_times.get(shape), flush=True)
-            torch.cuda.empty_cache()
+        tmp = Path(args.out) / f".variant_{name}.json"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--one", name, "--one-out", str(tmp)], timeout=400
+        )
+        if proc.returncode != 0 or not tmp.exists():
+            print(f"variant {name} failed (exit {proc.returncode})", flush=True)
+            continue
+        rec = json.loads(tmp.read_text())
+        tmp.unlink()
+        for s in SHAPES:
+            if "fla_fwd" in rec[str(s)]:
+                fla_times[s] = (rec[str(s)].pop("fla_fwd"), rec[str(s)].pop("fla_fwd_bwd"))
         results["variants"][name] = rec
     results["fla"] = {str(s): v for s, v in fla_times.items()}
     lines = [

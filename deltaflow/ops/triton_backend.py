@@ -315,38 +315,66 @@ def _backward_fused(
     dbeta = None if beta is None else _output(*beta.shape, like=q, dtype=torch.float32)
     dg = None if log_decay is None else _output(*log_decay.shape, like=q, dtype=torch.float32)
     if n_chunks > 0:
-        backward.chunk_grads_kernel[(n_chunks, H)](
-            q,
-            k,
-            v,
-            dummy if beta is None else beta,
-            dummy if log_decay is None else log_decay,
-            t,
-            h,
-            dh,
-            v_new,
-            du,
-            do,
-            dq,
-            dk,
-            dv,
-            dummy if dbeta is None else dbeta,
-            dummy if dg is None else dg,
-            cu,
-            chunk_indices,
-            scale,
-            eps,
+        common = dict(
             H=H,
             Dk=Dk,
             Dv=Dv,
             BK=BK,
-            BV=min(_block(Dv), GRADS_BV),
+            # fp32 operands take twice the shared memory: 32 value columns there
+            BV=min(_block(Dv), GRADS_BV if q.dtype != torch.float32 else 32),
             RULE=rule,
             NEG=bool(neg),
             HAS_BETA=beta is not None,
             HAS_DECAY=log_decay is not None,
             PREC=_precision(q.dtype),
             num_warps=GRADS_WARPS,
+        )
+        beta_arg = dummy if beta is None else beta
+        g_arg = dummy if log_decay is None else log_decay
+        # Value side → M_P, M_A (C×C per chunk, dot dtype) and three row vectors (fp32).
+        m = _output(n_chunks, H, 2, 64, 64, like=q, dtype=q.dtype)
+        r = _output(n_chunks, H, 3, 64, like=q, dtype=torch.float32)
+        backward.chunk_grads_v_kernel[(n_chunks, H)](
+            q,
+            k,
+            v,
+            beta_arg,
+            g_arg,
+            t,
+            v_new,
+            du,
+            do,
+            dv,
+            m,
+            r,
+            cu,
+            chunk_indices,
+            scale,
+            eps,
+            **common,
+        )
+        backward.chunk_grads_k_kernel[(n_chunks, H)](
+            q,
+            k,
+            beta_arg,
+            g_arg,
+            t,
+            h,
+            dh,
+            v_new,
+            du,
+            do,
+            m,
+            r,
+            dq,
+            dk,
+            dummy if dbeta is None else dbeta,
+            dummy if dg is None else dg,
+            cu,
+            chunk_indices,
+            scale,
+            eps,
+            **common,
         )
     grads = [dq, dk, dv, dbeta, dg, ds0 if initial_state is not None else None]
     return [None if g is None else g.to(d) for g, d in zip(grads, dtypes)]

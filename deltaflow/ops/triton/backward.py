@@ -13,8 +13,10 @@ The backward, after the prepare kernel (recomputing ``W``, ``Ũ`` and storing ``
 
 3. ``chunk_dstates_kernel`` (sequential over chunks, from the end): the state's gradient
    ``G`` (7), storing ``G`` leaving every chunk and ``dU`` (8).
-4. ``chunk_grads_kernel`` (parallel over every chunk): everything else, (9)–(12): dq, dk, dv,
-   dβ through the rule's derivatives, and d log α by a reverse cumulative sum in the chunk.
+4. ``chunk_grads_v_kernel`` then ``chunk_grads_k_kernel`` (parallel over every chunk):
+   everything else, (9)–(12): the value side (dv, and two C×C matrices and three row vectors
+   for the key side), then dq, dk, dβ through the rule's derivatives, and d log α by a
+   reverse cumulative sum in the chunk. Two kernels rather than one: one spilled registers.
 """
 
 from __future__ import annotations
@@ -281,10 +283,124 @@ def chunk_dstates_kernel(
 
 
 @triton.jit
-def chunk_grads_kernel(
+def _chunk_keys(
+    q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+):
+    """What both gradient kernels load for a chunk: q, k, β, λ = ‖k‖², a, b (0 past eos), γ."""
+    rows = tl.arange(0, 64)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
+    offs_k = tl.arange(0, BK)
+    b_q = _rows(q_ptr, offs_t, mask_t, i_h, offs_k, offs_k < Dk, H, Dk)
+    b_k = _rows(k_ptr, offs_t, mask_t, i_h, offs_k, offs_k < Dk, H, Dk)
+    b_beta, b_g = _load_chunk_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
+    k32 = b_k.to(tl.float32)
+    lam = tl.sum(k32 * k32, axis=1)
+    a, b = rule_strengths(b_beta, lam, eps, RULE, NEG)
+    a = tl.where(mask_t, a, 0.0)
+    b = tl.where(mask_t, b, 0.0)
+    return b_q, b_k, b_beta, lam, a, b, tl.cumsum(b_g, axis=0)
+
+
+@triton.jit
+def chunk_grads_v_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    beta_ptr,
+    g_ptr,
+    t_ptr,
+    v_new_ptr,
+    du_ptr,
+    do_ptr,
+    dv_ptr,
+    m_ptr,
+    r_ptr,
+    cu_seqlens_ptr,
+    chunk_indices_ptr,
+    scale,
+    eps,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    RULE: tl.constexpr,
+    NEG: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """(9), (11) for one chunk and head, the value side: over value blocks dP = dO Uᵀ and
+    dY = Tᵀ dU (so dv = b·dY, db = Σ dY ⊙ V) with dY Uᵀ; then the two C×C matrices the key side
+    needs, M_P = scale·dP ⊙ e^{γ_i − γ_j} (j ≤ i) and M_A = dA ⊙ a_i e^{γ_i − γ_j} with
+    dA = −dY Uᵀ on j < i, and three row vectors: da from A, dγ from the decay matrix, db."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices_ptr + 2 * i_c)
+    i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
+    t0 = tl.load(cu_seqlens_ptr + i_n) + i_j * 64
+    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    DT = v_new_ptr.dtype.element_ty
+    c = i_c.to(tl.int64)
+    rows = tl.arange(0, 64)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
+    # The write strength b first; q, k and the rest are loaded again after the loop (from L2)
+    # rather than kept in registers across it.
+    _, _, _, _, _, b, _ = _chunk_keys(
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+    )
+    T_t = tl.trans(tl.load(t_ptr + (c * H + i_h) * 4096 + rows[:, None] * 64 + rows[None, :]))
+    T_t = T_t.to(DT)
+
+    dP = tl.zeros([64, 64], dtype=tl.float32)  # dO Uᵀ
+    dYU = tl.zeros([64, 64], dtype=tl.float32)  # dY Uᵀ
+    db = tl.zeros([64], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(Dv, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < Dv
+        b_do = _rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_u = _rows(v_new_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_du = _rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_v = _rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
+        dP += tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
+        # dY = Tᵀ dU: the gradient of Ũ = T diag(b) V, through (4)
+        dY = tl.dot(T_t, b_du, input_precision=PREC)
+        dYU += tl.dot(dY.to(DT), tl.trans(b_u), input_precision=PREC)
+        db += tl.sum(dY * b_v, axis=1)
+        tl.store(
+            dv_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
+            (b[:, None] * dY).to(dv_ptr.dtype.element_ty),
+            mask=mask_t[:, None] & mask_v[None, :],
+        )
+
+    b_q, b_k, _, _, a, _, gamma = _chunk_keys(
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+    )
+    causal = rows[:, None] >= rows[None, :]
+    decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], -float("inf")))
+    QK = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    KK = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    dP = scale * dP
+    # (11) dA = −(Tᵀ dU)(Ũ − W S_0)ᵀ = −dY Uᵀ on j < i, with A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j
+    dA = tl.where(rows[:, None] > rows[None, :], -dYU, 0.0)
+    da = tl.sum(dA * decay * KK, axis=1)
+    # (12) the decay matrix e^{γ_i − γ_j} enters P (5) and A (3)
+    dE = (dP * QK + dA * a[:, None] * KK) * decay
+    dgamma = tl.sum(dE, axis=1) - tl.sum(dE, axis=0)
+    m_offs = (c * H + i_h) * 8192 + rows[:, None] * 64 + rows[None, :]
+    tl.store(m_ptr + m_offs, (dP * decay).to(m_ptr.dtype.element_ty))
+    tl.store(m_ptr + 4096 + m_offs, (dA * a[:, None] * decay).to(m_ptr.dtype.element_ty))
+    r_offs = (c * H + i_h) * 192 + rows
+    tl.store(r_ptr + r_offs, da)
+    tl.store(r_ptr + 64 + r_offs, dgamma)
+    tl.store(r_ptr + 128 + r_offs, db)
+
+
+@triton.jit
+def chunk_grads_k_kernel(
+    q_ptr,
+    k_ptr,
     beta_ptr,
     g_ptr,
     t_ptr,
@@ -293,9 +409,10 @@ def chunk_grads_kernel(
     v_new_ptr,
     du_ptr,
     do_ptr,
+    m_ptr,
+    r_ptr,
     dq_ptr,
     dk_ptr,
-    dv_ptr,
     dbeta_ptr,
     dg_ptr,
     cu_seqlens_ptr,
@@ -313,11 +430,10 @@ def chunk_grads_kernel(
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """(9)–(12) for one chunk and head: every gradient but the state's.
-
-    Over value blocks it accumulates dP = dO Uᵀ, Q-side dO S_0ᵀ, U Gᵀ (the surviving keys' part),
-    dY = Tᵀ dU (so dv = b·dY), dX = −dY S_0ᵀ and dY Uᵀ, from which dA = −(dY Uᵀ) on j < i.
-    """
+    """(9)–(12) for one chunk and head, the key side. Over value blocks: dO S_0ᵀ (q's part
+    through diag(Γ) Q S_0), U Gᵀ (the surviving keys' part of (6)) and dX = −dY S_0ᵀ (the
+    gradient of X = diag(aΓ) K in W = T X). Then dq, dk, the rule's dβ and dλ (dk += 2 dλ k),
+    and d log α as a reverse cumulative sum of dγ inside the chunk."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices_ptr + 2 * i_c)
     i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
@@ -325,100 +441,68 @@ def chunk_grads_kernel(
     eos = tl.load(cu_seqlens_ptr + i_n + 1)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
-
     rows = tl.arange(0, 64)
     offs_t = t0 + rows
     mask_t = offs_t < eos
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < Dk
-    b_q = _rows(q_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-    b_k = _rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-    k32 = b_k.to(tl.float32)
-    b_beta, b_g = _load_chunk_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
-    lam = tl.sum(k32 * k32, axis=1)  # λ_i = ‖k_i‖²
-    a, b = rule_strengths(b_beta, lam, eps, RULE, NEG)
-    a = tl.where(mask_t, a, 0.0)
-    b = tl.where(mask_t, b, 0.0)
-    gamma = tl.cumsum(b_g, axis=0)
-    T_mat = tl.load(t_ptr + (c * H + i_h) * 4096 + rows[:, None] * 64 + rows[None, :])
+    T_t = tl.trans(tl.load(t_ptr + (c * H + i_h) * 4096 + rows[:, None] * 64 + rows[None, :]))
+    T_t = T_t.to(DT)
 
-    dP = tl.zeros([64, 64], dtype=tl.float32)  # dO Uᵀ
-    dYU = tl.zeros([64, 64], dtype=tl.float32)  # dY Uᵀ
     dQS = tl.zeros([64, BK], dtype=tl.float32)  # dO S_0ᵀ
     dKte = tl.zeros([64, BK], dtype=tl.float32)  # U Gᵀ
     dX = tl.zeros([64, BK], dtype=tl.float32)  # −dY S_0ᵀ
-    db = tl.zeros([64], dtype=tl.float32)
     gs = tl.zeros([BK, BV], dtype=tl.float32)  # G ⊙ S_0, summed at the end
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < Dv
-        b_do = _rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
+        b_do = _rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         b_u = _rows(v_new_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         b_du = _rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
-        b_v = _rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
         state_offs = (c * H + i_h) * Dk * Dv + offs_k[:, None] * Dv + offs_v[None, :]
         state_mask = mask_k[:, None] & mask_v[None, :]
         S0 = tl.load(h_ptr + state_offs, mask=state_mask, other=0.0)
         G = tl.load(dh_ptr + state_offs, mask=state_mask, other=0.0)
-        dP += tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
         dQS += tl.dot(b_do, tl.trans(S0), input_precision=PREC)
         dKte += tl.dot(b_u, tl.trans(G), input_precision=PREC)
-        # dY = Tᵀ dU: the gradient of Ũ and (negated, times S_0ᵀ) of W, through (4)
-        dY = tl.dot(tl.trans(T_mat).to(DT), b_du, input_precision=PREC)
+        dY = tl.dot(T_t, b_du, input_precision=PREC)
         dX -= tl.dot(dY.to(DT), tl.trans(S0), input_precision=PREC)
-        dYU += tl.dot(dY.to(DT), tl.trans(b_u), input_precision=PREC)
-        db += tl.sum(dY * b_v, axis=1)
-        tl.store(
-            dv_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
-            (b[:, None] * dY).to(dv_ptr.dtype.element_ty),
-            mask=mask_t[:, None] & mask_v[None, :],
-        )
         gs += G.to(tl.float32) * S0.to(tl.float32)
 
-    causal = rows[:, None] >= rows[None, :]
-    strict = rows[:, None] > rows[None, :]
-    decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], -float("inf")))
+    b_q, b_k, b_beta, lam, a, b, gamma = _chunk_keys(
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+    )
     Gamma = tl.exp(gamma)
     gamma_last = tl.sum(tl.where(rows == 63, gamma, 0.0), axis=0)
     to_end = tl.exp(gamma_last - gamma)
-    QK = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-    KK = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
-
-    # (9) output (5): dq and dk through P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}, and through diag(Γ) Q S_0
-    dP = scale * dP
-    dPd = dP * decay
-    dq = scale * Gamma[:, None] * dQS + tl.dot(dPd.to(DT), b_k, input_precision=PREC)
-    dk = tl.dot(tl.trans(dPd).to(DT), b_q, input_precision=PREC)
-    d_decay = dP * QK
+    k32 = b_k.to(tl.float32)
+    r_offs = (c * H + i_h) * 192 + rows
+    m_offs = (c * H + i_h) * 8192 + rows[:, None] * 64 + rows[None, :]
+    M_P = tl.load(m_ptr + m_offs)
+    # (9) the output (5): diag(Γ) Q S_0 and P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}
+    dq = scale * Gamma[:, None] * dQS + tl.dot(M_P, b_k, input_precision=PREC)
+    dk = tl.dot(tl.trans(M_P), b_q, input_precision=PREC)
     d_Gamma = scale * tl.sum(b_q.to(tl.float32) * dQS, axis=1)
-    # (10) state update (6): K̃ = diag(e^{γ_C − γ}) K
+    # (10) the state update (6) through K̃ = diag(e^{γ_C − γ}) K
     dk += to_end[:, None] * dKte
-    t = tl.sum(dKte * (k32 * to_end[:, None]), axis=1)
-    d_gamma = -t
-    d_gamma_last = tl.sum(t, axis=0) + tl.exp(gamma_last) * tl.sum(tl.sum(gs, axis=1), axis=0)
-    # (11) T = (I + A)^{-1}: dA = −(Tᵀ dU)(Ũ − W S_0)ᵀ = −dY Uᵀ on j < i,
-    # with A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j
-    dA = tl.where(strict, -dYU, 0.0)
-    da = tl.sum(dA * decay * KK, axis=1)
-    dKK = dA * (a[:, None] * decay)
-    dk += tl.dot(dKK.to(DT), b_k, input_precision=PREC)
-    dk += tl.dot(tl.trans(dKK).to(DT), b_k, input_precision=PREC)
-    d_decay += dA * a[:, None] * KK
-    # W = T diag(aΓ) K: X = diag(aΓ) K gets dX
+    t = tl.sum(dKte * k32 * to_end[:, None], axis=1)
+    # (11) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j (both keys), and X = diag(aΓ) K
+    M_A = tl.load(m_ptr + 4096 + m_offs)
+    dk += tl.dot(M_A, b_k, input_precision=PREC)
+    dk += tl.dot(tl.trans(M_A), b_k, input_precision=PREC)
     xk = tl.sum(dX * k32, axis=1)
-    da += Gamma * xk
-    d_Gamma += a * xk
+    da = tl.load(r_ptr + r_offs) + Gamma * xk
+    db = tl.load(r_ptr + 128 + r_offs)
     dk += (a * Gamma)[:, None] * dX
-    # (12) decay: e^{γ_i − γ_j}, Γ_i = e^{γ_i}, γ_C; then γ = cumsum(log α) in the chunk
-    dE = d_decay * decay
-    d_gamma += tl.sum(dE, axis=1) - tl.sum(dE, axis=0) + d_Gamma * Gamma
+    # (12) dγ: the decay matrix (from the value side), Γ_i, and γ_C through (6)
+    d_gamma = tl.load(r_ptr + 64 + r_offs) - t + (d_Gamma + a * xk) * Gamma
+    d_gamma_last = tl.sum(t, axis=0) + tl.exp(gamma_last) * tl.sum(tl.sum(gs, axis=1), axis=0)
     d_gamma += tl.where(rows == 63, d_gamma_last, 0.0)
     d_log_alpha = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
 
-    # The rule: a(β, λ), b(β, λ) with λ = ‖k‖² (so dk += 2 dλ k)
+    # The rule: a(β, λ), b(β, λ) with λ = ‖k‖², so dk += 2 dλ k
     da_dbeta, da_dlam, db_dbeta, db_dlam = rule_derivatives(b_beta, lam, eps, RULE, NEG)
-    dlam = da * da_dlam + db * db_dlam
-    dk += (2.0 * dlam)[:, None] * k32
+    dk += (2.0 * (da * da_dlam + db * db_dlam))[:, None] * k32
 
     k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
     k_mask = mask_t[:, None] & mask_k[None, :]
