@@ -25,6 +25,7 @@ from deltaflow import delta_rule, set_value_checks
 from deltaflow.ops import triton_backend as tb
 
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 32, 64)]
+SHAPES_RUN = list(SHAPES)
 BASE = {
     "FORWARD_MODE": "auto",
     "TWO_PASS_BV": 64,
@@ -131,12 +132,17 @@ def time_shape(shape, fla=None, rule="delta"):
     out = {}
     with torch.no_grad():
         out["fwd"] = bench(lambda: delta_rule(q, k, v, beta, rule=rule, log_decay=ld))
+    print("  fwd", shape, out["fwd"], flush=True)
 
     def fb():
         o, _ = delta_rule(q, k, v, beta, rule=rule, log_decay=ld)
         o.backward(do)
 
+    fb()
+    torch.cuda.synchronize()
+    print("  one fwd+bwd done", flush=True)
     out["fwd_bwd"] = bench(fb)
+    print("  fwd+bwd", shape, out["fwd_bwd"], flush=True)
     if fla is not None:
         ldf = ld.detach().float().requires_grad_(True)
         with torch.no_grad():
@@ -174,7 +180,7 @@ def run_variant(name: str, fla) -> dict:
     rec["err_bf16"] = check(dtype=torch.bfloat16)
     rec["err_fp32"] = check(dtype=torch.float32, shape=(1, 300, 2, 128))
     print(name, "err bf16", rec["err_bf16"], "fp32", rec["err_fp32"], flush=True)
-    for shape in SHAPES:
+    for shape in SHAPES_RUN:
         rec[str(shape)] = time_shape(shape, fla if name == "base" else None)
         print(name, shape, rec[str(shape)], flush=True)
         torch.cuda.empty_cache()
@@ -212,7 +218,10 @@ def main() -> None:
     parser.add_argument("--rules", action="store_true", help="every rule at the first shape")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
     parser.add_argument("--one-out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--shapes", default="", help="e.g. 16x2048x32x64,8x4096x16x128")
     args = parser.parse_args()
+    if args.shapes:
+        SHAPES_RUN[:] = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     set_value_checks(False)
     fla = load_fla()
     device = torch.cuda.get_device_name()
@@ -233,7 +242,9 @@ def main() -> None:
         tmp = Path(args.out) / f".variant_{name}.json"
         tmp.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--one-out", str(tmp)], timeout=400
+            [sys.executable, __file__, "--one", name, "--one-out", str(tmp)]
+            + (["--shapes", args.shapes] if args.shapes else []),
+            timeout=400,
         )
         if proc.returncode != 0 or not tmp.exists():
             print(f"variant {name} failed (exit {proc.returncode})", flush=True)
@@ -256,6 +267,9 @@ def main() -> None:
     for name, rec in results["variants"].items():
         cells = []
         for s in SHAPES:
+            if str(s) not in rec:
+                cells.append("-")
+                continue
             t = rec[str(s)]
             f = fla_times.get(s)
             ratio = f" ({f[0] / t['fwd']:.2f}x / {f[1] / t['fwd_bwd']:.2f}x)" if f else ""
