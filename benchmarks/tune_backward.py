@@ -238,7 +238,7 @@ def main() -> None:
         rec = run_variant(args.one, fla)
         Path(args.one_out).write_text(json.dumps(rec))
         return
-    for name in args.variants.split(","):
+    for name in filter(None, args.variants.split(",")):
         tmp = Path(args.out) / f".variant_{name}.json"
         tmp.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(
