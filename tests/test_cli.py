@@ -241,8 +241,9 @@ def test_select_best_picks_lr_by_seed_aggregate_and_penalizes_failures():
 def test_compare_cli_dry_run_and_list(capsys):
     assert main(["compare", "--dry-run", "--variants", "linear,deltanet", "--steps", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    # the main job: 2 variants x 3 seeds, written outside the committed results/, from scratch
-    assert lines[-1] == "6 runs of 5 steps -> runs/compare/quick (from scratch)"
+    # the main job (mqar_rebind: linear, deltanet; parity: deltanet) x 3 seeds, written
+    # outside the committed results/, from scratch
+    assert lines[-1] == "9 runs of 5 steps -> runs/compare/quick (from scratch)"
     assert main(["compare", "--dry-run", "--resume"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("(resuming)")
     assert main(["compare", "--list"]) == 0
@@ -283,9 +284,15 @@ def test_quick_preset_is_the_rebinding_contrast_and_margin_line_judges_every_see
 
     preset = get_preset("quick")
     specs = expand_grid(preset, device="cpu")
-    assert len(specs) == 6 and {s.seed for s in specs} == {0, 1, 2}
-    assert all(s.config.task_kwargs["bindings_per_key"] > 1 for s in specs)
-    assert preset.contrast == ("deltanet", "linear")
+    assert len(specs) == 12 and {s.seed for s in specs} == {0, 1, 2}
+    by_cell = {c: {s.variant for s in specs if s.cell == c} for c in preset.cells}
+    assert by_cell == {
+        "mqar_rebind": {"linear", "deltanet"},
+        "parity": {"deltanet", "deltanet_neg"},
+    }
+    assert all(
+        s.config.task_kwargs["bindings_per_key"] > 1 for s in specs if s.cell == "mqar_rebind"
+    )
 
     def row(variant, values):
         std = statistics.pstdev(values)
@@ -298,7 +305,9 @@ def test_quick_preset_is_the_rebinding_contrast_and_margin_line_judges_every_see
         }
 
     good = [row("deltanet", [0.98, 0.99, 0.97]), row("linear", [0.2, 0.25, 0.15])]
-    assert "separated on every seed" in contrast_line(good, preset)
+    line = contrast_line(good, preset)
+    assert "mqar_rebind: deltanet - linear per seed +0.780, +0.740, +0.820" in line
+    assert "separated on every seed" in line and "parity" not in line  # no parity rows given
     # one seed where the margin is within the spread: not a robust separation
     bad = [row("deltanet", [0.98, 0.99, 0.5]), row("linear", [0.2, 0.25, 0.45])]
     assert "NOT separated" in contrast_line(bad, preset)

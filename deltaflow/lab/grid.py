@@ -84,7 +84,7 @@ def expand_grid(
     specs = []
     for width in preset.widths or [None]:
         for cell, cell_spec in preset.cells.items():
-            for variant in preset.variants:
+            for variant in cell_variants(preset, cell):
                 for lr in preset.lrs:
                     for seed in preset.seeds:
                         data = copy.deepcopy(base)
@@ -99,13 +99,23 @@ def expand_grid(
                         extra = base.get("task_kwargs", {})  # from --set task_kwargs.x=...
                         data["task_kwargs"] = {**task_kwargs, **extra, "seed": seed}
                         for key, value in cell_spec.items():  # per-cell TrainConfig overrides
-                            if key not in ("task", "task_kwargs"):
+                            if key not in CELL_KEYS:
                                 data[key] = copy.deepcopy(value)
                         data.update(lr=lr, seed=seed)
                         specs.append(
                             RunSpec(variant, cell, width, lr, seed, TrainConfig.from_dict(data))
                         )
     return specs
+
+
+# keys of a cell spec that describe the cell; any other key overrides a TrainConfig field
+CELL_KEYS = ("task", "task_kwargs", "variants", "contrast")
+
+
+def cell_variants(preset: Preset, cell: str) -> list[str]:
+    """The preset's variants that run on ``cell`` (a cell may name a subset: ``variants``)."""
+    wanted = preset.cells[cell].get("variants")
+    return [v for v in preset.variants if wanted is None or v in wanted]
 
 
 def load_runs(path: Path) -> dict[str, dict[str, Any]]:

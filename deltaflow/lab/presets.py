@@ -37,7 +37,9 @@ class Preset:
     name: str
     description: str
     base: dict[str, Any]  # TrainConfig fields shared by every run (model: shared model args)
-    cells: dict[str, dict[str, Any]]  # cell name -> {"task": ..., "task_kwargs": {...}, ...}
+    # cell name -> {"task": ..., "task_kwargs": {...}, optional "variants": [subset that runs
+    # on this cell], "contrast": (winner, baseline), any other key: a TrainConfig override}
+    cells: dict[str, dict[str, Any]]
     variants: list[str]
     lrs: list[float]
     seeds: list[int] = field(default_factory=lambda: [0])
@@ -48,7 +50,8 @@ class Preset:
     table_metrics: list[str] | None = None  # columns per cell; default [metric]
     expect: str = ""  # what a correct run should show, printed with the results
     # (winner, baseline): report the per-seed margin winner - baseline and whether it beats the
-    # seed spread on every seed (seeds pair up: same seed, same data and initialisation stream)
+    # seed spread on every seed (seeds pair up: same seed, same data and initialisation stream);
+    # a cell's own "contrast" takes precedence
     contrast: tuple[str, str] | None = None
 
     def variant_model(self, variant: str) -> dict[str, Any]:
@@ -70,11 +73,15 @@ def _mqar(seq_len: int, pairs: int, vocab: int, **extra: Any) -> dict[str, Any]:
 QUICK = Preset(
     name="quick",
     description=(
-        "MQAR with re-binding (sequence 40, 4 keys each bound 4 times to fresh values, vocab "
-        "32): every re-bound key and every final query must be answered with the key's "
-        "*latest* value. Linear attention's state only adds, so it holds the sum of a key's "
-        "bindings; DeltaNet's erase step overwrites the old one. 1-layer width-64 models with "
-        "4 heads of dimension 16, 300 steps of 16 sequences, 3 seeds."
+        "Two settings where the delta rule's extra terms are the whole difference, 1-layer "
+        "width-64 models (4 heads of dimension 16), 300 steps of 16 sequences, 3 seeds. "
+        "`mqar_rebind`: MQAR with re-binding (sequence 40, 4 keys each bound 4 times to fresh "
+        "values, vocab 32); every re-bound key and every final query must be answered with the "
+        "key's *latest* value. Linear attention's state only adds, so it holds the sum of a "
+        "key's bindings; DeltaNet's erase step overwrites the old one. `parity`: running parity "
+        "of a bit string (labels at every token, train lengths 3-40, accuracy averaged over "
+        "lengths 40 and 128); DeltaNet with eigenvalues in [0, 1] vs (-1, 1] (arXiv 2411.12537): "
+        "a sign flip needs a negative eigenvalue."
     ),
     base={
         "steps": 300,
@@ -86,16 +93,30 @@ QUICK = Preset(
         # chunk 16: with head dim 16 a 64-token chunk does 4x the intra-chunk work on CPU
         "model": {"hidden_size": 64, "num_layers": 1, "num_heads": 4, "chunk_size": 16},
     },
-    cells={"mqar_rebind": _mqar(40, 4, 32, bindings_per_key=4)},
-    variants=["linear", "deltanet"],
+    cells={
+        "mqar_rebind": {
+            **_mqar(40, 4, 32, bindings_per_key=4),
+            "variants": ["linear", "deltanet"],
+            "contrast": ("deltanet", "linear"),
+        },
+        "parity": {
+            "task": "parity",
+            "task_kwargs": {"label_every_token": True, "eval_lengths": [40, 128]},
+            "eval_kwargs": {"num_examples": 256, "batch_size": 256},
+            "variants": ["deltanet", "deltanet_neg"],
+            "contrast": ("deltanet_neg", "deltanet"),
+        },
+    },
+    variants=["linear", "deltanet", "deltanet_neg"],
     lrs=[3e-3],
     seeds=[0, 1, 2],
     metric="accuracy",
-    contrast=("deltanet", "linear"),
     expect=(
-        "DeltaNet close to 1.0 on every seed; linear attention far below (at most ~0.52 even "
-        "with perfect recall of summed bindings: a key seen once before is answerable, after "
-        "that the bindings blur), so DeltaNet leads on every seed by far more than the spread."
+        "mqar_rebind: DeltaNet close to 1.0 on every seed, linear attention far below (at most "
+        "~0.52 even with perfect recall of summed bindings: a key seen once before is "
+        "answerable, after that its bindings blur). parity: DeltaNet with negative eigenvalues "
+        "close to 1.0, DeltaNet with eigenvalues in [0, 1] near chance (0.5). Both margins "
+        "larger than the seed spread on every seed."
     ),
 )
 

@@ -64,14 +64,16 @@ def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
 
 
 def contrast_line(rows: list[dict[str, Any]], preset: Preset) -> str:
-    """Per-seed margin of ``preset.contrast = (winner, baseline)`` in each (cell, width), and
-    whether the winner leads on every seed by more than the larger of the two seed spreads."""
-    if preset.contrast is None:
-        return ""
-    winner, baseline = preset.contrast
+    """Per-seed margin of ``contrast = (winner, baseline)`` (the cell's, else the preset's) in
+    each (cell, width), and whether the winner leads on every seed by more than the larger of
+    the two seed spreads."""
     index = {(r["variant"], r["cell"], r["width"]): r for r in rows}
     parts = []
-    for cell in preset.cells:
+    for cell, spec in preset.cells.items():
+        contrast = spec.get("contrast", preset.contrast)
+        if contrast is None:
+            continue
+        winner, baseline = contrast
         for width in preset.widths or [None]:
             w, b = index.get((winner, cell, width)), index.get((baseline, cell, width))
             if w is None or b is None:
