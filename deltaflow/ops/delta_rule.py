@@ -88,13 +88,15 @@ def delta_rule(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = resolve_backend(backend, q, step_rule)
     dtype = compute_dtype(q, k, v, beta, initial_state)
+    if backend == "triton" and not step_rule.builtin:
+        raise ValueError(
+            f"backend='triton' supports the built-in rules only; rule {step_rule.name!r} "
+            "is user-defined: use backend='torch'"
+        )
+    if q.shape[1] == 0:  # before any backend: no kernel or chunk loop ever sees T = 0
+        return _empty(q, v, initial_state, cu_seqlens, output_final_state, dtype)
 
     if backend == "triton":
-        if not step_rule.builtin:
-            raise ValueError(
-                f"backend='triton' supports the built-in rules only; rule {step_rule.name!r} "
-                "is user-defined: use backend='torch'"
-            )
         triton_backend = _triton_backend()
         if triton_backend is None:
             raise RuntimeError(
@@ -149,6 +151,26 @@ def delta_rule(
             dtype,
         )
     return o.to(v.dtype), (state if output_final_state else None)
+
+
+def _empty(
+    q: Tensor,
+    v: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    output_final_state: bool,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor | None]:
+    """T = 0: no token changes the state. ``o`` is ``[B, 0, H, Dv]``; the final state is the
+    initial state (a copy, in the state dtype, still differentiable) or zeros."""
+    o = v.clone()  # v is [B, 0, H, Dv]: the empty output, with v's dtype, device and graph
+    if not output_final_state:
+        return o, None
+    if initial_state is not None:
+        return o, initial_state.to(dtype).clone()
+    B, _, H, Dk = q.shape
+    n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    return o, q.new_zeros(n_states, H, Dk, v.shape[-1], dtype=dtype)
 
 
 def _reference(
