@@ -12,6 +12,10 @@ from deltaflow.ops.chunk import chunk_delta_rule
 from deltaflow.ops.naive import recurrent_delta_rule
 from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_coefficients
 
+# The CPU default chunk: with the forward-only path, 32-token chunks beat 64 by ~15% at
+# B=1, T=4096, H=4, D=64 (less C×C work per token; the loop's extra steps are cheap on CPU).
+CPU_CHUNK_SIZE = 32
+
 
 def _triton_backend():
     """The Triton backend, or None where it cannot run (no Triton, or no GPU and no interpreter)."""
@@ -45,7 +49,7 @@ def delta_rule(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Delta-rule linear attention with a pluggable step rule (DESIGN.md §1–§3).
@@ -67,7 +71,8 @@ def delta_rule(
         output_final_state: also return the final state (float32, float64 for float64 inputs).
         cu_seqlens: int ``[N + 1]`` offsets of ``N`` sequences packed along T; requires B == 1.
         chunk_size: tokens per chunk of the torch backend (positive power of two); it changes
-            speed, not the result. The Triton kernels always use chunks of 64.
+            speed, not the result. None: 32 on CPU (fastest there, benchmarks/NOTES.md), 64
+            elsewhere. The Triton kernels always use chunks of 64.
         backend: 'auto' | 'reference' | 'torch' | 'triton'.
 
     Returns:
@@ -75,6 +80,8 @@ def delta_rule(
         unless ``output_final_state``.
     """
     step_rule = get_rule(rule)
+    if chunk_size is None:
+        chunk_size = CPU_CHUNK_SIZE if isinstance(q, Tensor) and q.device.type == "cpu" else 64
     check_inputs(
         q, k, v, beta, step_rule, log_decay, initial_state, cu_seqlens, chunk_size, backend, eps
     )
