@@ -4,7 +4,7 @@
     deltaflow train --config configs/mqar_efla.yaml --lr 3e-4 --set model.qk_norm=l2
     deltaflow eval runs/efla                       # latest checkpoint of a run directory
     deltaflow generate runs/lm --prompt "It is a truth" --max-new-tokens 100
-    deltaflow compare                              # the quick CPU preset (<= 5 min)
+    deltaflow compare                              # the main job: quick CPU preset (<= 2 min)
     deltaflow compare --preset mqar_512 --device cuda --out results/mqar_512
 
 Every ``train`` flag maps onto a field of :class:`deltaflow.train.TrainConfig`; precedence is
@@ -342,11 +342,22 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         "compare",
         help="run a grid of rules x tasks x widths x lrs x seeds; tables and plots",
         description="Run a preset grid, keep the best learning rate per cell, write "
-        "results.md, summary.json, runs.jsonl and PNG plots. Re-running resumes.",
+        "results.md, summary.json, runs.jsonl and PNG plots. Every invocation trains from "
+        "scratch (an old runs.jsonl is kept as runs.prev.jsonl) unless --resume is given.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--preset", default="quick", choices=sorted(PRESETS))
-    p.add_argument("--out", help="results directory (default: results/<preset>)")
+    p.add_argument(
+        "--out",
+        help="output directory (default: runs/compare/<preset>; runs/ is git-ignored, the "
+        "committed example results in results/ are never written or resumed by default)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the finished runs already in <out>/runs.jsonl and train only the rest "
+        "(continue an interrupted grid); without it every run is trained again",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--steps", type=int, help="training steps per run (overrides the preset)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the preset's steps")
@@ -432,7 +443,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.batch_size:
         overrides["batch_size"] = args.batch_size
     shared = _shared_dir(args.shared)
-    out = Path(args.out or f"results/{preset.name}")
+    out = Path(args.out or f"runs/compare/{preset.name}")
     specs = expand_grid(
         preset,
         device=args.device,
@@ -444,7 +455,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.dry_run:
         for s in specs:
             print(s.run_id)
-        print(f"{len(specs)} runs of {specs[0].config.steps} steps -> {out}")
+        mode = "resuming" if args.resume else "from scratch"
+        print(f"{len(specs)} runs of {specs[0].config.steps} steps -> {out} ({mode})")
         return 0
     command = "deltaflow " + " ".join(shlex.quote(a) for a in args.argv)
     _, table = compare(
@@ -460,8 +472,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         threads=args.threads,
         note=args.note,
+        resume=args.resume,
     )
-    print(f"\n{preset.name}: {preset.metric} at the best lr per cell ({out}/results.md)\n")
+    seeds = len(preset.seeds)
+    agg = "" if seeds == 1 else f", {preset.seed_aggregate} over {seeds} seeds"
+    print(f"\n{preset.name}: {preset.metric} at the best lr per cell{agg} ({out}/results.md)\n")
     print(table)
     if preset.expect:
         print(f"\nExpected: {preset.expect}")

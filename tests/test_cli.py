@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -174,9 +175,22 @@ def test_compare_grid_writes_table_plots_and_resumes(tmp_path, monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("finished runs must not be retrained")
 
+    real_run_one = grid_module.run_one
     monkeypatch.setattr(grid_module, "run_one", no_training)
-    rows2, table2 = compare(preset, tmp_path, device="cpu", progress=False)
+    rows2, table2 = compare(preset, tmp_path, device="cpu", progress=False, resume=True)
     assert table2 == table
+    # without resume (the default) every run is trained again; the old log is kept aside
+    trained = []
+
+    def counting(spec, **kw):
+        trained.append(spec.run_id)
+        return real_run_one(spec, **kw)
+
+    monkeypatch.setattr(grid_module, "run_one", counting)
+    compare(preset, tmp_path, device="cpu", progress=False, jobs=1)
+    assert len(trained) == 8
+    assert len((tmp_path / "runs.prev.jsonl").read_text().splitlines()) == 8
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 8
     # a changed grid point (steps) gets a new id: it is not silently reused
     ids = {s.run_id for s in expand_grid(preset, device="cpu")}
     assert not ids & {s.run_id for s in expand_grid(preset, device="cpu", steps=3)}
@@ -227,7 +241,11 @@ def test_select_best_picks_lr_by_seed_aggregate_and_penalizes_failures():
 def test_compare_cli_dry_run_and_list(capsys):
     assert main(["compare", "--dry-run", "--variants", "linear,deltanet", "--steps", "5"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-1].startswith("2 runs of 5 steps")
+    # the main job (mqar_rebind: linear, deltanet; parity: deltanet) x 3 seeds, written
+    # outside the committed results/, from scratch
+    assert lines[-1] == "9 runs of 5 steps -> runs/compare/quick (from scratch)"
+    assert main(["compare", "--dry-run", "--resume"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(resuming)")
     assert main(["compare", "--list"]) == 0
     assert "mqar_512" in capsys.readouterr().out
     assert main(["compare", "--preset", "state_tracking", "--dry-run", "--seeds", "1"]) == 0
@@ -258,3 +276,38 @@ def test_compare_cli_passes_every_knob_through(monkeypatch, tmp_path, capsys):
     assert preset.widths == [16, 32] and preset.lrs == [1e-2] and preset.seeds == [0, 1]
     assert preset.variants == ["linear"]
     assert seen["command"].startswith("deltaflow compare --preset mqar_512")
+
+
+def test_quick_preset_is_the_rebinding_contrast_and_margin_line_judges_every_seed():
+    from deltaflow.lab import get_preset
+    from deltaflow.lab.report import contrast_line
+
+    preset = get_preset("quick")
+    specs = expand_grid(preset, device="cpu")
+    assert len(specs) == 12 and {s.seed for s in specs} == {0, 1, 2}
+    by_cell = {c: {s.variant for s in specs if s.cell == c} for c in preset.cells}
+    assert by_cell == {
+        "mqar_rebind": {"linear", "deltanet"},
+        "parity": {"deltanet", "deltanet_neg"},
+    }
+    assert all(
+        s.config.task_kwargs["bindings_per_key"] > 1 for s in specs if s.cell == "mqar_rebind"
+    )
+
+    def row(variant, values):
+        std = statistics.pstdev(values)
+        return {
+            "variant": variant,
+            "cell": "mqar_rebind",
+            "width": None,
+            "std": std,
+            "seed_values": dict(enumerate(values)),
+        }
+
+    good = [row("deltanet", [0.98, 0.99, 0.97]), row("linear", [0.2, 0.25, 0.15])]
+    line = contrast_line(good, preset)
+    assert "mqar_rebind: deltanet - linear per seed +0.780, +0.740, +0.820" in line
+    assert "separated on every seed" in line and "parity" not in line  # no parity rows given
+    # one seed where the margin is within the spread: not a robust separation
+    bad = [row("deltanet", [0.98, 0.99, 0.5]), row("linear", [0.2, 0.25, 0.45])]
+    assert "NOT separated" in contrast_line(bad, preset)

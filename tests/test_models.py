@@ -361,3 +361,39 @@ def test_packed_documents_bad_inputs():
         model(ids, cu_seqlens=torch.tensor([0.0, 8.0]))
     with pytest.raises(ValueError, match="cannot be combined"):
         model(ids, cu_seqlens=torch.tensor([0, 8]), use_cache=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_hidden_layers=2),
+        dict(num_hidden_layers=3, num_attention_heads=2, attn_every=3),
+        dict(num_hidden_layers=2, layer_types=["attention", "delta"]),
+        dict(num_hidden_layers=1, num_attention_heads=8, rms_norm_eps=1e-6, intermediate_size=40),
+    ],
+)
+def test_conventional_names_build_save_and_reload_the_same_model(tmp_path, kwargs):
+    """AutoConfig.for_model with the transformers names: everything derived from the layer
+    count follows it, and the saved model reloads with identical logits."""
+    cfg = AutoConfig.for_model("deltaflow", vocab_size=V, hidden_size=32, **kwargs)
+    n_layers = kwargs["num_hidden_layers"]
+    assert cfg.num_layers == cfg.num_hidden_layers == n_layers
+    assert len(cfg.mixer_types) == n_layers
+    assert cfg.num_heads == cfg.num_attention_heads == kwargs.get("num_attention_heads", 4)
+    assert cfg.norm_eps == cfg.rms_norm_eps == kwargs.get("rms_norm_eps", 1e-5)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert len(model.model.layers) == n_layers
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.mixer_types == cfg.mixer_types and loaded.config.num_layers == n_layers
+    ids = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_conventional_name_contradicting_the_native_one_raises():
+    with pytest.raises(ValueError, match="num_hidden_layers=2 is an alias of num_layers"):
+        DeltaFlowConfig(num_layers=3, num_hidden_layers=2)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        DeltaFlowConfig(num_heads=2, num_attention_heads=8)
+    assert DeltaFlowConfig(num_layers=3, num_hidden_layers=3).num_layers == 3

@@ -134,6 +134,49 @@ def test_mqar_every_query_label_is_the_value_bound_to_its_key(random_fill):
             assert all(ids[t] == 0 for t in range(2 * P, 70) if t not in qpos)
 
 
+@pytest.mark.parametrize("score_rebinds", [True, False])
+def test_mqar_rebinding_labels_are_the_latest_binding(score_rebinds):
+    """A token-by-token replay of every example: walk the sequence keeping a dict of the
+    current binding; every scored key's label must be that dict's entry (the latest value),
+    and the final queries must differ from every earlier binding of their key."""
+    P, R, V, T = 4, 3, 40, 34
+    task = MQAR(T, P, V, bindings_per_key=R, score_rebinds=score_rebinds, seed=3)
+    b = task.get_batch(64, "train", 2)
+    half = V // 2
+    for ids, labels in zip(b["input_ids"].tolist(), b["labels"].tolist()):
+        context = ids[: 2 * P * R]
+        keys, values = context[0::2], context[1::2]
+        assert len(set(values)) == P * R and all(half <= v < V for v in values)  # fresh values
+        for r in range(R):  # every round binds each of the same P keys once
+            assert sorted(keys[r * P : (r + 1) * P]) == sorted(keys[:P])
+        history: dict[int, list[int]] = {}
+        scored = 0
+        for t in range(0, 2 * P * R, 2):
+            key, value = ids[t], ids[t + 1]
+            expected = history[key][-1] if key in history and score_rebinds else IGNORE_INDEX
+            assert labels[t] == expected and labels[t + 1] == IGNORE_INDEX
+            scored += expected != IGNORE_INDEX
+            history.setdefault(key, []).append(value)
+        assert scored == (P * (R - 1) if score_rebinds else 0)
+        qpos = [t for t in range(2 * P * R, T) if labels[t] != IGNORE_INDEX]
+        assert sorted(ids[t] for t in qpos) == sorted(keys[:P])  # each key queried once
+        for t in qpos:
+            assert labels[t] == history[ids[t]][-1]  # only the latest binding counts
+            assert labels[t] not in history[ids[t]][:-1]
+
+
+def test_mqar_rebinding_checks_sizes_and_keeps_zoology_default():
+    with pytest.raises(ValueError, match="bindings_per_key"):
+        MQAR(seq_len=32, num_kv_pairs=4, vocab_size=64, bindings_per_key=4)  # needs 40 tokens
+    with pytest.raises(ValueError, match="distinct values"):
+        MQAR(seq_len=40, num_kv_pairs=4, vocab_size=16, bindings_per_key=4)  # 16 > 8 values
+    with pytest.raises(ValueError, match="bindings_per_key"):
+        MQAR(seq_len=40, num_kv_pairs=4, vocab_size=64, bindings_per_key=0)
+    a = MQAR(64, 4, 64, seed=1).get_batch(8, "train", 5)
+    b = MQAR(64, 4, 64, bindings_per_key=1, seed=1).get_batch(8, "train", 5)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_mqar_gaps_follow_the_power_law_and_presets_build():
     task = MQAR(seq_len=512, num_kv_pairs=8, vocab_size=8192)
     labels = task.get_batch(256, "train", 0)["labels"]

@@ -1,9 +1,11 @@
 """Run a preset's grid, keep the best learning rate per cell, write tables and plots.
 
 Every finished run is appended to ``<out>/runs.jsonl`` (its config, final metrics, loss and
-eval curves). Re-running the same command skips runs already there, so a long grid that was
-interrupted continues where it stopped; changing a run's config changes its id, so stale
-results are never reused.
+eval curves). By default a grid trains from scratch: an existing ``runs.jsonl`` is moved aside
+to ``runs.prev.jsonl``, so what is printed was computed by this invocation. With
+``resume=True`` (``deltaflow compare --resume``) runs already in ``runs.jsonl`` are skipped, so
+a long grid that was interrupted continues where it stopped; changing a run's config changes
+its id, so stale results are never reused.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def expand_grid(
     specs = []
     for width in preset.widths or [None]:
         for cell, cell_spec in preset.cells.items():
-            for variant in preset.variants:
+            for variant in cell_variants(preset, cell):
                 for lr in preset.lrs:
                     for seed in preset.seeds:
                         data = copy.deepcopy(base)
@@ -97,13 +99,23 @@ def expand_grid(
                         extra = base.get("task_kwargs", {})  # from --set task_kwargs.x=...
                         data["task_kwargs"] = {**task_kwargs, **extra, "seed": seed}
                         for key, value in cell_spec.items():  # per-cell TrainConfig overrides
-                            if key not in ("task", "task_kwargs"):
+                            if key not in CELL_KEYS:
                                 data[key] = copy.deepcopy(value)
                         data.update(lr=lr, seed=seed)
                         specs.append(
                             RunSpec(variant, cell, width, lr, seed, TrainConfig.from_dict(data))
                         )
     return specs
+
+
+# keys of a cell spec that describe the cell; any other key overrides a TrainConfig field
+CELL_KEYS = ("task", "task_kwargs", "variants", "contrast")
+
+
+def cell_variants(preset: Preset, cell: str) -> list[str]:
+    """The preset's variants that run on ``cell`` (a cell may name a subset: ``variants``)."""
+    wanted = preset.cells[cell].get("variants")
+    return [v for v in preset.variants if wanted is None or v in wanted]
 
 
 def load_runs(path: Path) -> dict[str, dict[str, Any]]:
@@ -189,8 +201,10 @@ def run_grid(
     run_progress: bool = False,
     jobs: int = 1,
     threads: int | None = None,
+    resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Train every spec not already in ``out_dir/runs.jsonl``; returns the records of ``specs``.
+    """Train every spec (with ``resume``: every spec not already in ``out_dir/runs.jsonl``);
+    returns the records of ``specs``.
 
     ``jobs > 1`` trains that many runs at once in worker processes (``threads`` torch threads
     each, default 1; on a multi-GPU host the workers are spread over the GPUs); results do
@@ -199,6 +213,8 @@ def run_grid(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "runs.jsonl"
+    if not resume and log_path.exists():  # start over, but never destroy finished runs
+        os.replace(log_path, out / "runs.prev.jsonl")
     done = load_runs(log_path)
     todo = [s for s in specs if done.get(s.run_id, {}).get("status") in (None, "error")]
     bar = tqdm(
@@ -298,6 +314,7 @@ def select_best(records: list[dict[str, Any]], preset: Preset) -> list[dict[str,
             "seconds": sum(r.get("seconds", 0.0) for r in runs),
         }
         ok = [metric_value(r, metric, higher) for r in runs]
+        row["seed_values"] = {r["seed"]: v for r, v in zip(runs, ok)}
         row["std"] = (
             statistics.pstdev(ok) if len(ok) > 1 and all(math.isfinite(v) for v in ok) else 0.0
         )
@@ -333,14 +350,16 @@ def compare(
     jobs: int | None = None,
     threads: int | None = None,
     note: str | None = None,
+    resume: bool = False,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run the grid, then write results.md, summary.json and PNG plots into ``out_dir``.
 
-    ``jobs``: parallel runs (default: one per CPU core on CPU, 1 on GPU). Returns (best rows,
-    markdown table).
+    ``jobs``: parallel runs (default: one per CPU core on CPU, 1 on GPU). ``resume``: keep the
+    finished runs of ``out_dir/runs.jsonl`` instead of training everything again. Returns (best
+    rows, markdown table; with the preset's ``contrast``, the per-seed margin line under it).
     """
     from deltaflow.lab.plots import make_plots
-    from deltaflow.lab.report import markdown_report, results_table
+    from deltaflow.lab.report import contrast_line, markdown_report, results_table
 
     out = Path(out_dir)
     start = time.perf_counter()
@@ -352,7 +371,13 @@ def compare(
         preset = copy.deepcopy(preset)  # one table column per evaluation length
         preset.table_metrics = [f"{preset.metric}@{n}" for n in specs[0].config.eval_lengths]
     records = run_grid(
-        specs, out, metric=preset.metric, progress=progress, jobs=jobs, threads=threads
+        specs,
+        out,
+        metric=preset.metric,
+        progress=progress,
+        jobs=jobs,
+        threads=threads,
+        resume=resume,
     )
     rows = select_best(records, preset)
     plots = make_plots(rows, preset, out)
@@ -395,7 +420,9 @@ def compare(
     _atomic_text(out / "summary.json", json.dumps(summary, indent=2))
     if command:
         _atomic_text(out / "command.txt", command + "\n")
-    return rows, results_table(rows, preset)
+    table = results_table(rows, preset)
+    margin = contrast_line(rows, preset)
+    return rows, table + (f"\n\n{margin}" if margin else "")
 
 
 def _device_name(device: str) -> str:

@@ -63,6 +63,39 @@ def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
     return "\n".join(lines)
 
 
+def contrast_line(rows: list[dict[str, Any]], preset: Preset) -> str:
+    """Per-seed margin of ``contrast = (winner, baseline)`` (the cell's, else the preset's) in
+    each (cell, width), and whether the winner leads on every seed by more than the larger of
+    the two seed spreads."""
+    index = {(r["variant"], r["cell"], r["width"]): r for r in rows}
+    parts = []
+    for cell, spec in preset.cells.items():
+        contrast = spec.get("contrast", preset.contrast)
+        if contrast is None:
+            continue
+        winner, baseline = contrast
+        for width in preset.widths or [None]:
+            w, b = index.get((winner, cell, width)), index.get((baseline, cell, width))
+            if w is None or b is None:
+                continue
+            seeds = sorted(set(w.get("seed_values", {})) & set(b.get("seed_values", {})))
+            sign = 1.0 if preset.higher_is_better else -1.0
+            margins = [sign * (w["seed_values"][s] - b["seed_values"][s]) for s in seeds]
+            if not margins or not all(math.isfinite(m) for m in margins):
+                parts.append(f"{cell}: a run failed, no margin")
+                continue
+            spread = max(w["std"], b["std"])
+            ok = min(margins) > spread
+            verdict = "separated on every seed" if ok else "NOT separated"
+            where = cell + (f" d={width}" if width is not None else "")
+            per_seed = ", ".join(f"{m:+.3f}" for m in margins)
+            parts.append(
+                f"{where}: {winner} - {baseline} per seed {per_seed}; smallest margin "
+                f"{min(margins):.3f} vs spread (larger std) {spread:.3f}: {verdict}"
+            )
+    return "\n".join(f"Margin, {p}" for p in parts)
+
+
 def markdown_report(
     rows: list[dict[str, Any]],
     preset: Preset,
@@ -93,6 +126,9 @@ def markdown_report(
         results_table(rows, preset),
         "",
     ]
+    margin = contrast_line(rows, preset)
+    if margin:
+        lines += [margin, ""]
     if details:
         lines += [f"- {d}" for d in details] + [""]
     if preset.expect:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -41,7 +43,12 @@ class DeltaFlowConfig(PretrainedConfig):
 
     model_type = "deltaflow"
     keys_to_ignore_at_inference = ["past_key_values"]
-    attribute_map = {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"}
+    # The conventional transformers names, read and written as aliases of deltaflow's own.
+    attribute_map = {
+        "num_hidden_layers": "num_layers",
+        "num_attention_heads": "num_heads",
+        "rms_norm_eps": "norm_eps",
+    }
 
     def __init__(
         self,
@@ -85,6 +92,22 @@ class DeltaFlowConfig(PretrainedConfig):
         pad_token_id: int | None = None,
         **kwargs: Any,
     ) -> None:
+        # Resolve the conventional names first: everything derived from the layer count
+        # (mixer_types) must see the value the caller meant, or the saved config.json holds a
+        # num_layers and a mixer_types of different lengths that from_pretrained rejects.
+        given = {"num_layers": num_layers, "num_heads": num_heads, "norm_eps": norm_eps}
+        defaults = _init_defaults()
+        for alias, name in self.attribute_map.items():
+            if alias not in kwargs:
+                continue
+            value = kwargs.pop(alias)
+            if given[name] != defaults[name] and given[name] != value:
+                raise ValueError(
+                    f"{alias}={value!r} is an alias of {name}, which was given as "
+                    f"{given[name]!r}; give one of them"
+                )
+            given[name] = value
+        num_layers, num_heads, norm_eps = given["num_layers"], given["num_heads"], given["norm_eps"]
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers
@@ -234,3 +257,10 @@ class DeltaFlowConfig(PretrainedConfig):
         if self.intermediate_size is not None:
             return self.intermediate_size
         return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+
+
+@functools.cache
+def _init_defaults() -> dict[str, Any]:
+    """DeltaFlowConfig's constructor defaults (to tell an alias from an explicit value)."""
+    params = inspect.signature(DeltaFlowConfig.__init__).parameters
+    return {name: p.default for name, p in params.items() if p.default is not p.empty}

@@ -24,9 +24,10 @@ def _check_tensor(name: str, t: object, rank: int, layout: str) -> Tensor:
     return t
 
 
-# Value checks (beta >= 0, log_decay <= 0, cu_seqlens offsets) read tensors on the host: on a GPU
-# that is one synchronization per call. They are on by default; training loops that have
-# validated their inputs can switch them off with set_value_checks(False).
+# Value checks (beta finite and >= 0, log_decay finite and <= 0, cu_seqlens offsets) read
+# tensors on the host: on a GPU that is one synchronization per checked tensor. They are on by
+# default; training loops that have validated their inputs can switch them off with
+# set_value_checks(False).
 _VALUE_CHECKS = True
 
 
@@ -41,6 +42,18 @@ def _values_checkable(t: Tensor) -> bool:
     if not _VALUE_CHECKS or torch.compiler.is_compiling():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _raise_not_finite(name: str, t: Tensor, hint: str = "") -> None:
+    """Raise if ``t`` holds NaN or ±inf, saying how many and where the first one is."""
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        n_nan, n_inf = int(t.isnan().sum()), int(t.isinf().sum())
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name} must be finite, got {n_nan} NaN and {n_inf} inf values (first at index "
+            f"{list(first)} of shape {_shape(t)}){hint}"
+        )
 
 
 def check_inputs(
@@ -89,7 +102,9 @@ def check_inputs(
             raise ValueError(
                 f"beta must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(beta)}"
             )
-        if _values_checkable(beta) and bool((beta < 0).any()):
+        # one host sync on the happy path; `beta >= 0` alone would let NaN (and +inf) through
+        if _values_checkable(beta) and not bool((torch.isfinite(beta) & (beta >= 0)).all()):
+            _raise_not_finite("beta", beta)
             raise ValueError(f"beta must be >= 0 (a step size), got min {beta.min().item():.4g}")
 
     if log_decay is not None:
@@ -98,7 +113,12 @@ def check_inputs(
             raise ValueError(
                 f"log_decay must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(log_decay)}"
             )
-        if _values_checkable(log_decay) and bool((log_decay > 0).any()):
+        if _values_checkable(log_decay) and not bool(
+            (torch.isfinite(log_decay) & (log_decay <= 0)).all()
+        ):
+            _raise_not_finite(
+                "log_decay", log_decay, " (a full reset is a large negative value such as -30)"
+            )
             raise ValueError(
                 "log_decay must be <= 0 (decay alpha = exp(log_decay) in (0, 1]), "
                 f"got max {log_decay.max().item():.4g}"

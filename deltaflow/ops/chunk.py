@@ -59,10 +59,12 @@ def chunk_delta_rule(
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     C = chunk_size
-    if log_decay is None:
-        log_decay = torch.zeros_like(a)
     if initial_state is None:
         initial_state = q.new_zeros(B, H, Dk, Dv)
+    if not _needs_grad(q, k, v, a, b, log_decay, initial_state):
+        return _forward_only(q, k, v, a, b, log_decay, initial_state, scale, C)
+    if log_decay is None:
+        log_decay = torch.zeros_like(a)
     pad = (-T) % C
     if pad:  # identity steps at the end: k = v = 0, a = b = 0, α = 1
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
@@ -71,6 +73,101 @@ def chunk_delta_rule(
     chunks = [_to_chunks(x, N, C) for x in (q, k, v, a, b, log_decay)]  # [B, H, N, C, ...]
     o, state, *_ = ChunkedRecurrence.apply(*chunks, initial_state, scale)
     return o.movedim(1, 3).reshape(B, N * C, H, Dv)[:, :T], state
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd (or a torch.func transform) may ask for gradients of this call."""
+    if torch._C._are_functorch_transforms_active():  # grad/vmap wrappers hide requires_grad
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _forward_only(q, k, v, a, b, log_decay, S, scale, C):
+    """The forward of :func:`_forward` when no gradient is needed (inference, evaluation).
+
+    Same equations, arranged for speed on CPU (benchmarks/NOTES.md, issue 10): chunk-major
+    layout ``[N, B·H, C, D]`` so each step of the sequential loop reads contiguous blocks;
+    nothing is kept for a backward; the states entering each chunk and the chunk's U are written
+    side by side into one buffer, so the output is the single product ``[Γq | P]·[S₀; U]``;
+    without decay the decay matrix is just the causal mask.
+    """
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    N = -(-T // C)
+    pad = N * C - T
+    BH = B * H
+
+    def chunks(x: Tensor) -> Tensor:  # [B, T, H, ...] -> [N, B·H, C, ...], zero-padded
+        if pad:  # identity steps at the end: k = v = 0, a = b = 0, α = 1
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        x = x.reshape(B, N, C, H, *x.shape[3:]).movedim(2, 3).transpose(0, 1)
+        # the one copy of each input (contiguous also when B == 1 would allow a strided view)
+        return x.reshape(N, BH, C, *x.shape[4:]).contiguous()
+
+    q, k, v, a, b = (chunks(x) for x in (q, k, v, a, b))
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    if log_decay is None:
+        decay = causal.to(q.dtype)  # e^{γ_i − γ_j} = 1 for j ≤ i
+        Gamma = Gamma_C = to_end = None
+    else:
+        gamma = chunks(log_decay).cumsum(-1)  # γ_i = Σ_{j≤i} log α_j
+        # e^{γ_i − γ_j} for j ≤ i from the difference (never Γ_i / Γ_j), 0 above the diagonal
+        decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill_(~causal, -torch.inf)
+        decay = decay.exp_()
+        Gamma = gamma.exp()
+        Gamma_C = Gamma[..., -1, None, None]  # [N, B·H, 1, 1]
+        to_end = torch.exp(gamma[..., -1:] - gamma)[..., None]
+
+    # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i: decay is 0 above the diagonal, so only the
+    # diagonal needs clearing
+    A = (k @ k.mT).mul_(decay).mul_(a[..., :, None])
+    A.diagonal(dim1=-2, dim2=-1).zero_()
+    T_inv = _unit_lower_inverse_inplace(A.reshape(N * BH, C, C)).view(N, BH, C, C)
+    # (4) W = T diag(aΓ) K,  Ũ = T diag(b) V: the diagonal scalings go on T's columns (C² values
+    # per chunk instead of C·D), the products as [N·B·H, C, D] (3-D: plain batched GEMMs)
+    aG = a if Gamma is None else a * Gamma
+    W = ((T_inv * aG[..., None, :]).view(N * BH, C, C) @ k.view(N * BH, C, Dk)).view(k.shape)
+    U_tilde = (T_inv.mul_(b[..., None, :]).view(N * BH, C, C) @ v.view(N * BH, C, Dv)).view(v.shape)
+    k_to_end = k if to_end is None else k * to_end  # K̃ = diag(e^{γ_C − γ_j}) K
+
+    # contiguous per-chunk slices: strided ones make baddbmm fall back to one GEMM per matrix
+    states = q.new_empty(N + 1, BH, Dk, Dv)  # the state entering each chunk; slot N the final
+    U = q.new_empty(N, BH, C, Dv)
+    states[0] = S.reshape(BH, Dk, Dv)
+    for n in range(N):  # the only sequential part: one state update per chunk
+        torch.baddbmm(U_tilde[n], W[n], states[n], alpha=-1, out=U[n])  # U = Ũ − W S_0
+        # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U   (K̃ᵀ as a transposed view: no copy)
+        if Gamma_C is None:
+            torch.baddbmm(states[n], k_to_end[n].mT, U[n], out=states[n + 1])
+        else:
+            torch.mul(states[n], Gamma_C[n], out=states[n + 1])
+            states[n + 1].baddbmm_(k_to_end[n].mT, U[n])
+
+    # (5) O = scale [diag(Γ) Q S_0 + ((Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}) U]: one GEMM, one GEMM-add
+    qG = q * scale if Gamma is None else q * (scale * Gamma[..., None])
+    P = (q @ k.mT).mul_(decay).mul_(scale)
+    o = torch.bmm(qG.view(N * BH, C, Dk), states[:N].view(N * BH, Dk, Dv))
+    o.baddbmm_(P.view(N * BH, C, C), U.view(N * BH, C, Dv))
+    o = o.view(N, B, H, C, Dv).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, Dv)
+    return o[:, :T], states[N].reshape(B, H, Dk, Dv)
+
+
+def _unit_lower_inverse_inplace(A: Tensor) -> Tensor:
+    """:func:`unit_lower_inverse` for ``A [M, C, C]`` without autograd: the same block recursion,
+    each level written into one preallocated result instead of concatenated (fewer copies)."""
+    M, C, _ = A.shape
+    X = torch.zeros_like(A)
+    X.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    b = 1
+    while b < C:
+        n = C // (2 * b)
+        # the n diagonal 2b×2b blocks of every matrix, as writable views [M, n, 2b, 2b]
+        Xb = X.view(M, n, 2 * b, n, 2 * b).diagonal(dim1=1, dim2=3).movedim(-1, 1)
+        Ab = A.view(M, n, 2 * b, n, 2 * b).diagonal(dim1=1, dim2=3).movedim(-1, 1)
+        X1, X2 = Xb[..., :b, :b], Xb[..., b:, b:]
+        Xb[..., b:, :b] = -(X2 @ Ab[..., b:, :b] @ X1)
+        b *= 2
+    return X
 
 
 class ChunkedRecurrence(torch.autograd.Function):

@@ -12,6 +12,10 @@ from deltaflow.ops.chunk import chunk_delta_rule
 from deltaflow.ops.naive import recurrent_delta_rule
 from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_coefficients
 
+# The CPU default chunk: with the forward-only path, 32-token chunks beat 64 by ~15% at
+# B=1, T=4096, H=4, D=64 (less C×C work per token; the loop's extra steps are cheap on CPU).
+CPU_CHUNK_SIZE = 32
+
 
 def _triton_backend():
     """The Triton backend, or None where it cannot run (no Triton, or no GPU and no interpreter)."""
@@ -45,7 +49,7 @@ def delta_rule(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Delta-rule linear attention with a pluggable step rule (DESIGN.md §1–§3).
@@ -67,7 +71,8 @@ def delta_rule(
         output_final_state: also return the final state (float32, float64 for float64 inputs).
         cu_seqlens: int ``[N + 1]`` offsets of ``N`` sequences packed along T; requires B == 1.
         chunk_size: tokens per chunk of the torch backend (positive power of two); it changes
-            speed, not the result. The Triton kernels always use chunks of 64.
+            speed, not the result. None: 32 on CPU (fastest there, benchmarks/NOTES.md), 64
+            elsewhere. The Triton kernels always use chunks of 64.
         backend: 'auto' | 'reference' | 'torch' | 'triton'.
 
     Returns:
@@ -75,6 +80,8 @@ def delta_rule(
         unless ``output_final_state``.
     """
     step_rule = get_rule(rule)
+    if chunk_size is None:
+        chunk_size = CPU_CHUNK_SIZE if isinstance(q, Tensor) and q.device.type == "cpu" else 64
     check_inputs(
         q, k, v, beta, step_rule, log_decay, initial_state, cu_seqlens, chunk_size, backend, eps
     )
@@ -88,13 +95,15 @@ def delta_rule(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = resolve_backend(backend, q, step_rule)
     dtype = compute_dtype(q, k, v, beta, initial_state)
+    if backend == "triton" and not step_rule.builtin:
+        raise ValueError(
+            f"backend='triton' supports the built-in rules only; rule {step_rule.name!r} "
+            "is user-defined: use backend='torch'"
+        )
+    if q.shape[1] == 0:  # before any backend: no kernel or chunk loop ever sees T = 0
+        return _empty(q, v, initial_state, cu_seqlens, output_final_state, dtype)
 
     if backend == "triton":
-        if not step_rule.builtin:
-            raise ValueError(
-                f"backend='triton' supports the built-in rules only; rule {step_rule.name!r} "
-                "is user-defined: use backend='torch'"
-            )
         triton_backend = _triton_backend()
         if triton_backend is None:
             raise RuntimeError(
@@ -149,6 +158,26 @@ def delta_rule(
             dtype,
         )
     return o.to(v.dtype), (state if output_final_state else None)
+
+
+def _empty(
+    q: Tensor,
+    v: Tensor,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    output_final_state: bool,
+    dtype: torch.dtype,
+) -> tuple[Tensor, Tensor | None]:
+    """T = 0: no token changes the state. ``o`` is ``[B, 0, H, Dv]``; the final state is the
+    initial state (a copy, in the state dtype, still differentiable) or zeros."""
+    o = v.clone()  # v is [B, 0, H, Dv]: the empty output, with v's dtype, device and graph
+    if not output_final_state:
+        return o, None
+    if initial_state is not None:
+        return o, initial_state.to(dtype).clone()
+    B, _, H, Dk = q.shape
+    n_states = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    return o, q.new_zeros(n_states, H, Dk, v.shape[-1], dtype=dtype)
 
 
 def _reference(

@@ -14,6 +14,13 @@ Layout of one example (seq_len T, P key-value pairs, vocab V):
   (`random_non_queries=True`);
 - the model must output the bound value at the query key's position; only those positions
   are scored (labels -100 elsewhere).
+
+Re-binding (``bindings_per_key = R > 1``, not in Zoology): the context holds R rounds of the P
+pairs, each round the P keys in a fresh random order bound to fresh values (all P*R values of
+an example distinct), and a query asks for the key's value in the *last* round. An additive
+memory (linear attention) holds the sum of all R bindings of a key and cannot tell the latest
+one apart; an overwriting memory (DeltaNet, β → 1: ``S ← S − k kᵀS + k vᵀ``) keeps only the
+latest. This is the setting where the delta rule's erase step is the whole difference.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ class MQAR(Task):
         vocab_size: int = 8192,
         power_a: float = 0.01,
         random_non_queries: bool = True,
+        bindings_per_key: int = 1,
+        score_rebinds: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
@@ -44,10 +53,13 @@ class MQAR(Task):
         if seq_len % 2:
             raise ValueError(f"seq_len must be even (key-value pairs are 2 tokens), got {seq_len}")
         self.num_kv_pairs = check_int("num_kv_pairs", num_kv_pairs, 1)
-        if 4 * num_kv_pairs > seq_len:
+        self.bindings_per_key = R = check_int("bindings_per_key", bindings_per_key, 1)
+        P = num_kv_pairs
+        if 2 * P * R + 2 * P > seq_len:
             raise ValueError(
-                f"num_kv_pairs={num_kv_pairs} needs seq_len >= 4 * num_kv_pairs "
-                f"(2P context tokens + 2P query slots), got seq_len={seq_len}"
+                f"num_kv_pairs={P} with bindings_per_key={R} needs seq_len >= "
+                f"{2 * P * R + 2 * P} (2*P*R context tokens + 2P query slots), got "
+                f"seq_len={seq_len}"
             )
         self.vocab_size = check_int("vocab_size", vocab_size, 4)
         half = vocab_size // 2
@@ -56,34 +68,55 @@ class MQAR(Task):
                 f"num_kv_pairs={num_kv_pairs} needs at least as many keys: vocab_size // 2 - 1 "
                 f"= {half - 1}"
             )
+        if P * R > vocab_size - half:
+            raise ValueError(
+                f"num_kv_pairs * bindings_per_key = {P * R} distinct values need "
+                f"vocab_size - vocab_size // 2 >= {P * R}, got {vocab_size - half}"
+            )
+        self.score_rebinds = bool(score_rebinds)
         self.power_a = check_float("power_a", power_a, 1e-6, 1.0)
         self.random_non_queries = bool(random_non_queries)
         self.chance = 1.0 / (vocab_size - half)
         # log of the (unnormalised) power-law weights over query gaps 1..space
-        space = (seq_len - 2 * num_kv_pairs) // 2
+        space = (seq_len - 2 * P * R) // 2
         gaps = torch.arange(1, space + 1, dtype=torch.float64)
         self._log_p = ((power_a - 1.0) * gaps.log()).float()
 
     def _sample(self, n: int, g: torch.Generator, split: str, **kw) -> Batch:
         if kw:
             raise TypeError(f"mqar takes no evaluation options, got {sorted(kw)}")
-        V, T, P = self.vocab_size, self.seq_len, self.num_kv_pairs
+        V, T, P, R = self.vocab_size, self.seq_len, self.num_kv_pairs, self.bindings_per_key
         half = V // 2
         # distinct keys / values per example: the top-P of iid uniforms is a uniform P-subset
         keys = torch.rand(n, half - 1, generator=g).topk(P, dim=1).indices + 1
-        values = torch.rand(n, V - half, generator=g).topk(P, dim=1).indices + half
+        values = torch.rand(n, V - half, generator=g).topk(P * R, dim=1).indices + half
 
         # query gaps without replacement, p ∝ g^(a-1): Gumbel top-k == sequential sampling
         u = torch.rand(n, self._log_p.numel(), generator=g).clamp_(1e-12, 1.0 - 1e-7)
         gaps = (self._log_p - torch.log(-torch.log(u))).topk(P, dim=1).indices
 
         input_ids = torch.zeros(n, T, dtype=torch.long)
-        input_ids[:, 0 : 2 * P : 2] = keys
-        input_ids[:, 1 : 2 * P : 2] = values
-        qpos = 2 * P + 2 * gaps
+        if R == 1:  # Zoology's layout (and its random stream, so old results reproduce)
+            input_ids[:, 0 : 2 * P : 2] = keys
+            input_ids[:, 1 : 2 * P : 2] = values
+            latest = values
+        else:
+            # round r binds key i to values[:, r, i]; its pairs appear in a fresh random order
+            values = values.view(n, R, P)
+            labels = torch.full((n, T), IGNORE_INDEX, dtype=torch.long)
+            for r in range(R):
+                order = torch.rand(n, P, generator=g).argsort(dim=1)
+                start = 2 * P * r
+                input_ids[:, start : start + 2 * P : 2] = keys.gather(1, order)
+                input_ids[:, start + 1 : start + 2 * P : 2] = values[:, r].gather(1, order)
+                if r > 0 and self.score_rebinds:  # a re-bound key is first a query of its binding
+                    labels[:, start : start + 2 * P : 2] = values[:, r - 1].gather(1, order)
+            latest = values[:, -1]  # only the last binding counts
+        qpos = 2 * P * R + 2 * gaps
         input_ids.scatter_(1, qpos, keys)
-        labels = torch.full((n, T), IGNORE_INDEX, dtype=torch.long)
-        labels.scatter_(1, qpos, values)
+        if R == 1:
+            labels = torch.full((n, T), IGNORE_INDEX, dtype=torch.long)
+        labels.scatter_(1, qpos, latest)
         if self.random_non_queries:
             fill = torch.randint(0, V, (n, T), generator=g)
             input_ids = torch.where(input_ids == 0, fill, input_ids)
