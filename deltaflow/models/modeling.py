@@ -33,6 +33,24 @@ from deltaflow.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
+class _SwiGLUProduct(torch.autograd.Function):
+    """``SiLU(a) ⊙ b`` saving only a and b: the op-by-op graph also keeps SiLU(a), an extra
+    [tokens, intermediate] tensor per layer (88 MB at 16k tokens x 2816 in bf16)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        s = torch.sigmoid(a)
+        da = dy * b * (s * (1 + a * (1 - s)))
+        db = dy * (a * s)
+        return da, db
+
+
 class SwiGLU(nn.Module):
     """``down(SiLU(gate x) ⊙ up x)``."""
 
@@ -44,7 +62,7 @@ class SwiGLU(nn.Module):
         self.down_proj._is_residual_out = True  # init std / sqrt(2 n_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SwiGLUProduct.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 def build_mixer(config: DeltaFlowConfig, layer_idx: int) -> nn.Module:
