@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.dtype = "fp32" if args.device == "cpu" else "bf16"
 
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)  # CUDA events time the current device's stream
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     arch = shared_architecture(args)
     print(
