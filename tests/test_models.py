@@ -213,6 +213,42 @@ def test_gradient_checkpointing_gives_same_gradients():
         torch.testing.assert_close(p.grad, ref[n], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("packed", [False, True])
+def test_lean_loss_equals_plain_loss_and_gradients(tied, packed):
+    """Training mode uses the chunked linear cross-entropy; same loss and gradients."""
+    model = tiny(use_decay=True, tie_word_embeddings=tied).train()
+    model.loss_chunk_size = 5  # does not divide B * T
+    if packed:
+        ids, cu = torch.randint(0, V, (1, 14)), torch.tensor([0, 4, 4, 9, 14])
+        labels = ids
+    else:
+        ids, cu = torch.randint(0, V, (2, 9)), None
+        labels = ids.clone()
+        labels[0, 2:5] = -100
+
+    def run(fuse: bool):
+        model.zero_grad()
+        out = model(ids, labels=labels, cu_seqlens=cu, fuse_linear_cross_entropy=fuse)
+        assert (out.logits is None) == fuse
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, grads = run(True)
+    ref_loss, ref_grads = run(False)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], atol=1e-6, rtol=1e-5, msg=n)
+    assert model.lm_head.weight.grad.abs().sum() > 0  # tied: named model.embed_tokens.weight
+    # Eval mode keeps the logits (the default follows model.training) unless asked otherwise.
+    model.eval()
+    assert model(ids, labels=labels, cu_seqlens=cu).logits is not None
+    model.config.fuse_linear_cross_entropy = True
+    assert model(ids, labels=labels, cu_seqlens=cu).logits is None
+    all_ignored = model(ids, labels=torch.full_like(ids, -100), cu_seqlens=cu).loss
+    assert all_ignored.item() == 0.0
+
+
 def test_loss_conventions():
     model = tiny()
     ids = torch.randint(0, V, (3, 9))
@@ -331,8 +367,9 @@ def test_packed_documents_equal_separate_runs(kwargs):
     packed = torch.cat(docs, 1)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     out = model(packed, cu_seqlens=cu, labels=packed)
+    assert out.logits is None  # training with labels: the lean loss, no logits
     ref = torch.cat([model(d).logits for d in docs if d.shape[1]], 1)
-    torch.testing.assert_close(out.logits, ref, atol=TOL, rtol=0)
+    torch.testing.assert_close(model(packed, cu_seqlens=cu).logits, ref, atol=TOL, rtol=0)
     # Unshifted labels: mean over within-document next-token predictions only.
     total = sum(
         F.cross_entropy(model(d).logits[0, :-1], d[0, 1:], reduction="sum")

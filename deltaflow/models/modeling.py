@@ -28,8 +28,27 @@ from deltaflow.layers.mask import prepare_cu_seqlens, prepare_padding_mask
 from deltaflow.layers.norm import RMSNorm
 from deltaflow.layers.softmax_attention import SoftmaxAttention
 from deltaflow.models.config import DeltaFlowConfig
+from deltaflow.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+class _SwiGLUProduct(torch.autograd.Function):
+    """``SiLU(a) ⊙ b`` saving only a and b: the op-by-op graph also keeps SiLU(a), an extra
+    [tokens, intermediate] tensor per layer (88 MB at 16k tokens x 2816 in bf16)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        s = torch.sigmoid(a)
+        da = dy * b * (s * (1 + a * (1 - s)))
+        db = dy * (a * s)
+        return da, db
 
 
 class SwiGLU(nn.Module):
@@ -43,7 +62,7 @@ class SwiGLU(nn.Module):
         self.down_proj._is_residual_out = True  # init std / sqrt(2 n_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SwiGLUProduct.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 def build_mixer(config: DeltaFlowConfig, layer_idx: int) -> nn.Module:
@@ -252,16 +271,22 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
     """Causal LM: :class:`DeltaFlowModel` + linear head (tied to the embedding by default).
 
     ``model(input_ids, labels=labels)`` returns ``.loss`` (mean token cross-entropy over labels
-    != -100, in float32) and ``.logits``. With ``labels_are_shifted=False`` (default, the
-    transformers convention) labels are the input ids and the model predicts ``labels[t+1]``
-    at position ``t``; with ``labels_are_shifted=True`` (argument or config), ``labels[t]`` is
-    the target of position ``t``.
+    != -100, in float32) and ``.logits``; in training mode (or with
+    ``fuse_linear_cross_entropy=True``, argument or config attribute) the loss is computed by the
+    chunked :func:`~deltaflow.models.loss.linear_cross_entropy` and ``.logits`` is None.
+    With ``labels_are_shifted=False`` (default, the transformers convention) labels are the
+    input ids and the model predicts ``labels[t+1]`` at position ``t``; with
+    ``labels_are_shifted=True`` (argument or config), ``labels[t]`` is the target of position
+    ``t``.
     """
 
     if _TRANSFORMERS_5:
         _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     else:
         _tied_weights_keys = ["lm_head.weight"]
+
+    # Rows per chunk of the lean loss (4096 x vocab 32000 fp32 logits = 0.5 GB at a time).
+    loss_chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __init__(self, config: DeltaFlowConfig) -> None:
         super().__init__(config)
@@ -294,6 +319,7 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,
         labels_are_shifted: bool | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        fuse_linear_cross_entropy: bool | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Returns ``CausalLMOutputWithPast(loss, logits, past_key_values, hidden_states)``.
@@ -303,6 +329,9 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         last n positions only (0 = all). Positions for RoPE come from ``attention_mask``, so
         ``position_ids`` is not an argument. ``cu_seqlens`` [N + 1] packs N documents in a
         ``[1, T]`` batch; with unshifted labels no document predicts the next one's first token.
+        ``fuse_linear_cross_entropy``: with labels, compute the loss chunk by chunk without the
+        [B, T, V] logits (``.logits`` is then None); None = the config attribute of that name if
+        set, else ``self.training``.
         """
         # transformers' generation code may add these; they carry no information for us.
         for key in ("position_ids", "cache_position", "output_attentions"):
@@ -325,29 +354,74 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             cu_seqlens=cu_seqlens,
         )
         h = out.last_hidden_state
+        if labels is not None and logits_to_keep:
+            raise ValueError("labels and logits_to_keep cannot be used together")
+        if labels is not None and labels.shape != h.shape[:2]:
+            raise ValueError(
+                f"labels must be [B, T] = {list(h.shape[:2])}, got {list(labels.shape)}"
+            )
+        if fuse_linear_cross_entropy is None:
+            fuse_linear_cross_entropy = getattr(self.config, "fuse_linear_cross_entropy", None)
+        if fuse_linear_cross_entropy is None:  # default: lean loss while training
+            fuse_linear_cross_entropy = self.training
+        if labels is not None and fuse_linear_cross_entropy:
+            # The logits are never materialized (see deltaflow.models.loss): .logits is None.
+            targets = self.aligned_targets(
+                labels, self._labels_shifted(labels_are_shifted), cu_seqlens
+            )
+            loss = linear_cross_entropy(
+                h, self.lm_head.weight, targets.to(h.device), chunk_size=self.loss_chunk_size
+            )
+            return CausalLMOutputWithPast(
+                loss=loss,
+                logits=None,
+                past_key_values=out.past_key_values,
+                hidden_states=out.hidden_states,
+            )
+
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.lm_head(h)
-
         loss = None
         if labels is not None:
-            if logits_to_keep:
-                raise ValueError("labels and logits_to_keep cannot be used together")
-            shifted = (
-                self.config.labels_are_shifted if labels_are_shifted is None else labels_are_shifted
+            targets = self.aligned_targets(
+                labels, self._labels_shifted(labels_are_shifted), cu_seqlens
             )
-            if cu_seqlens is not None and not shifted:
-                # labels[e] is the first token of the next document: not a target of e - 1.
-                labels = labels.clone()
-                starts = cu_seqlens[1:-1].to(device=labels.device, dtype=torch.long)
-                labels[:, starts[starts < labels.shape[1]]] = -100
-            loss = self.lm_loss(logits, labels, labels_are_shifted=shifted)
+            loss = self.lm_loss(logits, targets, labels_are_shifted=True)
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             past_key_values=out.past_key_values,
             hidden_states=out.hidden_states,
         )
+
+    def _labels_shifted(self, labels_are_shifted: bool | None) -> bool:
+        if labels_are_shifted is None:
+            return bool(self.config.labels_are_shifted)
+        return labels_are_shifted
+
+    @staticmethod
+    def aligned_targets(
+        labels: torch.Tensor, labels_are_shifted: bool, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``targets[b, t]``: the label position ``t`` is scored against (-100 = not scored).
+
+        Unshifted labels (transformers convention) move left by one, the last position gets
+        -100, and with ``cu_seqlens`` so does every document's last token (its next label is
+        the first token of the next document). No host sync: safe inside a training step.
+        """
+        if labels_are_shifted:
+            return labels
+        targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+        if cu_seqlens is not None:
+            T = labels.shape[1]
+            ends = cu_seqlens[1:-1].to(device=labels.device, dtype=torch.long) - 1  # last tokens
+            # A boolean [T + 1] marker (index T catches empty documents at the end, -1 at the
+            # start) instead of indexing with a data-dependent mask, which would sync.
+            last = torch.zeros(T + 1, dtype=torch.bool, device=labels.device)
+            last[ends.clamp(-1, T - 1) % (T + 1)] = True
+            targets = targets.masked_fill(last[:T], -100)
+        return targets
 
     @staticmethod
     def lm_loss(

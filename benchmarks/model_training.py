@@ -1,0 +1,487 @@
+"""Model training benchmark: DeltaFlowForCausalLM vs fla's GatedDeltaNetForCausalLM.
+
+Same run, same GPU, same shapes: bf16 parameters, fused AdamW, random token ids. Measures
+training tokens/s (median over timed steps, after warm-up), peak memory, parameter counts, and
+a profile of one training step (forward time per module kind, top-N ops/kernels by self device
+time). Default size: Gated DeltaNet with 24 layers, hidden 1024, 8 heads x 128, vocab 32000,
+B=8, T=2048 (~390M parameters with untied embeddings). A run fits in ~5 minutes on an H100.
+
+    # fla is optional; install the carried wheels first to compare against it:
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site:. python3 benchmarks/model_training.py --out benchmarks/results
+
+    # CPU smoke run (no GPU, no fla):
+    python3 benchmarks/model_training.py --device cpu --layers 2 --seq 64 --batch 2 \\
+        --steps 2 --skip-fla
+
+Writes ``model_training_<device>.md`` and ``.json`` (device, shapes, dtype, commit, both
+models' numbers and their ratio) and ``model_training_<device>_profile.txt`` under ``--out``.
+fla's gated backward is refused on Hopper with Triton < 3.7.1 (fla issue #640); as in
+benchmarks/kernels.py its guard is forced for timing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+# --------------------------------------------------------------------------------- models
+
+
+def fla_intermediate_size(hidden_size: int, hidden_ratio: int = 4) -> int:
+    """fla's GatedMLP width for ``intermediate_size=None``: 2/3·ratio·hidden, rounded up to 256."""
+    size = int(hidden_size * hidden_ratio * 2 / 3)
+    return 256 * ((size + 255) // 256)
+
+
+def shared_architecture(args: argparse.Namespace) -> dict[str, Any]:
+    """The one architecture both models are built from (names are ours)."""
+    return dict(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        head_dim=args.head_dim,
+        expand_v=args.expand_v,
+        intermediate_size=fla_intermediate_size(args.hidden),
+        conv_size=4,
+        norm_eps=1e-6,
+        tie_word_embeddings=False,  # fla's default
+    )
+
+
+def build_deltaflow(arch: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
+    output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode."""
+    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+
+    config = DeltaFlowConfig(
+        **arch,
+        rule="delta",
+        use_decay=True,
+        beta_activation="sigmoid",
+        qk_norm="l2",
+        use_short_conv=True,
+        use_output_gate=True,
+        backend="auto",
+    )
+    return DeltaFlowForCausalLM(config), config.to_dict()
+
+
+def load_fla() -> Any:
+    """fla's model classes, or raise ImportError. Imported lazily: fla is optional."""
+    import fla.ops.common.chunk_o as chunk_o
+    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+    chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: see the module docstring
+    return GatedDeltaNetConfig, GatedDeltaNetForCausalLM
+
+
+def build_fla(arch: dict[str, Any], linear_ce: bool) -> tuple[nn.Module, dict[str, Any]]:
+    GatedDeltaNetConfig, GatedDeltaNetForCausalLM = load_fla()
+    config = GatedDeltaNetConfig(
+        attn_mode="chunk",
+        hidden_size=arch["hidden_size"],
+        num_hidden_layers=arch["num_layers"],
+        num_heads=arch["num_heads"],
+        head_dim=arch["head_dim"],
+        expand_v=arch["expand_v"],
+        vocab_size=arch["vocab_size"],
+        intermediate_size=arch["intermediate_size"],
+        conv_size=arch["conv_size"],
+        norm_eps=arch["norm_eps"],
+        tie_word_embeddings=arch["tie_word_embeddings"],
+        use_gate=True,
+        use_short_conv=True,
+        allow_neg_eigval=False,
+        # fla's defaults are fuse_cross_entropy=True (logits materialized, fused CE kernel);
+        # --fla-linear-ce switches to its chunked linear + CE, the analogue of ours.
+        fuse_cross_entropy=not linear_ce,
+        fuse_linear_cross_entropy=linear_ce,
+    )
+    return GatedDeltaNetForCausalLM(config), config.to_dict()
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() de-duplicates tied weights
+
+
+# --------------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Wall time of a step: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def make_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor
+) -> Callable[[], None]:
+    def step() -> None:
+        with torch.profiler.record_function("step/forward"):
+            loss = model(input_ids=ids, labels=ids).loss
+        with torch.profiler.record_function("step/backward"):
+            loss.backward()
+        with torch.profiler.record_function("step/optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+# -------------------------------------------------------------------------------- profiling
+
+# Block children of both models mapped to one vocabulary (deltaflow name | fla name).
+_ROLES = {"mixer_norm": "norm", "attn_norm": "norm", "mlp_norm": "norm", "mixer": "mixer"}
+_ROLES.update({"attn": "mixer", "mlp": "mlp"})
+
+
+def module_labels(model: nn.Module) -> dict[str, nn.Module]:
+    """``label -> module`` for the forward ranges of the profile; layers share one label."""
+    labels: dict[str, list[nn.Module]] = {}
+    for name, module in model.named_modules():
+        m = re.fullmatch(r"model\.layers\.\d+\.(\w+)", name)
+        if m and m.group(1) in _ROLES:
+            label = f"fwd/{_ROLES[m.group(1)]}"
+        elif name in ("model.embed_tokens", "model.embeddings"):
+            label = "fwd/embedding"
+        elif name == "model.norm":
+            label = "fwd/final_norm"
+        elif name == "model":
+            label = "fwd/backbone (total - backbone = head + loss)"
+        else:
+            continue
+        labels.setdefault(label, []).append(module)
+    return labels  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def labelled_forward(model: nn.Module) -> Iterator[None]:
+    """Wrap each labelled module's forward in a profiler ``record_function`` range."""
+    handles, stack = [], []
+
+    def pre(label: str) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            rf = torch.profiler.record_function(label)
+            rf.__enter__()
+            stack.append(rf)
+
+        return hook
+
+    def post(module: nn.Module, args: Any, output: Any) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    for label, modules in module_labels(model).items():
+        for module in modules:
+            handles.append(module.register_forward_pre_hook(pre(label)))
+            handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _device_time_us(event: Any, self_only: bool) -> float:
+    """Device (CUDA) time of a profiler event, across torch versions (names changed in 2.4)."""
+    names = (
+        ("self_device_time_total", "self_cuda_time_total")
+        if self_only
+        else ("device_time_total", "cuda_time_total")
+    )
+    for name in names:
+        value = getattr(event, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def profile_step(
+    step: Callable[[], None], model: nn.Module, device: torch.device, top: int
+) -> dict[str, Any]:
+    """One profiled training step: per-label times and the top-N op/kernel table."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        with labelled_forward(model):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    cuda = device.type == "cuda"
+    ranges = {}
+    for e in events:
+        if e.key.startswith(("fwd/", "step/")):
+            ms = (_device_time_us(e, False) if cuda else e.cpu_time_total) / 1e3
+            ranges[e.key] = {"ms": ms, "calls": e.count}
+    sort_keys = (
+        ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
+    )
+    table = ""
+    for key in sort_keys:
+        try:
+            table = events.table(sort_by=key, row_limit=top, max_name_column_width=70)
+            break
+        except Exception:  # noqa: BLE001 - the sort key was renamed across torch versions
+            continue
+    kernels = sorted(
+        (
+            {
+                "name": e.key,
+                "self_ms": (_device_time_us(e, True) if cuda else e.self_cpu_time_total) / 1e3,
+                "calls": e.count,
+            }
+            for e in events
+            if not e.key.startswith(("fwd/", "step/"))
+        ),
+        key=lambda r: -r["self_ms"],
+    )[:top]
+    return {"ranges": ranges, "top": kernels, "table": table}
+
+
+# ------------------------------------------------------------------------------ one model
+
+
+def benchmark(
+    name: str,
+    build: Callable[[], tuple[nn.Module, dict[str, Any]]],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, config = build()
+    n_params = count_parameters(model)
+    model = model.to(device=device, dtype=DTYPES[args.dtype]).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    step, timer = make_step(model, optimizer, ids), Timer(device)
+    print(f"[{name}] {n_params / 1e6:.1f}M parameters; config:\n{json.dumps(config, default=str)}")
+
+    t0 = time.perf_counter()
+    for i in range(args.warmup):  # compiles / autotunes the kernels on the first step
+        seconds = timer(step)
+        print(f"[{name}] warm-up step {i}: {seconds * 1e3:.1f} ms")
+    warmup_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = [timer(step) for _ in range(args.steps)]
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    median = statistics.median(times)
+    tokens = args.batch * args.seq
+    result = {
+        "name": name,
+        "parameters": n_params,
+        "tokens_per_s": tokens / median,
+        "step_ms_median": median * 1e3,
+        "step_ms_all": [t * 1e3 for t in times],
+        "peak_memory_gb": None if peak is None else peak / 1e9,
+        "warmup_s": warmup_s,
+        "config": config,
+    }
+    print(
+        f"[{name}] {result['tokens_per_s'] / 1e3:.1f}k tokens/s, step {median * 1e3:.1f} ms"
+        + ("" if peak is None else f", peak {peak / 1e9:.2f} GB")
+    )
+    if args.top > 0:
+        result["profile"] = profile_step(step, model, device, args.top)
+        print(f"[{name}] profile of one step (top {args.top} by self time):")
+        print(result["profile"]["table"])
+    del model, optimizer, step
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+# --------------------------------------------------------------------------------- report
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001 - a copy without .git still benchmarks
+        return "unknown"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# Model training: {report['device']}",
+        "",
+        f"commit {report['commit']}, torch {report['torch']}, {report['dtype']} params, "
+        f"fused AdamW, B={report['batch']}, T={report['seq']}, "
+        f"{report['architecture']['num_layers']} layers, hidden "
+        f"{report['architecture']['hidden_size']}, {report['architecture']['num_heads']} heads "
+        f"x {report['architecture']['head_dim']} (expand_v {report['architecture']['expand_v']}),"
+        f" vocab {report['architecture']['vocab_size']}; median of {report['steps']} steps.",
+        "",
+        "| model | params | tokens/s | step ms | peak GB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in report["results"].values():
+        if "error" in r:
+            lines.append(f"| {r['name']} | failed: {r['error'][:80]} | | | |")
+            continue
+        peak = "n/a" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f}"
+        lines.append(
+            f"| {r['name']} | {r['parameters'] / 1e6:.1f}M | {r['tokens_per_s'] / 1e3:.1f}k | "
+            f"{r['step_ms_median']:.1f} | {peak} |"
+        )
+    if report.get("ratio"):
+        ratio = report["ratio"]
+        mem = "n/a" if ratio["peak_memory"] is None else f"{ratio['peak_memory']:.2f}x"
+        lines += ["", f"deltaflow / fla: tokens/s {ratio['tokens_per_s']:.2f}x, memory {mem}."]
+    for r in report["results"].values():
+        prof = r.get("profile")
+        if not prof:
+            continue
+        lines += [
+            "",
+            f"## {r['name']}: one step",
+            "",
+            "| range | ms | calls |",
+            "| --- | --- | --- |",
+        ]
+        for key, v in sorted(prof["ranges"].items()):
+            lines.append(f"| {key} | {v['ms']:.2f} | {v['calls']} |")
+        lines += ["", "| op / kernel (self time) | ms | calls |", "| --- | --- | --- |"]
+        for k in prof["top"]:
+            lines.append(f"| `{k['name'][:90]}` | {k['self_ms']:.2f} | {k['calls']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128, help="q/k head dim")
+    p.add_argument("--expand-v", type=float, default=1.0, help="v head dim = head_dim * this")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--top", type=int, default=25, help="rows of the profile table (0 = none)")
+    p.add_argument("--skip-fla", action="store_true")
+    p.add_argument("--skip-deltaflow", action="store_true")
+    p.add_argument(
+        "--fla-linear-ce", action="store_true", help="fla with fuse_linear_cross_entropy=True"
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="parameter dtype: bf16 (default on GPU), fp32 (default on CPU: bf16 matmuls are slow)",
+    )
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "fp32" if args.device == "cpu" else "bf16"
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device.index)  # CUDA events time the current device's stream
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    arch = shared_architecture(args)
+    print(
+        f"{device_name}: B={args.batch} T={args.seq} {args.dtype}, architecture {json.dumps(arch)}"
+    )
+
+    runs: list[tuple[str, Callable[[], tuple[nn.Module, dict[str, Any]]]]] = []
+    if not args.skip_deltaflow:
+        runs.append(("deltaflow", lambda: build_deltaflow(arch)))
+    if not args.skip_fla:
+        runs.append(("fla", lambda: build_fla(arch, args.fla_linear_ce)))
+    results: dict[str, Any] = {}
+    for name, build in runs:
+        try:
+            results[name] = benchmark(name, build, args, device)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other model
+            if name == "deltaflow" and not isinstance(e, torch.cuda.OutOfMemoryError):
+                raise  # our own model must work; fla may be missing or refuse this GPU
+            print(f"[{name}] failed: {e!r}")
+            results[name] = {"name": name, "error": repr(e)}
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    ratio = None
+    ours, fla = results.get("deltaflow", {}), results.get("fla", {})
+    if "tokens_per_s" in ours and "tokens_per_s" in fla:
+        ratio = {
+            "tokens_per_s": ours["tokens_per_s"] / fla["tokens_per_s"],
+            "peak_memory": None
+            if ours["peak_memory_gb"] is None
+            else ours["peak_memory_gb"] / fla["peak_memory_gb"],
+        }
+    report = {
+        "device": device_name,
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "dtype": str(DTYPES[args.dtype]).removeprefix("torch."),
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "architecture": arch,
+        "fla_loss": "fuse_linear_cross_entropy" if args.fla_linear_ce else "fuse_cross_entropy",
+        "results": results,
+        "ratio": ratio,
+    }
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"model_training_{re.sub(r'[^A-Za-z0-9]+', '_', device_name)}"
+    tables = "\n\n".join(
+        f"== {r['name']} ==\n{r['profile']['table']}" for r in results.values() if r.get("profile")
+    )
+    Path(f"{stem}_profile.txt").write_text(tables + "\n")
+    for r in results.values():  # the full tables live in the .txt file, not the JSON
+        if r.get("profile"):
+            r["profile"].pop("table")
+    Path(f"{stem}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    md = markdown(report)
+    Path(f"{stem}.md").write_text(md)
+    print("\n" + md)
+    print(f"wrote {stem}.md, {stem}.json, {stem}_profile.txt")
+    return report
+
+
+if __name__ == "__main__":
+    main()
