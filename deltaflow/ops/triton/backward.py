@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from deltaflow.ops.triton.kernels import _load_chunk_gates, rule_strengths
+from deltaflow.ops.triton.kernels import _load_chunk_gates, chunk_bounds, rule_strengths
 
 
 @triton.jit
@@ -83,6 +83,14 @@ def _gamma(g_ptr, offs_t, mask_t, i_h, H: tl.constexpr, HAS_DECAY: tl.constexpr)
     else:
         b_g = tl.zeros([64], dtype=tl.float32)
     return tl.cumsum(b_g, axis=0)
+
+
+@triton.jit
+def _load_t_transposed(t_ptr, c, i_h, H):
+    """Tᵀ of chunk c and head i_h, as the prepare kernel stored it (fp32)."""
+    rows = tl.arange(0, 64)
+    T = tl.load(t_ptr + (c * H + i_h) * 4096 + rows[:, None] * 64 + rows[None, :])
+    return tl.trans(T)
 
 
 @triton.jit
@@ -169,10 +177,7 @@ def chunk_output_kernel(
 ):
     """(5) for one chunk, head and value block: O = scale [diag(Γ) Q S_0 + P U]."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = tl.load(chunk_indices_ptr + 2 * i_c)
-    i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
-    t0 = tl.load(cu_seqlens_ptr + i_n) + i_j * 64
-    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
 
     rows = tl.arange(0, 64)
@@ -336,10 +341,7 @@ def chunk_grads_v_kernel(
     needs, M_P = scale·dP ⊙ e^{γ_i − γ_j} (j ≤ i) and M_A = dA ⊙ a_i e^{γ_i − γ_j} with
     dA = −dY Uᵀ on j < i, and three row vectors: da from A, dγ from the decay matrix, db."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices_ptr + 2 * i_c)
-    i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
-    t0 = tl.load(cu_seqlens_ptr + i_n) + i_j * 64
-    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
     rows = tl.arange(0, 64)
@@ -350,8 +352,7 @@ def chunk_grads_v_kernel(
     _, _, _, _, _, b, _ = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
     )
-    T_t = tl.trans(tl.load(t_ptr + (c * H + i_h) * 4096 + rows[:, None] * 64 + rows[None, :]))
-    T_t = T_t.to(DT)
+    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
 
     dP = tl.zeros([64, 64], dtype=tl.float32)  # dO Uᵀ
     dYU = tl.zeros([64, 64], dtype=tl.float32)  # dY Uᵀ
@@ -435,10 +436,7 @@ def chunk_grads_k_kernel(
     gradient of X = diag(aΓ) K in W = T X). Then dq, dk, the rule's dβ and dλ (dk += 2 dλ k),
     and d log α as a reverse cumulative sum of dγ inside the chunk."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices_ptr + 2 * i_c)
-    i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
-    t0 = tl.load(cu_seqlens_ptr + i_n) + i_j * 64
-    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
     rows = tl.arange(0, 64)
@@ -446,8 +444,7 @@ def chunk_grads_k_kernel(
     mask_t = offs_t < eos
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < Dk
-    T_t = tl.trans(tl.load(t_ptr + (c * H + i_h) * 4096 + rows[:, None] * 64 + rows[None, :]))
-    T_t = T_t.to(DT)
+    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
 
     dQS = tl.zeros([64, BK], dtype=tl.float32)  # dO S_0ᵀ
     dKte = tl.zeros([64, BK], dtype=tl.float32)  # U Gᵀ

@@ -57,6 +57,14 @@ def rule_strengths(beta, lam, eps, RULE: tl.constexpr, NEG: tl.constexpr):
 
 
 @triton.jit
+def chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c):
+    """First token of chunk i_c (64 tokens) and the end of its sequence, from the chunk table."""
+    i_n = tl.load(chunk_indices_ptr + 2 * i_c)
+    i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
+    return tl.load(cu_seqlens_ptr + i_n) + i_j * 64, tl.load(cu_seqlens_ptr + i_n + 1)
+
+
+@triton.jit
 def _load_chunk_gates(
     beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr
 ):
@@ -206,10 +214,7 @@ def chunk_prepare_kernel(
     W = T diag(aΓ) K and Ũ = T diag(b) V with T = (I + A)^{-1} by block forward substitution
     X_b ← D_b (X_b − Σ_{j<b} A_bj X_j), D_b = (I + A_bb)^{-1}. Written in k's and v's layout."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices_ptr + 2 * i_c)
-    i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
-    t0 = tl.load(cu_seqlens_ptr + i_n) + i_j * 64
-    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     k0, a0, b0, g0 = _load_block(
         k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
     )
