@@ -115,6 +115,22 @@ class ShortConvolution(nn.Module):
                 new_state = full.gather(2, idx[:, None, :].expand(B, C, W - 1)).contiguous()
         return y.transpose(1, 2).contiguous(), new_state  # [B, T, C] row-major for the heads
 
+    def step(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """One decoding step with a preallocated window, for CUDA-graph capture.
+
+        x ``[B, C]`` (one token per row); window ``[B, C, W-1]`` (the previous inputs, oldest
+        first) is shifted in place, so no tensor is allocated or re-bound between steps.
+        Same numbers as :meth:`forward` with a state: the dot product over the W taps.
+        """
+        full = torch.cat([window, x[:, :, None].to(window.dtype)], dim=-1)  # [B, C, W]
+        acc = torch.promote_types(full.dtype, torch.float32)  # fp32 taps, like conv1d's
+        y = (full.to(acc) * self.weight[:, 0].to(acc)).sum(-1)
+        if self.bias is not None:
+            y = y + self.bias.to(acc)
+        window.copy_(full[..., 1:])
+        y = F.silu(y) if self.activation == "silu" else y
+        return y.to(x.dtype)
+
     def _forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Tap by tap, dropping taps that reach back into the previous packed sequence."""
         T, W = x.shape[1], self.kernel_size

@@ -358,3 +358,66 @@ class DeltaAttention(nn.Module):
         o = self.o_norm(o, g)  # RMSNorm(o) ⊙ SiLU(g) in one function
         y = self.o_proj(o.reshape(B, T, self.value_dim))
         return y, (new_state if use_cache else None)
+
+    # ---------------------------------------------------------------- static decoding
+
+    def decode_state(
+        self, batch_size: int, max_length: int, device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """Zeroed buffers for :meth:`decode_step` (``max_length`` is unused: the state has a
+        constant size). Same names and layout as the dynamic cache entries, so a prefilled
+        :class:`~deltaflow.layers.DeltaFlowCache` layer can be copied in."""
+        dtype = self.q_proj.weight.dtype
+        H, Dk, Dv = self.num_v_heads, self.head_dim, self.head_v_dim
+        # fp32 state for half-precision models (as the chunked op keeps it); fp64 models keep fp64
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        state = {
+            "recurrent_state": torch.zeros(batch_size, H, Dk, Dv, device=device, dtype=state_dtype)
+        }
+        if self.use_short_conv:
+            W = self.conv_size - 1
+            state["conv_q"] = torch.zeros(batch_size, self.key_dim, W, device=device, dtype=dtype)
+            state["conv_k"] = torch.zeros(batch_size, self.key_dim, W, device=device, dtype=dtype)
+            state["conv_v"] = torch.zeros(batch_size, self.value_dim, W, device=device, dtype=dtype)
+        return state
+
+    def decode_step(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One token per row, x ``[B, hidden]`` -> y ``[B, hidden]``, updating ``state`` (from
+        :meth:`decode_state`) in place: no host sync, no checks, no re-bound buffers, so a
+        whole model step can be captured in a CUDA graph. Same math as :meth:`forward`."""
+        B = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_short_conv:
+            q = self.q_conv.step(q, state["conv_q"])
+            k = self.k_conv.step(k, state["conv_k"])
+            v = self.v_conv.step(v, state["conv_v"])
+        else:
+            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+        q = q.view(B, 1, self.num_heads, self.head_dim)
+        k = k.view(B, 1, self.num_heads, self.head_dim)
+        v = v.view(B, 1, self.num_v_heads, self.head_v_dim)
+        if self.q_norm == "l2":
+            q = l2_normalize(q)
+        if self.k_norm == "l2":
+            k = l2_normalize(k)
+        if self.num_v_heads != self.num_heads:
+            group = self.num_v_heads // self.num_heads
+            q = q.repeat_interleave(group, dim=2)
+            k = k.repeat_interleave(group, dim=2)
+        beta, log_decay = self._beta_and_log_decay(x[:, None])
+        o = delta_rule_step(
+            q,
+            k,
+            v,
+            beta,
+            state["recurrent_state"],
+            rule=self.step_rule,
+            log_decay=log_decay,
+            negative_eigenvalues=self.negative_eigenvalues,
+            eps=self.eps,
+        )
+        g = None
+        if self.use_output_gate:
+            g = self.g_proj(x).view(B, 1, self.num_v_heads, self.head_v_dim)
+        o = self.o_norm(o, g)
+        return self.o_proj(o.reshape(B, self.value_dim))

@@ -193,3 +193,58 @@ class SoftmaxAttention(nn.Module):
             key=k_all, value=v_all, key_mask=kmask, key_pos=kpos, num_tokens=n_past + valid.sum(1)
         )
         return y, state
+
+    # ---------------------------------------------------------------- static decoding
+
+    def decode_state(
+        self, batch_size: int, max_length: int, device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """A preallocated KV cache of ``max_length`` columns for :meth:`decode_step`.
+
+        ``key``/``value`` ``[B, Hkv, max_length, D]``, ``key_mask``/``key_pos`` ``[B,
+        max_length]`` (unused columns are masked out), ``num_tokens [B]`` (RoPE position of
+        the next token) and ``length`` ``[1]``: the next column to write, kept on the device
+        so that a captured step advances it without the host.
+        """
+        dtype = self.q_proj.weight.dtype
+        shape = (batch_size, self.num_kv_heads, max_length, self.head_dim)
+        return {
+            "key": torch.zeros(shape, device=device, dtype=dtype),
+            "value": torch.zeros(shape, device=device, dtype=dtype),
+            "key_mask": torch.zeros(batch_size, max_length, device=device, dtype=torch.bool),
+            "key_pos": torch.zeros(batch_size, max_length, device=device, dtype=torch.long),
+            "num_tokens": torch.zeros(batch_size, device=device, dtype=torch.long),
+            "length": torch.zeros(1, device=device, dtype=torch.long),
+        }
+
+    def decode_step(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One token per row, x ``[B, hidden]`` -> ``[B, hidden]``: writes its key and value at
+        column ``state['length']`` in place and attends over the masked full buffer (static
+        shapes, no host sync: capturable in a CUDA graph). Same math as :meth:`forward`."""
+        B = x.shape[0]
+        q = self.q_proj(x).view(B, 1, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, 1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, 1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        pos = state["num_tokens"][:, None]  # [B, 1]: real tokens before this one
+        q = apply_rope(q, pos, self.rope_theta)
+        k = apply_rope(k, pos, self.rope_theta)
+        col = state["length"]
+        state["key"].index_copy_(2, col, k.transpose(1, 2))
+        state["value"].index_copy_(2, col, v.transpose(1, 2))
+        state["key_mask"].index_fill_(1, col, True)
+        state["key_pos"].index_copy_(1, col, pos)
+        allowed = state["key_mask"]
+        if self.window_size is not None:
+            allowed = allowed & (pos - state["key_pos"] < self.window_size)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            state["key"],
+            state["value"],
+            attn_mask=allowed[:, None, None, :],
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        state["num_tokens"].add_(1)
+        state["length"].add_(1)
+        return self.o_proj(o.reshape(B, self.num_heads * self.head_dim))

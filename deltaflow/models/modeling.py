@@ -482,6 +482,30 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             inputs["logits_to_keep"] = 1  # generation only reads the last position's logits
         return inputs
 
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: Any = None,
+        decode_mode: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """transformers' ``generate``, decoded by a CUDA graph where it can be.
+
+        ``decode_mode``: None (default) replays a captured one-token step on CUDA
+        (:mod:`deltaflow.models.generation`) for greedy and sampling with temperature / top-k /
+        top-p, EOS stopping and left-padded batches, and uses transformers' loop otherwise (beam
+        search, logits processors, streamers, ``return_dict_in_generate``, CPU, ...).
+        ``'graph'``, ``'compile'`` (torch.compile, then captured) or ``'eager'`` (the static
+        step op by op, also on CPU) force the static decoder and raise on an unsupported
+        setting; ``'transformers'`` forces transformers' loop. Returns ``[B, T + n]`` ids.
+        """
+        from deltaflow.models.generation import static_generate
+
+        out = static_generate(self, inputs, generation_config, kwargs, decode_mode)
+        if out is not None:
+            return out
+        return super().generate(inputs, generation_config, **kwargs)
+
     @torch.no_grad()
     def generate_greedy(
         self,
