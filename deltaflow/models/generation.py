@@ -177,6 +177,7 @@ class StaticDecoder:
         if mode == "compile":
             self._step = torch.compile(self._step, fullgraph=True, dynamic=False)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: Tensor | None = None  # the last step's logits [B, V]
 
     def _emit(self, logits: Tensor) -> None:
         """Choose the next tokens, apply EOS stopping, append them to ``out`` (in place)."""
@@ -191,7 +192,10 @@ class StaticDecoder:
         self.ids.copy_(nxt)
 
     def _body(self) -> None:
-        self._emit(self._step(self.ids))
+        # In a captured graph this tensor is the graph's output buffer: after each replay it
+        # holds that step's logits (read by the checks; generation only needs the tokens).
+        self.logits = self._step(self.ids)
+        self._emit(self.logits)
 
     def _capture(self) -> None:
         """Warm up (Triton/Inductor compilation, cuBLAS workspaces) on a side stream, then

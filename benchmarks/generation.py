@@ -1,0 +1,407 @@
+"""Generation benchmark and GPU check: CUDA-graph decoding vs eager decoding vs fla's generate.
+
+Same run, same GPU, same architecture (default: Gated DeltaNet, 24 layers, hidden 1024, 8 heads
+x 128, vocab 32000, bf16, random weights; fla's GatedDeltaNetForCausalLM built from the same
+numbers). Measures, for deltaflow in each decode mode and for fla:
+
+- ms per new token at batch 1 after a 512-token prompt: (t(1 + N new) - t(1 new)) / N, so the
+  prefill is not counted; the median of ``--repeats`` wall-clock runs (host-driven loops:
+  CUDA events or do_bench would not see the host side, which is what is being measured);
+- tokens/s at batch 1, 16, 64 and 256 (same method, fewer new tokens at large batches);
+- prefill time for 512 and 8192 prompt tokens (batch 1);
+- the floor: the bytes one decode step must move (weights except the embedding table, which is
+  read one row per token; the fp32 recurrent states read and written; conv windows), divided by
+  the copy bandwidth measured in the same run, and the fraction of it each mode reaches.
+
+``--check`` first verifies on the GPU what the CPU tests cannot: graph-replayed (and compiled)
+greedy generation gives the tokens of eager static decoding and of transformers' loop in fp32
+(pure Gated DeltaNet and a hybrid with softmax attention every 4th layer, left-padded batches),
+and in bf16 the graphed step's logits agree with the dynamic-cache step's within bf16 tolerance.
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl   # fla
+    PYTHONPATH=/tmp/site:. python3 benchmarks/generation.py --check --out benchmarks/results
+
+Writes ``generation_<device>.md`` / ``.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _model_training() -> Any:
+    """benchmarks/model_training.py (architecture helpers shared with the training benchmark)."""
+    spec = importlib.util.spec_from_file_location("model_training", _HERE / "model_training.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MT = _model_training()
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median wall-clock seconds of ``fn`` (synchronized before and after each run)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device copy (read + write counted), the floor's denominator."""
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t = wall(lambda: y.copy_(x), device, 10)
+    return 2 * x.numel() / t
+
+
+def step_bytes(model: nn.Module, batch: int) -> int:
+    """Bytes one decode step must move: weights (embedding: one row per sequence), recurrent
+    states read and written (fp32), conv windows read and written."""
+    from deltaflow.layers import DeltaAttention
+
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    weights += batch * embed.shape[1] * embed.element_size()
+    state = 0
+    for m in model.modules():
+        if isinstance(m, DeltaAttention):
+            state += 2 * batch * m.num_v_heads * m.head_dim * m.head_v_dim * 4
+            if m.use_short_conv:
+                channels = 2 * m.key_dim + m.value_dim
+                state += 2 * batch * channels * (m.conv_size - 1) * embed.element_size()
+    return weights + state
+
+
+def prompt(batch: int, length: int, vocab: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(batch * 100003 + length)
+    return torch.randint(3, vocab, (batch, length), generator=g).to(device)
+
+
+def left_padded(batch: int, length: int, vocab: int, device: torch.device):
+    ids = prompt(batch, length, vocab, device)
+    mask = torch.ones_like(ids)
+    for row in range(1, batch):
+        mask[row, : 7 * row] = 0  # rows of different true lengths
+    return ids, mask
+
+
+# ------------------------------------------------------------------------------- models
+
+
+def build(name: str, arch: dict[str, Any], dtype: torch.dtype, device: torch.device, **extra):
+    torch.manual_seed(0)
+    if name == "deltaflow":
+        from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+
+        config = DeltaFlowConfig(
+            **arch, rule="delta", use_decay=True, qk_norm="l2", backend="auto", **extra
+        )
+        model = DeltaFlowForCausalLM(config)
+    else:
+        model, _ = MT.build_fla(arch, linear_ce=False)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def generator_for(model: nn.Module, mode: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``gen(ids, n_new)`` for a decode mode ('fla' = fla's model through transformers)."""
+
+    def gen(ids: torch.Tensor, n_new: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        kw: dict[str, Any] = dict(max_new_tokens=n_new, do_sample=False, eos_token_id=None)
+        if mask is not None:
+            kw["attention_mask"] = mask
+        if mode != "fla":
+            kw["decode_mode"] = mode
+        with torch.no_grad():
+            return model.generate(ids, **kw)
+
+    return gen
+
+
+def per_token_ms(gen, ids: torch.Tensor, n_new: int, device, repeats: int) -> float:
+    gen(ids, n_new + 1)  # warm-up: kernels compiled, graph captured, decoder cached
+    t_one = wall(lambda: gen(ids, 1), device, repeats)
+    t_all = wall(lambda: gen(ids, n_new + 1), device, repeats)
+    return (t_all - t_one) / n_new * 1e3
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+@torch.no_grad()
+def run_checks(arch: dict[str, Any], device: torch.device, modes: list[str]) -> dict[str, Any]:
+    from deltaflow.layers import DeltaFlowCache
+    from deltaflow.models.generation import Sampling, StaticDecoder
+
+    report: dict[str, Any] = {}
+    # fp32: identical greedy tokens across decode paths (pure and hybrid models)
+    for label, extra in (("gated_deltanet", {}), ("hybrid_attn_every_4", {"attn_every": 4})):
+        model = build("deltaflow", arch, torch.float32, device, **extra)
+        ids, mask = left_padded(4, 96, arch["vocab_size"], device)
+        want = generator_for(model, "transformers")(ids, 64, mask)
+        row = {}
+        for mode in ["eager"] + modes:
+            got = generator_for(model, mode)(ids, 64, mask)
+            row[mode] = bool(got.shape == want.shape and torch.equal(got, want))
+        report[f"fp32_tokens_equal_{label}"] = row
+        print(f"[check] fp32 {label}: tokens equal to transformers' loop: {row}")
+        del model
+        gc.collect()
+
+    # bf16: graphed step logits vs the dynamic-cache step, teacher-forced on the same tokens
+    model = build("deltaflow", arch, torch.bfloat16, device)
+    ids = prompt(2, 128, arch["vocab_size"], device)
+    forced = prompt(2, 16, arch["vocab_size"], device)
+    cache = DeltaFlowCache(model.config.num_layers)
+    ref = [model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
+    for t in range(forced.shape[1]):
+        ref.append(model(forced[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    for mode in modes:
+        decoder = StaticDecoder(model, 2, 256, Sampling(), mode=mode)
+        got = [decoder.prefill(ids)]
+        for t in range(forced.shape[1]):
+            decoder.position.zero_()
+            decoder.ids.copy_(forced[:, t])
+            decoder.step()
+            got.append(decoder.logits.clone())
+        err = max(
+            ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            for a, b in zip(got, ref)
+        )
+        agree = sum(bool((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(got, ref))
+        report[f"bf16_logits_{mode}"] = {
+            "max_abs_err_over_max_logit": err,
+            "argmax_agree_steps": f"{agree}/{len(ref)}",
+            "ok": err < 2e-2,
+        }
+        print(f"[check] bf16 {mode}: {report[f'bf16_logits_{mode}']}")
+    del model
+    gc.collect()
+    return report
+
+
+# ------------------------------------------------------------------------------- benchmark
+
+
+def bench_model(name: str, modes: list[str], arch, args, device, floor) -> dict[str, Any]:
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    try:
+        model = build(name, arch, dtype, device)
+    except Exception as err:  # noqa: BLE001 - fla is optional
+        print(f"[{name}] not built: {err!r}")
+        return {"error": repr(err)}
+    out: dict[str, Any] = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "modes": {},
+        "prefill_ms": {},
+    }
+    for mode in modes:
+        gen = generator_for(model, mode)
+        row: dict[str, Any] = {"tokens_per_s": {}, "floor_fraction": {}}
+        try:
+            ids = prompt(1, args.prompt, arch["vocab_size"], device)
+            t0 = time.perf_counter()
+            gen(ids, 2)  # first call: compilation / capture time, reported separately
+            row["first_call_s"] = time.perf_counter() - t0
+            ms = per_token_ms(gen, ids, args.new, device, args.repeats)
+            row["ms_per_token_b1"] = ms
+            print(f"[{name}/{mode}] batch 1: {ms:.3f} ms/token")
+            for batch in args.batches:
+                n_new = args.new if batch == 1 else args.new_large
+                ids = prompt(batch, args.prompt, arch["vocab_size"], device)
+                ms_b = per_token_ms(gen, ids, n_new, device, max(1, args.repeats // 2))
+                row["tokens_per_s"][batch] = batch / ms_b * 1e3
+                row["floor_fraction"][batch] = floor(model, batch) / (ms_b / 1e3)
+                print(
+                    f"[{name}/{mode}] batch {batch}: {batch / ms_b * 1e3:,.0f} tokens/s "
+                    f"({ms_b:.3f} ms/step, {row['floor_fraction'][batch]:.1%} of floor)"
+                )
+        except Exception as err:  # noqa: BLE001 - report and go on with the other modes
+            traceback.print_exc()
+            row["error"] = repr(err)
+        out["modes"][mode] = row
+        if name == "deltaflow":
+            model.__dict__.pop("_static_decoder", None)  # free the decoder's buffers
+        gc.collect()
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    for length in args.prefill:
+        ids = prompt(1, length, arch["vocab_size"], device)
+        with torch.no_grad():
+
+            def fill(ids: torch.Tensor = ids, model: nn.Module = model) -> None:
+                if name == "deltaflow":
+                    from deltaflow.layers import DeltaFlowCache
+
+                    cache = DeltaFlowCache(model.config.num_layers)
+                    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                else:
+                    model(ids, use_cache=True, logits_to_keep=1)
+
+            try:
+                fill()
+                out["prefill_ms"][length] = wall(fill, device, args.repeats) * 1e3
+                print(f"[{name}] prefill {length}: {out['prefill_ms'][length]:.2f} ms")
+            except Exception as err:  # noqa: BLE001
+                out["prefill_ms"][length] = repr(err)
+    del model
+    gc.collect()
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        f"# Generation: {report['device']}",
+        "",
+        f"commit {report['commit']}, torch {report['torch']}, {report['dtype']}, "
+        f"architecture {json.dumps(report['architecture'])}, prompt {report['prompt']} tokens, "
+        f"{report['new']} new tokens at batch 1 ({report['new_large']} at larger batches), "
+        f"greedy, median of {report['repeats']} runs. Copy bandwidth "
+        f"{report['bandwidth_gbs']:.0f} GB/s; floor = bytes per step / bandwidth.",
+        "",
+        "| model / mode | ms/token b1 | "
+        + " | ".join(f"tok/s b{b}" for b in report["batches"])
+        + " | "
+        + " | ".join(f"floor b{b}" for b in report["batches"])
+        + " | first call s |",
+        "| --- " * (3 + 2 * len(report["batches"])) + "|",
+    ]
+    for name, res in report["results"].items():
+        for mode, row in res.get("modes", {}).items():
+            if "error" in row and "ms_per_token_b1" not in row:
+                lines.append(f"| {name} / {mode} | error: {row['error'][:80]} |")
+                continue
+            tps = [row["tokens_per_s"].get(b) for b in report["batches"]]
+            fr = [row["floor_fraction"].get(b) for b in report["batches"]]
+            lines.append(
+                f"| {name} / {mode} | {row['ms_per_token_b1']:.3f} | "
+                + " | ".join("-" if x is None else f"{x:,.0f}" for x in tps)
+                + " | "
+                + " | ".join("-" if x is None else f"{x:.1%}" for x in fr)
+                + f" | {row.get('first_call_s', float('nan')):.1f} |"
+            )
+    lines += [
+        "",
+        "Prefill (batch 1, ms):",
+        "",
+        "| model | " + " | ".join(f"{n} tokens" for n in report["prefill"]) + " |",
+        "| --- " * (1 + len(report["prefill"])) + "|",
+    ]
+    for name, res in report["results"].items():
+        cells = [res.get("prefill_ms", {}).get(n, "-") for n in report["prefill"]]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{c:.2f}" if isinstance(c, float) else str(c)[:60] for c in cells)
+            + " |"
+        )
+    if report.get("checks"):
+        lines += ["", "Checks:", "", "```", json.dumps(report["checks"], indent=1), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=128, help="new tokens timed at batch 1")
+    p.add_argument("--new-large", type=int, default=32, help="new tokens at batch > 1")
+    p.add_argument("--batches", default="1,16,64,256")
+    p.add_argument("--prefill", default="512,8192")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--modes", default="graph,compile,eager,transformers")
+    p.add_argument("--skip-fla", action="store_true")
+    p.add_argument("--check", action="store_true", help="run the GPU checks first")
+    p.add_argument("--check-only", action="store_true")
+    args = p.parse_args(argv)
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    args.prefill = [int(x) for x in args.prefill.split(",") if x]
+    modes = [m for m in args.modes.split(",") if m]
+    device = torch.device(args.device)
+    arch = MT.shared_architecture(
+        argparse.Namespace(
+            vocab=args.vocab,
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            head_dim=args.head_dim,
+            expand_v=1.0,
+        )
+    )
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report: dict[str, Any] = {
+        "device": name,
+        "commit": MT.git_commit(),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "architecture": arch,
+        "prompt": args.prompt,
+        "new": args.new,
+        "new_large": args.new_large,
+        "repeats": args.repeats,
+        "batches": args.batches,
+        "prefill": args.prefill,
+        "results": {},
+    }
+    if args.check or args.check_only:
+        graph_modes = [m for m in modes if m in ("graph", "compile")]
+        report["checks"] = run_checks(arch, device, graph_modes if device.type == "cuda" else [])
+    if not args.check_only:
+        bandwidth = copy_bandwidth(device)
+        report["bandwidth_gbs"] = bandwidth / 1e9
+
+        def floor(model: nn.Module, batch: int) -> float:
+            return step_bytes(model, batch) / bandwidth
+
+        if device.type != "cuda":
+            modes = [m for m in modes if m not in ("graph", "compile")]
+        report["results"]["deltaflow"] = bench_model("deltaflow", modes, arch, args, device, floor)
+        if not args.skip_fla:
+            report["results"]["fla"] = bench_model("fla", ["fla"], arch, args, device, floor)
+    else:
+        report["bandwidth_gbs"] = float("nan")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "generation_" + name.replace(" ", "_").replace("/", "_")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+    (args.out / f"{stem}.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
