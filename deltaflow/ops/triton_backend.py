@@ -385,7 +385,7 @@ def _backward_fused(
 PREPARE_LOW_PRECISION_DOTS = True
 PREPARE_WARPS = 2
 FORWARD_MODE = "auto"  # "auto" | "fused" | "two_pass"
-TWO_PASS_BV = 32
+TWO_PASS_BV = 64  # 32 crashes in bf16 on Hopper with Triton 3.6 (illegal memory access)
 STATES_WARPS = 4
 STATES_STAGES = 1
 BWD_STATES_BV = 64
