@@ -178,33 +178,44 @@ def run_checks(arch: dict[str, Any], device: torch.device, modes: list[str]) -> 
         del model
         gc.collect()
 
-    # bf16: graphed step logits vs the dynamic-cache step, teacher-forced on the same tokens
-    model = build("deltaflow", arch, torch.bfloat16, device)
+    # bf16: teacher-forced logits of each decode path against the fp32 model with the same
+    # weights; the static paths must be as close to it as the dynamic-cache step is (bf16
+    # rounding differs between paths, e.g. the conv accumulates in fp32 in the static step).
     ids = prompt(2, 128, arch["vocab_size"], device)
     forced = prompt(2, 16, arch["vocab_size"], device)
-    cache = DeltaFlowCache(model.config.num_layers)
-    ref = [model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
-    for t in range(forced.shape[1]):
-        ref.append(model(forced[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+
+    def dynamic_logits(model: nn.Module) -> list[torch.Tensor]:
+        cache = DeltaFlowCache(model.config.num_layers)
+        out = [model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
+        for t in range(forced.shape[1]):
+            step = model(forced[:, t : t + 1], past_key_values=cache, use_cache=True)
+            out.append(step.logits[:, -1])
+        return [x.float() for x in out]
+
+    def rel_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+        return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want))
+
+    model = build("deltaflow", arch, torch.float32, device)
+    ref = dynamic_logits(model)
+    model = model.to(torch.bfloat16)
+    dyn = dynamic_logits(model)
+    report["bf16_dynamic_step_vs_fp32"] = rel_err(dyn, ref)
     for mode in modes:
         decoder = StaticDecoder(model, 2, 256, Sampling(), mode=mode)
-        got = [decoder.prefill(ids)]
+        got = [decoder.prefill(ids).float()]
         for t in range(forced.shape[1]):
             decoder.position.zero_()
             decoder.ids.copy_(forced[:, t])
             decoder.step()
-            got.append(decoder.logits.clone())
-        err = max(
-            ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-            for a, b in zip(got, ref)
-        )
-        agree = sum(bool((a.argmax(-1) == b.argmax(-1)).all()) for a, b in zip(got, ref))
-        report[f"bf16_logits_{mode}"] = {
+            got.append(decoder.logits.float().clone())
+        err = rel_err(got, ref)
+        report[f"bf16_{mode}_vs_fp32"] = {
             "max_abs_err_over_max_logit": err,
-            "argmax_agree_steps": f"{agree}/{len(ref)}",
-            "ok": err < 2e-2,
+            "dynamic_step_err": report["bf16_dynamic_step_vs_fp32"],
+            "ok": err <= 2 * report["bf16_dynamic_step_vs_fp32"],
         }
-        print(f"[check] bf16 {mode}: {report[f'bf16_logits_{mode}']}")
+        print(f"[check] bf16 {mode}: {report[f'bf16_{mode}_vs_fp32']}")
+        del decoder
     del model
     gc.collect()
     return report
@@ -378,9 +389,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prefill": args.prefill,
         "results": {},
     }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "generation_" + name.replace(" ", "_").replace("/", "_")
+
+    def save() -> None:  # after every stage: a run cut off by a time limit keeps what it has
+        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
+        (args.out / f"{stem}.md").write_text(markdown(report))
+
+    report["bandwidth_gbs"] = float("nan")
     if args.check or args.check_only:
         graph_modes = [m for m in modes if m in ("graph", "compile")]
         report["checks"] = run_checks(arch, device, graph_modes if device.type == "cuda" else [])
+        save()
     if not args.check_only:
         bandwidth = copy_bandwidth(device)
         report["bandwidth_gbs"] = bandwidth / 1e9
@@ -391,14 +411,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if device.type != "cuda":
             modes = [m for m in modes if m not in ("graph", "compile")]
         report["results"]["deltaflow"] = bench_model("deltaflow", modes, arch, args, device, floor)
+        save()
         if not args.skip_fla:
             report["results"]["fla"] = bench_model("fla", ["fla"], arch, args, device, floor)
-    else:
-        report["bandwidth_gbs"] = float("nan")
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "generation_" + name.replace(" ", "_").replace("/", "_")
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / f"{stem}.md").write_text(markdown(report))
+    save()
     print(markdown(report))
     return report
 

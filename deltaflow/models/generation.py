@@ -208,7 +208,9 @@ class StaticDecoder:
                 self._body()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # Capture on the warm-up stream: cuBLAS keeps its workspace per stream, and one set up
+        # during capture failed at batch 256 (CUBLAS_STATUS_EXECUTION_FAILED on an H100).
+        with torch.cuda.graph(self.graph, stream=stream):
             self._body()
 
     @torch.no_grad()
