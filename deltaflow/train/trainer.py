@@ -451,6 +451,7 @@ class Trainer:
                         lr=self.optimizer.param_groups[0]["lr"],
                         tokens_per_s=window_tokens / max(elapsed, 1e-9),
                         tokens=self.step * tokens,
+                        **self._peak_memory(),
                     )
                     bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.3g}")
                     window_loss.zero_()
@@ -476,6 +477,18 @@ class Trainer:
         if main and cfg.out_dir is not None:
             (Path(cfg.out_dir) / "final.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _peak_memory(self) -> dict[str, list[float]]:
+        """``peak_mem_gb``: each rank's peak allocated GPU memory so far (CUDA only)."""
+        if self.device.type != "cuda":
+            return {}
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**30])
+        peak = peak.to(self.device)
+        if self.dist.world_size > 1:
+            every = [torch.empty_like(peak) for _ in range(self.dist.world_size)]
+            dist.all_gather(every, peak)
+            peak = torch.cat(every)
+        return {"peak_mem_gb": [round(float(x), 3) for x in peak]}
 
     def _eval_and_log(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
