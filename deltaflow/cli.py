@@ -42,6 +42,7 @@ _TRAIN_FIELDS: dict[str, tuple[str | None, str]] = {
     "seed": (None, "seed"),
     "device": (None, "device"),
     "precision": (None, "precision"),
+    "parallel": (None, "parallel"),
     "seq_len": ("task_kwargs", "seq_len"),
     "num_kv_pairs": ("task_kwargs", "num_kv_pairs"),
     "vocab_size": ("task_kwargs", "vocab_size"),
@@ -155,6 +156,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--device", help="auto | cpu | cuda | cuda:1")
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"])
+    g.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        help="under torchrun: ddp (replicated model) or fsdp (FSDP2, sharded model and "
+        "checkpoints) [config default: ddp]",
+    )
     g.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train)
 

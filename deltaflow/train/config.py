@@ -49,6 +49,9 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda:LOCAL_RANK if available, else cpu
     precision: str = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu; or 'bf16' | 'fp32'
     progress: bool = True  # tqdm bar (rank 0 only)
+    # Under torchrun: 'ddp' replicates the model; 'fsdp' shards it (FSDP2) and writes sharded
+    # checkpoints that resume on any number of GPUs.
+    parallel: str = "ddp"
 
     def __post_init__(self) -> None:
         # YAML 1.1 reads "3e-4" (no dot) as a string: accept numeric strings for float fields.
@@ -88,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"beta1, beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
         for name in ("task_kwargs", "model", "eval_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise TypeError(

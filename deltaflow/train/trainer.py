@@ -1,4 +1,5 @@
-"""The training loop: AdamW + warmup/cosine, clipping, bf16 autocast, eval, logs, checkpoints, DDP.
+"""The training loop: AdamW + warmup/cosine, clipping, bf16 autocast, eval, logs, checkpoints,
+DDP and FSDP2.
 
 Design choices a user should know:
 
@@ -13,7 +14,10 @@ Design choices a user should know:
 - The learning rate is a pure function of the step; resuming restores weights, optimizer and
   RNG state and the step counter, which on CPU reproduces an uninterrupted run bit for bit.
 - Under ``torchrun`` (WORLD_SIZE > 1) the model is wrapped in DistributedDataParallel
-  automatically; only rank 0 logs, evaluates and checkpoints.
+  automatically; only rank 0 logs, evaluates and checkpoints. With ``parallel="fsdp"`` it is
+  sharded with FSDP2 instead (each rank holds 1/world_size of weights, gradients and optimizer
+  state); every rank then takes part in evaluation (the forward all-gathers weights) and in
+  the sharded checkpoint, and rank 0 still does all the logging.
 """
 
 from __future__ import annotations
@@ -34,11 +38,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from deltaflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from deltaflow.train.checkpoint import (
+    gather_rng_states,
+    is_sharded_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    load_sharded_checkpoint,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from deltaflow.train.config import TrainConfig
 from deltaflow.train.logging import RunLogger
+from deltaflow.train.parallel import shard_model
 from deltaflow.train.schedule import lr_at
 
 IGNORE_INDEX = -100
@@ -185,11 +199,20 @@ class Trainer:
             config.precision == "auto" and self.device.type == "cuda"
         )
         self.autocast_dtype = torch.bfloat16 if use_bf16 else None
+        # fsdp: sharded model (on > 1 rank) and sharded checkpoints (always, so a run can be
+        # resumed on any number of GPUs); ddp: replicated model, rank 0 writes checkpoints.
+        self.fsdp = config.parallel == "fsdp"
+        self.sharded = self.fsdp and self.dist.world_size > 1
 
         torch.manual_seed(config.seed)  # identical init on every rank (DDP also broadcasts)
         self.task = task if task is not None else build_task(config)
         base = model if model is not None else build_model(config, self.task.vocab_size)
-        self.raw_model = base.to(self.device)
+        if self.sharded:
+            bf16_weights = use_bf16 and self.device.type == "cuda"
+            self.raw_model = shard_model(base, self.device, bf16=bf16_weights)
+        else:
+            self.raw_model = base.to(self.device)
+        # After sharding: the optimizer must hold the sharded (DTensor) parameters.
         self.optimizer = make_optimizer(self.raw_model, config, self.device)
         self.step = 0  # number of optimizer steps completed
 
@@ -201,8 +224,8 @@ class Trainer:
         log_dir = config.out_dir if self.dist.is_main else None
         self.logger = RunLogger(log_dir, resume_step=self.step if resume_from is not None else None)
 
-        self.model: nn.Module = self.raw_model
-        if self.dist.world_size > 1:
+        self.model: nn.Module = self.raw_model  # FSDP2 shards in place: no wrapper
+        if self.dist.world_size > 1 and not self.fsdp:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(self.raw_model, device_ids=ids)
         self.num_params = sum(p.numel() for p in self.raw_model.parameters())
@@ -216,27 +239,54 @@ class Trainer:
                     f"cannot resume {path}: its {key} {saved.get(key)!r} differs from this "
                     f"run's {getattr(self.config, key)!r} (use a new out_dir or resume=False)"
                 )
-        state = load_checkpoint(path, model=self.raw_model, optimizer=self.optimizer)
+        if self.fsdp != is_sharded_checkpoint(path):
+            written = "ddp" if self.fsdp else "fsdp"
+            raise ValueError(
+                f"cannot resume {path} with parallel={self.config.parallel!r}: it was written "
+                f"by a parallel={written!r} run (resume with that, or use a new out_dir)"
+            )
+        load = load_sharded_checkpoint if self.fsdp else load_checkpoint
+        state = load(path, model=self.raw_model, optimizer=self.optimizer)
         self.step = int(state["step"])
 
     def save(self, info: dict[str, Any] | None = None) -> Path | None:
-        if self.config.out_dir is None or not self.dist.is_main:
+        """Checkpoint the current step; every rank must call it (it gathers from all ranks).
+        Returns the checkpoint directory (None without out_dir, and on ranks > 0 under DDP)."""
+        cfg = self.config
+        if cfg.out_dir is None:
             return None
-        return save_checkpoint(
-            self.config.out_dir,
-            model=self.raw_model,
-            optimizer=self.optimizer,
-            step=self.step,
-            config=self.config.to_dict(),
-            info=info,
-            keep=self.config.keep_checkpoints,
-        )
+        common = dict(step=self.step, config=cfg.to_dict(), info=info, keep=cfg.keep_checkpoints)
+        if self.fsdp:
+            return save_sharded_checkpoint(
+                cfg.out_dir, model=self.raw_model, optimizer=self.optimizer, **common
+            )
+        rng = gather_rng_states()  # each rank resumes with its own RNG streams
+        path = None
+        if self.dist.is_main:
+            path = save_checkpoint(
+                cfg.out_dir,
+                model=self.raw_model,
+                optimizer=self.optimizer,
+                rng_per_rank=rng,
+                **common,
+            )
+        if self.dist.world_size > 1:
+            dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is in place
+        return path
 
     # ------------------------------------------------------------------ one step
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def _grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce / reduce-scatter on all but the last micro-step."""
+        if sync:
+            return contextlib.nullcontext()
+        if self.fsdp:
+            return _fsdp_no_sync(self.model)
+        return self.model.no_sync()
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimizer step on the global batch of ``step``; returns (loss, grad norm, tokens)."""
@@ -263,8 +313,7 @@ class Trainer:
             x = ids[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
             y = labels[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
             sync = micro == cfg.grad_accum - 1 or self.dist.world_size == 1
-            no_sync = contextlib.nullcontext() if sync else self.model.no_sync()
-            with no_sync:
+            with self._grad_sync(sync):
                 with self._autocast():
                     logits = model_logits(self.model, x)
                 part = F.cross_entropy(
@@ -273,13 +322,15 @@ class Trainer:
                     ignore_index=IGNORE_INDEX,
                     reduction="sum",
                 )
-                # DDP averages gradients over ranks, so scale by world_size to get the global mean.
+                # DDP and FSDP average gradients over ranks: scale by world_size to get the sum.
                 (part * (self.dist.world_size / n_scored)).backward()
             loss_sum += part.detach()
         if self.dist.world_size > 1:
             dist.all_reduce(loss_sum)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()  # FSDP: already reduced over ranks (Replicate)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / n_scored, grad_norm, ids.numel()
@@ -302,7 +353,7 @@ class Trainer:
         first length (language modelling: the training length).
         """
         split = split or self.config.eval_split
-        model = self.raw_model  # no DDP hooks in eval (rank 0 only)
+        model = self.raw_model  # no DDP hooks in eval (rank 0 only; all ranks under FSDP)
         model.eval()
         lengths, mean_headline = self.eval_lengths()
         per_length: list[dict[str, float]] = []
@@ -400,6 +451,7 @@ class Trainer:
                         lr=self.optimizer.param_groups[0]["lr"],
                         tokens_per_s=window_tokens / max(elapsed, 1e-9),
                         tokens=self.step * tokens,
+                        **self._peak_memory(),
                     )
                     bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.3g}")
                     window_loss.zero_()
@@ -426,10 +478,25 @@ class Trainer:
             (Path(cfg.out_dir) / "final.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def _peak_memory(self) -> dict[str, list[float]]:
+        """``peak_mem_gb``: each rank's peak allocated GPU memory so far (CUDA only)."""
+        if self.device.type != "cuda":
+            return {}
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**30])
+        peak = peak.to(self.device)
+        if self.dist.world_size > 1:
+            every = [torch.empty_like(peak) for _ in range(self.dist.world_size)]
+            dist.all_gather(every, peak)
+            peak = torch.cat(every)
+        return {"peak_mem_gb": [round(float(x), 3) for x in peak]}
+
     def _eval_and_log(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        if self.dist.is_main:
+        if self.sharded:  # every rank runs the forward passes (they all-gather the weights)
             metrics = self.evaluate()
+        elif self.dist.is_main:
+            metrics = self.evaluate()
+        if self.dist.is_main:
             self.logger.log("eval", self.step, split=self.config.eval_split, **metrics)
             self.logger.flush()
         if self.dist.world_size > 1:
@@ -439,6 +506,16 @@ class Trainer:
     def close(self) -> None:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    """FSDP2's counterpart of DDP's ``no_sync``: accumulate unsharded gradients locally."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def train(config: TrainConfig, **kwargs: Any) -> dict[str, Any]:
