@@ -301,6 +301,12 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=50, help="0: no top-k filtering")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter; 1: off")
+    p.add_argument(
+        "--decode-mode",
+        choices=["compile", "graph", "eager", "transformers"],
+        help="default: compile (CUDA graph of the compiled step) on CUDA, transformers on CPU",
+    )
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -325,14 +331,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit("--prompt encodes to no tokens; give some text")
     device = next(model.parameters()).device
     ids = torch.tensor([prompt] * args.num_samples, device=device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # deltaflow models sample from the global RNG
     out = sample(
         model,
         ids,
         args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
-        generator=generator,
+        top_p=args.top_p,
+        decode_mode=args.decode_mode,
     )
     for i, row in enumerate(out.tolist()):
         if args.num_samples > 1:

@@ -1,4 +1,4 @@
-"""Sampling from a trained causal LM (temperature, top-k) with the recurrent cache."""
+"""Sampling from a trained causal LM (temperature, top-k, top-p)."""
 
 from __future__ import annotations
 
@@ -22,42 +22,45 @@ def sample(
     *,
     temperature: float = 1.0,
     top_k: int = 0,
+    top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    decode_mode: str | None = None,
 ) -> torch.Tensor:
     """Continue ``input_ids`` [B, T] by ``max_new_tokens`` tokens; returns [B, T + n].
 
-    ``temperature=0`` is greedy. deltaflow models prefill with the chunked op and then take
-    one recurrent step per token (``past_key_values`` cache); any other model falls back to a
-    full forward per token.
+    ``temperature=0`` is greedy. deltaflow models go through their ``generate``: on CUDA a
+    compiled one-token step replayed as a CUDA graph (``decode_mode`` to choose another, see
+    :meth:`DeltaFlowForCausalLM.generate`), on CPU the recurrent cache; they sample from the
+    global RNG (seed it with ``torch.manual_seed``). Any other model falls back to a full
+    forward per token, sampling with ``generator``.
     """
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, T] with T >= 1, got {tuple(input_ids.shape)}")
     if max_new_tokens < 0 or temperature < 0 or top_k < 0:
         raise ValueError("max_new_tokens, temperature and top_k must be >= 0")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if max_new_tokens == 0:
         return input_ids
-    cache = None
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "model_type", None) == "deltaflow":
-        from deltaflow.models import DeltaFlowCache
+        kw: dict = dict(max_new_tokens=max_new_tokens, eos_token_id=None, decode_mode=decode_mode)
+        if temperature > 0:
+            kw.update(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+        else:
+            kw.update(do_sample=False)
+        return model.generate(input_ids, **kw)
 
-        cache = DeltaFlowCache(config.num_layers)
+    from deltaflow.models.generation import top_p_filter
 
-    def logits_of(ids: torch.Tensor) -> torch.Tensor:
-        if cache is not None:
-            return model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
-        out = model(input_ids=ids)
-        return (out.logits if hasattr(out, "logits") else out)[:, -1]
-
-    tokens = [input_ids]
-    logits = logits_of(input_ids)
-    for i in range(max_new_tokens):
+    tokens = input_ids
+    for _ in range(max_new_tokens):
+        out = model(input_ids=tokens)
+        logits = (out.logits if hasattr(out, "logits") else out)[:, -1]
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            probs = torch.softmax(_filter(logits, temperature, top_k), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)
-        tokens.append(nxt)
-        if i + 1 < max_new_tokens:
-            logits = logits_of(nxt if cache is not None else torch.cat(tokens, dim=1))
-    return torch.cat(tokens, dim=1)
+            scores = top_p_filter(_filter(logits, temperature, top_k), top_p)
+            nxt = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    return tokens

@@ -493,11 +493,13 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
 
         ``decode_mode``: None (default) replays a captured one-token step on CUDA
         (:mod:`deltaflow.models.generation`) for greedy and sampling with temperature / top-k /
-        top-p, EOS stopping and left-padded batches, and uses transformers' loop otherwise (beam
-        search, logits processors, streamers, ``return_dict_in_generate``, CPU, ...).
-        ``'graph'``, ``'compile'`` (torch.compile, then captured) or ``'eager'`` (the static
-        step op by op, also on CPU) force the static decoder and raise on an unsupported
-        setting; ``'transformers'`` forces transformers' loop. Returns ``[B, T + n]`` ids.
+        top-p, EOS stopping and left-padded batches: the step compiled with torch.compile
+        (first call compiles; ``graph`` if that fails), and uses transformers' loop otherwise
+        (beam search, logits processors, streamers, ``return_dict_in_generate``, CPU, ...).
+        ``'compile'``, ``'graph'`` (captured without compiling: no compile time, ~3x slower
+        per token) or ``'eager'`` (the static step op by op, also on CPU) force the static
+        decoder and raise on an unsupported setting; ``'transformers'`` forces transformers'
+        loop. Sampling draws from the global RNG (``torch.manual_seed``). Returns ``[B, T + n]``.
         """
         from deltaflow.models.generation import static_generate
 
