@@ -379,7 +379,16 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cells", help="comma-separated subset of the preset's task cells")
     p.add_argument("--widths", help="comma-separated model widths (replaces the preset's)")
     p.add_argument("--lrs", help="comma-separated learning rates (replaces the preset's)")
-    p.add_argument("--seeds", type=int, help="number of seeds (0..N-1)")
+    p.add_argument(
+        "--wds",
+        help="comma-separated AdamW weight decays to sweep (replaces the preset's); the best "
+        "(lr, weight decay) pair per cell is kept",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        help="number of seeds (0..N-1) for every variant (replaces per-variant seed counts)",
+    )
     p.add_argument("--batch-size", type=int, help="override the preset's batch size")
     p.add_argument(
         "--set",
@@ -413,8 +422,22 @@ def _shared_dir(arg: str | None) -> str | None:
     return arg
 
 
-def _csv(text: str, cast: type = str) -> list:
-    return [cast(x) for x in text.split(",") if x.strip()]
+def _csv(text: str, cast: type = str, *, flag: str = "", low: float | None = None) -> list:
+    """Comma-separated values; bad ones are an error naming the flag (``--lrs``, ...)."""
+    values = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = cast(item)
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r} is not a valid {cast.__name__}") from None
+        if low is not None and value < low:
+            raise ValueError(f"{flag}: every value must be >= {low}, got {item}")
+        values.append(value)
+    if not values:
+        raise ValueError(f"{flag}: expected a comma-separated list, got {text!r}")
+    return values
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -426,19 +449,26 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print(
                 f"{name}: {p.description}\n  variants: {', '.join(p.variants)}\n"
                 f"  cells: {', '.join(p.cells)}; widths: {p.widths}; lrs: {p.lrs}; "
-                f"seeds: {len(p.seeds)}; steps: {p.base.get('steps')}"
+                f"weight decays: {p.weight_decays or p.base.get('weight_decay', 'default')}; "
+                f"seeds: {len(p.seeds)}"
+                + (
+                    f" ({ {v: len(s) for v, s in p.seeds_per_variant.items()} })"
+                    if p.seeds_per_variant
+                    else ""
+                )
+                + f"; steps: {p.base.get('steps')}"
             )
         print("known variants: " + ", ".join(f"{k} {v}" for k, v in VARIANTS.items()))
         return 0
     preset = get_preset(args.preset)
     if args.variants:
-        wanted = _csv(args.variants)
+        wanted = _csv(args.variants, flag="--variants")
         bad = [v for v in wanted if v not in VARIANTS]
         if bad:
             raise SystemExit(f"unknown variants {bad}; known: {', '.join(VARIANTS)}")
         preset.variants = wanted
     if args.cells:
-        wanted = _csv(args.cells)
+        wanted = _csv(args.cells, flag="--cells")
         bad = [c for c in wanted if c not in preset.cells]
         if bad:
             raise SystemExit(
@@ -446,11 +476,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
             )
         preset.cells = {c: preset.cells[c] for c in wanted}
     if args.widths:
-        preset.widths = _csv(args.widths, int)
+        preset.widths = _csv(args.widths, int, flag="--widths", low=1)
     if args.lrs:
-        preset.lrs = _csv(args.lrs, float)
+        preset.lrs = _csv(args.lrs, float, flag="--lrs")
+        if any(lr <= 0 for lr in preset.lrs):
+            raise ValueError(f"--lrs: learning rates must be > 0, got {args.lrs}")
+    if args.wds:
+        preset.weight_decays = _csv(args.wds, float, flag="--wds", low=0.0)
     if args.seeds is not None:
+        if args.seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
         preset.seeds = list(range(args.seeds))
+        preset.seeds_per_variant = {}
     from deltaflow.train import apply_overrides
 
     overrides = apply_overrides({}, args.overrides)
@@ -488,9 +525,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         note=args.note,
         resume=args.resume,
     )
-    seeds = len(preset.seeds)
-    agg = "" if seeds == 1 else f", {preset.seed_aggregate} over {seeds} seeds"
-    print(f"\n{preset.name}: {preset.metric} at the best lr per cell{agg} ({out}/results.md)\n")
+    seeds = max(len(preset.variant_seeds(v)) for v in preset.variants)
+    agg = "" if seeds == 1 else f", {preset.seed_aggregate} over up to {seeds} seeds"
+    wd = " x weight decay" if preset.weight_decays else ""
+    print(f"\n{preset.name}: {preset.metric} at the best lr{wd} per cell{agg} ({out}/results.md)\n")
     print(table)
     if preset.expect:
         print(f"\nExpected: {preset.expect}")

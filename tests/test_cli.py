@@ -249,7 +249,7 @@ def test_compare_cli_dry_run_and_list(capsys):
     assert main(["compare", "--list"]) == 0
     assert "mqar_512" in capsys.readouterr().out
     assert main(["compare", "--preset", "state_tracking", "--dry-run", "--seeds", "1"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("18 runs")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("45 runs")
     with pytest.raises(SystemExit, match="unknown variants"):
         main(["compare", "--variants", "bogus", "--dry-run"])
 

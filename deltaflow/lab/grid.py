@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -37,13 +38,17 @@ class RunSpec:
     lr: float
     seed: int
     config: TrainConfig
+    weight_decay: float | None = None  # set when the preset sweeps weight decay
 
     @property
     def run_id(self) -> str:
         digest = hashlib.sha1(json.dumps(self.config.to_dict(), sort_keys=True).encode())
         width = f"-w{self.width}" if self.width is not None else ""
+        # only swept weight decays appear in the id, so ids of older grids stay valid
+        wd = f"-wd{self.weight_decay:g}" if self.weight_decay is not None else ""
         return (
-            f"{self.variant}-{self.cell}{width}-lr{self.lr:g}-s{self.seed}-{digest.hexdigest()[:8]}"
+            f"{self.variant}-{self.cell}{width}-lr{self.lr:g}{wd}-s{self.seed}-"
+            f"{digest.hexdigest()[:8]}"
         )
 
 
@@ -85,8 +90,8 @@ def expand_grid(
     for width in preset.widths or [None]:
         for cell, cell_spec in preset.cells.items():
             for variant in cell_variants(preset, cell):
-                for lr in preset.lrs:
-                    for seed in preset.seeds:
+                for lr, wd in itertools.product(preset.lrs, preset.weight_decays or [None]):
+                    for seed in preset.variant_seeds(variant):
                         data = copy.deepcopy(base)
                         preset.variant_model(variant)  # validates the name
                         data["model"] = {**base.get("model", {}), **VARIANTS[variant]}
@@ -102,9 +107,10 @@ def expand_grid(
                             if key not in CELL_KEYS:
                                 data[key] = copy.deepcopy(value)
                         data.update(lr=lr, seed=seed)
-                        specs.append(
-                            RunSpec(variant, cell, width, lr, seed, TrainConfig.from_dict(data))
-                        )
+                        if wd is not None:
+                            data["weight_decay"] = wd
+                        config = TrainConfig.from_dict(data)
+                        specs.append(RunSpec(variant, cell, width, lr, seed, config, wd))
     return specs
 
 
@@ -140,6 +146,7 @@ def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         "cell": spec.cell,
         "width": spec.width,
         "lr": spec.lr,
+        "weight_decay": cfg.weight_decay,
         "seed": spec.seed,
         "config": cfg.to_dict(),
     }
@@ -168,15 +175,37 @@ def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
 
 
 def _init_worker(threads: int, counter: Any = None, num_gpus: int = 0) -> None:
-    """Worker setup: torch threads, and on multi-GPU hosts one GPU per worker (round robin)."""
+    """Worker setup: torch threads, and on multi-GPU hosts one GPU per worker (round robin).
+
+    ``counter`` is a shared integer: each worker takes the next index and sees only GPU
+    ``index % num_gpus`` (of those the parent could see, if CUDA_VISIBLE_DEVICES was set).
+    """
     if counter is not None and num_gpus > 1:
         with counter.get_lock():
             index = counter.value
             counter.value += 1
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(index % num_gpus)  # before CUDA initializes
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(num_gpus)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[index % len(ids)]  # before CUDA initializes
     import torch
 
     torch.set_num_threads(threads)
+
+
+def gpus_to_spread_over(specs: list[RunSpec]) -> int:
+    """How many GPUs the worker processes of a parallel grid are spread over (0: leave
+    CUDA_VISIBLE_DEVICES alone).
+
+    Only runs on an unpinned device ('auto' or 'cuda') are spread: each worker then sees one
+    GPU as cuda:0. A grid pinned to 'cuda:1' keeps every worker on that GPU, and a CPU grid
+    has nothing to spread.
+    """
+    import torch
+
+    unpinned = all(s.config.device in ("auto", "cuda") for s in specs)
+    if not specs or not unpinned or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
 
 
 def default_jobs(specs: list[RunSpec]) -> int:
@@ -228,10 +257,9 @@ def run_grid(
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
-        import torch
-
         ctx = mp.get_context("spawn")  # fork + OpenMP (or CUDA) can deadlock
-        num_gpus = torch.cuda.device_count() if default_jobs(todo) == 1 else 0
+        # worker i (in start order) gets GPU i % num_gpus: with --jobs 4 on 2 GPUs, two runs each
+        num_gpus = gpus_to_spread_over(todo)
         pool = ProcessPoolExecutor(
             max_workers=min(jobs, len(todo)),
             mp_context=ctx,
@@ -277,10 +305,12 @@ def metric_value(record: dict[str, Any], metric: str, higher_is_better: bool) ->
 
 
 def select_best(records: list[dict[str, Any]], preset: Preset) -> list[dict[str, Any]]:
-    """Per (variant, cell, width): the learning rate whose seed-aggregate metric is best.
+    """Per (variant, cell, width): the learning rate (and, when the preset sweeps it, weight
+    decay) whose seed-aggregate metric is best.
 
-    Returns one row per cell with the best lr, the aggregate of the headline metric over seeds
-    (mean or max as the preset says), its spread, and every table metric at that lr.
+    Returns one row per cell with the best lr (``best_wd``: the best weight decay, or None),
+    the aggregate of the headline metric over seeds (mean or max as the preset says), its
+    spread, and every table metric at those hyperparameters.
     """
     metric, higher = preset.metric, preset.higher_is_better
 
@@ -289,25 +319,29 @@ def select_best(records: list[dict[str, Any]], preset: Preset) -> list[dict[str,
             return max(values) if higher else min(values)
         return statistics.fmean(values)  # inf/-inf (a failed seed) makes the mean worst
 
-    groups: dict[tuple, dict[float, list[dict[str, Any]]]] = {}
+    # (variant, cell, width) -> (lr, weight decay) -> the seeds' records; the weight decay is
+    # None for grids that do not sweep it (and for records written before it was recorded)
+    groups: dict[tuple, dict[tuple[float, float | None], list[dict[str, Any]]]] = {}
     for r in records:
-        groups.setdefault((r["variant"], r["cell"], r["width"]), {}).setdefault(r["lr"], []).append(
-            r
-        )
+        wd = r.get("weight_decay", r.get("config", {}).get("weight_decay"))
+        hparams = (r["lr"], wd if preset.weight_decays else None)
+        cell_key = (r["variant"], r["cell"], r["width"])
+        groups.setdefault(cell_key, {}).setdefault(hparams, []).append(r)
     rows = []
-    for (variant, cell, width), by_lr in groups.items():
+    for (variant, cell, width), by_hparams in groups.items():
         scored = {}
-        for lr, runs in by_lr.items():
+        for hparams, runs in by_hparams.items():
             values = [metric_value(r, metric, higher) for r in runs]
-            scored[lr] = agg(values)
-        best_lr = (max if higher else min)(scored, key=lambda lr: scored[lr])
-        runs = by_lr[best_lr]
+            scored[hparams] = agg(values)
+        best = (max if higher else min)(scored, key=lambda h: scored[h])
+        runs = by_hparams[best]
         row: dict[str, Any] = {
             "variant": variant,
             "cell": cell,
             "width": width,
-            "best_lr": best_lr,
-            "value": scored[best_lr],
+            "best_lr": best[0],
+            "best_wd": best[1],
+            "value": scored[best],
             "n_seeds": len(runs),
             "status": ",".join(sorted({r["status"] for r in runs})),
             "num_params": runs[0].get("num_params"),
@@ -397,7 +431,8 @@ def compare(
         model = {k: v for k, v in cfg.model.items() if k not in skip}
         details.append(
             f"shared model args {json.dumps(model)}; batch {cfg.batch_size}, warmup "
-            f"{cfg.resolved_warmup_steps}, weight decay {cfg.weight_decay}, "
+            f"{cfg.resolved_warmup_steps}, weight decay "
+            f"{preset.weight_decays if preset.weight_decays else cfg.weight_decay}, "
             f"grad clip {cfg.grad_clip}"
         )
     run_seconds = sum(r.get("seconds", 0.0) for r in records)

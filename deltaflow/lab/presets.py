@@ -20,6 +20,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "deltanet": {"rule": "delta"},
     "deltanet_neg": {"rule": "delta", "negative_eigenvalues": True},  # eigenvalues in (-1, 1]
     "gated_deltanet": {"rule": "delta", "use_decay": True},
+    "gated_deltanet_neg": {"rule": "delta", "use_decay": True, "negative_eigenvalues": True},
     "efla": {"rule": "efla"},
     "gated_efla": {"rule": "efla", "use_decay": True},
     "longhorn": {"rule": "longhorn"},
@@ -43,6 +44,12 @@ class Preset:
     variants: list[str]
     lrs: list[float]
     seeds: list[int] = field(default_factory=lambda: [0])
+    # variant -> seeds it runs instead of `seeds` (e.g. two seeds only for the variants whose
+    # order a claim is about); `--seeds N` on the command line replaces this map too
+    seeds_per_variant: dict[str, list[int]] = field(default_factory=dict)
+    # AdamW weight decays to sweep; None: the base config's one value, not swept. When set,
+    # the best (lr, weight decay) pair per cell is kept, as MAD does
+    weight_decays: list[float] | None = None
     widths: list[int] | None = None  # model.hidden_size values; None: base model only
     metric: str = "accuracy"  # headline metric, used to pick the best learning rate
     higher_is_better: bool = True
@@ -53,6 +60,9 @@ class Preset:
     # seed spread on every seed (seeds pair up: same seed, same data and initialisation stream);
     # a cell's own "contrast" takes precedence
     contrast: tuple[str, str] | None = None
+
+    def variant_seeds(self, variant: str) -> list[int]:
+        return self.seeds_per_variant.get(variant, self.seeds)
 
     def variant_model(self, variant: str) -> dict[str, Any]:
         if variant not in VARIANTS:
@@ -120,65 +130,145 @@ QUICK = Preset(
     ),
 )
 
+# The state-tracking table of arXiv 2411.12537 (Grazzi et al.) and the rules it bears on. The
+# eigenvalue along k decides parity: DeltaNet's mu = 1 - beta is in [0, 1] (cannot flip a
+# sign), doubled it is in (-1, 1] (can). EFLA's mu = exp(-beta |k|^2) is in (0, 1]: like
+# DeltaNet [0, 1] it should fail. Trapezoid's mu = (1 - h/2) / (1 + h/2) with h = beta |k|^2
+# goes negative once h > 2, which a sigmoid beta reaches through the (unnormalised) key norm.
+# `trapezoid_softplus` (unbounded beta) is left out of the table: the claim is about whether
+# negative eigenvalues are reachable at all, which `trapezoid` already tests, and a sixth
+# variant costs a sixth more GPU time; run it with --variants trapezoid_softplus to compare
+# with the earlier GPU data point (results/gpu_h200/state_tracking).
 STATE_TRACKING = Preset(
     name="state_tracking",
     description=(
-        "State tracking (arXiv 2411.12537): parity and modular arithmetic (mod 5, with and "
-        "without brackets), train lengths 3-40, test 40-256, scaled accuracy averaged over "
-        "test lengths 40/64/128/256, best of 3 seeds. DeltaNet with eigenvalues in [0, 1] vs "
-        "(-1, 1], and trapezoid with unbounded (softplus) beta."
+        "State tracking (arXiv 2411.12537): parity, modular arithmetic mod 5 without brackets "
+        "(ops + - *) and with brackets (ops + -), train lengths 3-40, test lengths 40-256 "
+        "(scaled accuracy (acc - chance)/(1 - chance) averaged over 40/64/128/256), 2-layer "
+        "width-128 models with 4 heads, best of 3 seeds at the best learning rate. DeltaNet "
+        "with eigenvalues in [0, 1] vs (-1, 1], Gated DeltaNet (-1, 1], EFLA, trapezoid."
     ),
     base={
-        "steps": 2000,
+        "steps": 2000,  # 2000 x 128 sequences of 3-40 tokens; the paper trains longer
         "batch_size": 128,
         "log_every": 25,
         "eval_kwargs": {"num_examples": 512, "batch_size": 128},
-        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 2},
+        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4},
     },
     cells={
         "parity": {"task": "parity"},
-        "mod_arith": {"task": "mod_arith"},
-        "mod_arith_brackets": {"task": "mod_arith_brackets"},
+        "mod_arith": {"task": "mod_arith", "task_kwargs": {"modulus": 5, "ops": "+-*"}},
+        "mod_arith_brackets": {
+            "task": "mod_arith_brackets",
+            "task_kwargs": {"modulus": 5, "mult": False},
+        },
     },
-    variants=["deltanet", "deltanet_neg", "trapezoid_softplus"],
-    lrs=[1e-3, 3e-3],
+    variants=["deltanet", "deltanet_neg", "gated_deltanet_neg", "efla", "trapezoid"],
+    lrs=[3e-4, 1e-3, 3e-3],
     seeds=[0, 1, 2],
     metric="scaled_accuracy",
     seed_aggregate="max",
+    contrast=("deltanet_neg", "deltanet"),
     expect=(
-        "paper (best of 3): parity 0.017 -> 1.000 and mod arith 0.314 -> 0.971 when "
-        "eigenvalues may be negative; brackets 0.194 -> 0.260."
+        "paper (best of 3): parity DeltaNet [0,1] 0.017 vs [-1,1] 1.000; mod arith 0.314 vs "
+        "0.971; with brackets 0.194 vs 0.260. EFLA (eigenvalues in (0, 1]) should fail parity "
+        "like DeltaNet [0,1]; Gated DeltaNet [-1,1] and trapezoid can reach negative "
+        "eigenvalues and should not."
     ),
 )
 
+# Zoology's MQAR (Arora et al. 2023, Figure 2 settings): sequence 512, 64 key-value pairs,
+# vocab 8192, 2 layers, widths 64-256, a learning-rate sweep and a fixed training set of
+# 100,000 examples. deltaflow's generator lays out an example as Zoology's does (keys from
+# [1, V/2), values from [V/2, V), the pairs first, each key queried once at a power-law gap,
+# a=0.01, random filler tokens). Differences: every layer has a SwiGLU MLP after the mixer
+# (Zoology's Figure 2 models have none), and training is 2000 steps of 64 (1.3 epochs), not
+# 64 epochs of batch 128 (50,000 steps).
 MQAR_512 = Preset(
     name="mqar_512",
     description=(
-        "MQAR at sequence length 512 with 64 key-value pairs (Zoology, vocab 8192), 2-layer "
-        "models across widths; accuracy at the best learning rate per cell."
+        "MQAR at sequence length 512 with 64 key-value pairs (Zoology, vocab 8192, 100,000 "
+        "training examples), 2-layer models at widths 64/128/256, every recurrence rule and "
+        "a Transformer; accuracy at the best learning rate per (model, width)."
     ),
     base={
-        "steps": 1000,
+        "steps": 2000,
         "batch_size": 64,
         "log_every": 25,
         "eval_kwargs": {"num_examples": 1024, "batch_size": 128},
         "model": {"num_layers": 2, "num_heads": 2},
     },
-    cells={"mqar_512x64": _mqar(512, 64, 8192)},
+    cells={"mqar_512x64": _mqar(512, 64, 8192, num_train_examples=100_000)},
     variants=[
+        "linear",
         "deltanet",
+        "gated_deltanet",
         "efla",
         "longhorn",
         "kaczmarz",
         "relaxed_kaczmarz",
         "trapezoid",
-        "linear",
         "transformer",
     ],
     widths=[64, 128, 256],
-    lrs=[1e-3, 3e-3],
+    lrs=[1e-3, 3e-3, 1e-2],
     metric="accuracy",
-    expect="DeltaNet solves (512, 64) at width >= 128 (DeltaNet paper); linear attention fails.",
+    contrast=("deltanet", "linear"),
+    expect=(
+        "DeltaNet solves (512, 64) (accuracy >= 0.99) at a width where linear attention "
+        "fails (DeltaNet paper, Zoology); the Transformer solves it at every width."
+    ),
+)
+
+
+def _mad(task: str) -> dict[str, Any]:
+    """A MAD cell: the task's own defaults are MAD's baseline setting (deltaflow.tasks.mad)."""
+    return {"task": task, "task_kwargs": {}}
+
+
+# MAD (Poli et al. 2024, the mad-lab benchmark): six tasks, each with a finite training set of
+# 12,800 examples (memorize: 256) and 1,280 test examples, 2-block models of width 128, AdamW
+# over lr {1e-4, 5e-4, 1e-3} x weight decay {0, 0.1}, the best test accuracy per task. MAD
+# trains 200 epochs of batch 128 (20,000 steps); this preset trains 2000 steps (20 epochs),
+# `--scale 10` for MAD's budget. The DeltaNet paper's MAD numbers (DESIGN.md section 6) are
+# MAD scores: the mean over each task's baseline and its harder variants (longer sequences,
+# larger vocabularies, fewer examples); this preset runs the baseline setting only.
+MAD = Preset(
+    name="mad",
+    description=(
+        "The six MAD tasks (in-context recall, fuzzy recall, noisy recall, selective copy, "
+        "compress, memorize) at MAD's baseline settings: 12,800 training examples (memorize "
+        "256), 1,280 test examples, 2-layer width-128 models, best test accuracy over "
+        "lr x weight decay per task."
+    ),
+    base={
+        "steps": 2000,  # 20 epochs of 12,800 at batch 128; MAD trains 200 (--scale 10)
+        "batch_size": 128,
+        "log_every": 25,
+        "min_lr_ratio": 0.01,  # MAD: cosine to 1e-6
+        "eval_kwargs": {"num_examples": 1280, "batch_size": 256},
+        "model": {"hidden_size": 128, "num_layers": 2, "num_heads": 4},
+    },
+    cells={
+        name: _mad(name)
+        for name in (
+            "in_context_recall",
+            "fuzzy_recall",
+            "noisy_recall",
+            "selective_copy",
+            "compress",
+            "memorize",
+        )
+    },
+    variants=["deltanet", "gated_deltanet", "efla", "relaxed_kaczmarz", "transformer"],
+    lrs=[1e-4, 5e-4, 1e-3],
+    weight_decays=[0.0, 0.1],
+    metric="accuracy",
+    expect=(
+        "DeltaNet paper (MAD scores, x100): DeltaNet in-context recall 100, fuzzy recall "
+        "35.7, noisy recall 100, selective copy 100, compress 42.2, memorize 52.8 (avg 71.8); "
+        "Transformer avg 74.5."
+    ),
 )
 
 LM_CORPUS = Preset(
@@ -231,7 +321,51 @@ LM_CORPUS = Preset(
     ),
 )
 
-PRESETS: dict[str, Preset] = {p.name: p for p in (QUICK, STATE_TRACKING, MQAR_512, LM_CORPUS)}
+# The language-modelling claims of the seeds, at >= 50M tokens per variant: EFLA ahead of
+# DeltaNet (EFLA paper), and Kaczmarz behind Longhorn behind relaxed Kaczmarz ~ Gated DeltaNet
+# (relaxed-Kaczmarz blog). Those six variants run two seeds; 3052 steps x 32 sequences x 512
+# tokens = 50,003,968 tokens per run.
+_LM_ORDERED = ["deltanet", "efla", "gated_deltanet", "longhorn", "kaczmarz", "relaxed_kaczmarz"]
+LM_CORPUS_50M = Preset(
+    name="lm_corpus_50m",
+    description=(
+        "Language modelling on the offline corpus, GPT-2 BPE, ~31M-parameter models (width "
+        "384, 6 layers), 50M tokens per run (3052 steps x 32 x 512); validation perplexity "
+        "at 1x and 2x the training length (512, 1024); two seeds for the variants whose "
+        "order the claims are about."
+    ),
+    base={
+        "steps": 3052,
+        "batch_size": 32,
+        "log_every": 25,
+        "weight_decay": 0.1,
+        "eval_kwargs": {"num_examples": 256, "batch_size": 16},
+        "eval_lengths": [512, 1024],
+        "model": {"hidden_size": 384, "num_layers": 6, "num_heads": 6},
+    },
+    cells=copy.deepcopy(LM_CORPUS.cells),
+    variants=[
+        *_LM_ORDERED,
+        "gated_efla",
+        "relaxed_kaczmarz_noqnorm",
+        "transformer",
+    ],
+    lrs=[1.5e-3],
+    seeds=[0],
+    seeds_per_variant={v: [0, 1] for v in _LM_ORDERED},
+    metric="ppl",
+    higher_is_better=False,
+    expect=(
+        "compare ranks, not values (DESIGN.md section 6): EFLA below DeltaNet, gated EFLA "
+        "below Gated DeltaNet; Kaczmarz > Longhorn > relaxed Kaczmarz ~ Gated DeltaNet; "
+        "relaxed Kaczmarz with q-norm <= without; recurrent models hold perplexity at 2x "
+        "length, the Transformer (RoPE) degrades."
+    ),
+)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p for p in (QUICK, STATE_TRACKING, MQAR_512, MAD, LM_CORPUS, LM_CORPUS_50M)
+}
 
 
 def get_preset(name: str) -> Preset:

@@ -38,7 +38,9 @@ def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
     """Variants as rows, (cell x width x metric) as columns: the headline value at the best lr."""
     index = {(r["variant"], r["cell"], r["width"]): r for r in rows}
     cols = columns(rows, preset)
-    header = ["model"] + [column_label(c, preset) for c in cols] + ["params", "best lr"]
+    sweeps_wd = bool(preset.weight_decays)
+    best = "best lr, wd" if sweeps_wd else "best lr"
+    header = ["model"] + [column_label(c, preset) for c in cols] + ["params", best]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for variant in preset.variants:
         cells, lrs, params = [], [], None
@@ -51,7 +53,10 @@ def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
                 cells.append(_fmt(row["value"], row["std"]))
             else:
                 cells.append(_fmt(row["metrics"].get(metric)))
-            lrs.append(f"{row['best_lr']:g}")
+            hparams = f"{row['best_lr']:g}"
+            if sweeps_wd and row.get("best_wd") is not None:
+                hparams += f", {row['best_wd']:g}"
+            lrs.append(hparams)
             params = row["num_params"] if params is None else params
         if all(c == "-" for c in cells):
             continue
@@ -107,10 +112,15 @@ def markdown_report(
     details: list[str] | None = None,
     note: str | None = None,
 ) -> str:
-    seeds = len(preset.seeds)
+    # seed counts over the variants (a preset may give a few variants more seeds)
+    counts = sorted({len(preset.variant_seeds(v)) for v in preset.variants}) or [1]
     agg = "best of" if preset.seed_aggregate == "max" else "mean ± std over"
-    if seeds == 1:
-        agg = "one seed"
+    if counts == [1]:
+        seed_text = "one seed"
+    elif len(counts) == 1:
+        seed_text = f"{agg} {counts[0]} seeds"
+    else:
+        seed_text = f"{agg} {counts[0]}-{counts[-1]} seeds (per variant)"
     direction = "higher" if preset.higher_is_better else "lower"
     lines = [
         f"# deltaflow compare: `{preset.name}`",
@@ -119,8 +129,14 @@ def markdown_report(
         preset.description,
         "",
         f"Metric: **{preset.metric}** ({direction} is better) on the validation set at the best "
-        f"learning rate of {[f'{lr:g}' for lr in preset.lrs]} per cell, "
-        f"{agg if seeds == 1 else f'{agg} {seeds} seeds'}. "
+        f"learning rate of {[f'{lr:g}' for lr in preset.lrs]}"
+        + (
+            f" x weight decay of {[f'{wd:g}' for wd in preset.weight_decays]}"
+            if preset.weight_decays
+            else ""
+        )
+        + " per cell, "
+        f"{seed_text}. "
         f"{steps} training steps per run; device {device}.",
         "",
         results_table(rows, preset),

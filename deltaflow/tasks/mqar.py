@@ -13,7 +13,9 @@ Layout of one example (seq_len T, P key-value pairs, vocab V):
 - every other query-region token is a random token from the whole vocabulary
   (`random_non_queries=True`);
 - the model must output the bound value at the query key's position; only those positions
-  are scored (labels -100 elsewhere).
+  are scored (labels -100 elsewhere);
+- ``num_train_examples=N``: a fixed training set of N examples, as Zoology's (100,000);
+  default None, a fresh example every step.
 
 Re-binding (``bindings_per_key = R > 1``, not in Zoology): the context holds R rounds of the P
 pairs, each round the P keys in a fresh random order bound to fresh values (all P*R values of
@@ -46,9 +48,15 @@ class MQAR(Task):
         random_non_queries: bool = True,
         bindings_per_key: int = 1,
         score_rebinds: bool = True,
+        num_train_examples: int | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__(seed)
+        # None: a fresh example every training step. A number: a fixed training set of that
+        # many examples (Zoology trains on 100,000), drawn once from the seed; batches sample it
+        if num_train_examples is not None:
+            check_int("num_train_examples", num_train_examples, 1)
+        self.num_train_examples = num_train_examples
         self.seq_len = check_int("seq_len", seq_len, 4)
         if seq_len % 2:
             raise ValueError(f"seq_len must be even (key-value pairs are 2 tokens), got {seq_len}")
