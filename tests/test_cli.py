@@ -117,6 +117,12 @@ def test_generate_from_a_byte_level_lm(tmp_path, capsys):
     assert main([*argv, "--device", "cpu", "--num-samples", "2"]) == 0
     text = capsys.readouterr().out
     assert text.count("--- sample") == 2 and text.count("the quick") == 2
+    # greedy through the static decode step (the CUDA path, run eagerly) prints the same text
+    greedy = [*argv, "--device", "cpu", "--temperature", "0"]
+    assert main(greedy) == 0
+    default_text = capsys.readouterr().out
+    assert main([*greedy, "--decode-mode", "eager"]) == 0
+    assert capsys.readouterr().out == default_text
     # greedy decoding through the cache equals greedy decoding by full forwards
     import torch
 
