@@ -14,9 +14,9 @@ replayed per token:
 Modes: ``eager`` runs the same static step op by op (CPU, and the reference for the graph);
 ``graph`` captures it in a CUDA graph; ``compile`` first compiles the model step with
 ``torch.compile`` (fusing the elementwise work) and captures that. ``generate`` of
-:class:`~deltaflow.models.DeltaFlowForCausalLM` picks ``compile`` on CUDA (``graph`` if the
-compiler fails) when the request is plain greedy or sampling (temperature, top-k, top-p), and
-transformers' loop otherwise.
+:class:`~deltaflow.models.DeltaFlowForCausalLM` picks ``compile`` on CUDA (then ``graph``,
+then transformers' loop, if compilation or capture fails) when the request is plain greedy or
+sampling (temperature, top-k, top-p), and transformers' loop otherwise.
 
 Measured on an H100 (360M Gated DeltaNet, bf16, batch 1, benchmarks/results/generation_*):
 compile 1.70-1.80 ms/token, graph 4.9-5.0, op by op (eager or transformers' loop) 51-83,
@@ -372,19 +372,20 @@ def static_generate(
         return decoder.generate(input_ids, max_new_tokens, attention_mask=attention_mask)
     # Default: the compiled step, 2.8x faster per token than the plain graph on an H100
     # (benchmarks/results/generation_*), at the price of a first call that compiles (~10-50 s,
-    # cached on disk by Inductor). Where compilation fails, the plain graph takes over.
-    try:
-        decoder = get_decoder(model, B, columns, sampling, "compile")
-        return decoder.generate(input_ids, max_new_tokens, attention_mask=attention_mask)
-    except Exception as err:  # noqa: BLE001 - any compiler failure: fall back, say why
-        warnings.warn(
-            f"deltaflow generate: the compiled decode step failed ({type(err).__name__}: "
-            f"{err}); using the uncompiled CUDA graph",
-            stacklevel=3,
-        )
-        model.__dict__["_static_decoder"] = None
-        decoder = get_decoder(model, B, columns, sampling, "graph")
-        return decoder.generate(input_ids, max_new_tokens, attention_mask=attention_mask)
+    # cached on disk by Inductor). Where compilation or capture fails, the next path takes over:
+    # the plain graph, then transformers' loop (None).
+    for fallback in ("compile", "graph"):
+        try:
+            decoder = get_decoder(model, B, columns, sampling, fallback)
+            return decoder.generate(input_ids, max_new_tokens, attention_mask=attention_mask)
+        except Exception as err:  # noqa: BLE001 - any compiler/capture failure: say why, go on
+            model.__dict__["_static_decoder"] = None
+            warnings.warn(
+                f"deltaflow generate: decode mode {fallback!r} failed ({type(err).__name__}: "
+                f"{str(err)[:300]}); trying the next one",
+                stacklevel=3,
+            )
+    return None
 
 
 def get_decoder(

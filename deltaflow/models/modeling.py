@@ -494,8 +494,9 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         ``decode_mode``: None (default) replays a captured one-token step on CUDA
         (:mod:`deltaflow.models.generation`) for greedy and sampling with temperature / top-k /
         top-p, EOS stopping and left-padded batches: the step compiled with torch.compile
-        (first call compiles; ``graph`` if that fails), and uses transformers' loop otherwise
-        (beam search, logits processors, streamers, ``return_dict_in_generate``, CPU, ...).
+        (first call compiles; on a compile or capture failure ``graph``, then transformers'
+        loop); transformers' loop otherwise (beam search, logits processors, streamers,
+        ``return_dict_in_generate``, CPU, ...).
         ``'compile'``, ``'graph'`` (captured without compiling: no compile time, ~3x slower
         per token) or ``'eager'`` (the static step op by op, also on CPU) force the static
         decoder and raise on an unsupported setting; ``'transformers'`` forces transformers'
