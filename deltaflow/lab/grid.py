@@ -304,9 +304,6 @@ def run_grid(
             os.replace(runs_root, out / "runs.prev")
     done = load_runs(log_path)
     todo = [s for s in specs if done.get(s.run_id, {}).get("status") not in FINISHED]
-    if not keep_run_dirs:  # left by a grid killed between writing a record and the clean-up
-        for run_id in {s.run_id for s in specs} - {s.run_id for s in todo}:
-            shutil.rmtree(runs_root / run_dir_name(run_id), ignore_errors=True)
     run = functools.partial(
         run_one,
         runs_root=runs_root,
