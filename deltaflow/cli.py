@@ -357,7 +357,9 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         help="run a grid of rules x tasks x widths x lrs x seeds; tables and plots",
         description="Run a preset grid, keep the best learning rate per cell, write "
         "results.md, summary.json, runs.jsonl and PNG plots. Every invocation trains from "
-        "scratch (an old runs.jsonl is kept as runs.prev.jsonl) unless --resume is given.",
+        "scratch (an old runs.jsonl is kept as runs.prev.jsonl, old run directories as "
+        "runs.prev/) unless --resume is given. Runs checkpoint as they train, so --resume "
+        "also continues runs cut off by a kill or by --time-limit.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--preset", default="quick", choices=sorted(PRESETS))
@@ -369,8 +371,31 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="keep the finished runs already in <out>/runs.jsonl and train only the rest "
-        "(continue an interrupted grid); without it every run is trained again",
+        help="keep the finished runs already in <out>/runs.jsonl and train only the rest, "
+        "continuing unfinished runs from their checkpoints in <out>/runs/ (continue an "
+        "interrupted grid); without it every run is trained again from scratch",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="MINUTES",
+        help="wall-time budget of this command: when it is nearly used (10%% kept in reserve, "
+        "10-60 s) training stops with a checkpoint, the table holds the finished runs and the "
+        "command exits 0; re-run it with --resume to continue (e.g. 9 for a 10-minute limit)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=float,
+        default=2.0,
+        metavar="MINUTES",
+        help="wall time between a run's checkpoints, so a killed command loses at most that "
+        "much of each run in flight (0: checkpoint only when a run stops or ends)",
+    )
+    p.add_argument(
+        "--keep-run-dirs",
+        action="store_true",
+        help="keep finished runs' directories in <out>/runs/ (final checkpoint, logs); by "
+        "default they are deleted once the run's record is in runs.jsonl",
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--steps", type=int, help="training steps per run (overrides the preset)")
@@ -483,6 +508,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise ValueError(f"--lrs: learning rates must be > 0, got {args.lrs}")
     if args.wds:
         preset.weight_decays = _csv(args.wds, float, flag="--wds", low=0.0)
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be > 0 minutes, got {args.time_limit:g}")
+    if not args.checkpoint_every >= 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 minutes, got {args.checkpoint_every:g}")
     if args.seeds is not None:
         if args.seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {args.seeds}")
@@ -524,6 +553,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         threads=args.threads,
         note=args.note,
         resume=args.resume,
+        time_limit_minutes=args.time_limit,
+        checkpoint_minutes=args.checkpoint_every or None,  # 0: no periodic checkpoints
+        keep_run_dirs=args.keep_run_dirs,
     )
     seeds = max(len(preset.variant_seeds(v)) for v in preset.variants)
     agg = "" if seeds == 1 else f", {preset.seed_aggregate} over up to {seeds} seeds"

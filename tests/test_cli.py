@@ -273,9 +273,12 @@ def test_compare_cli_passes_every_knob_through(monkeypatch, tmp_path, capsys):
     argv = ["compare", "--preset", "mqar_512", "--out", str(tmp_path), "--jobs", "3"]
     argv += ["--threads", "2", "--note", "CPU-scale", "--widths", "16,32", "--lrs", "1e-2"]
     argv += ["--set", "model.num_layers=1", "--batch-size", "8", "--steps", "9", "--seeds", "2"]
+    argv += ["--time-limit", "9", "--checkpoint-every", "0", "--keep-run-dirs"]
     assert main([*argv, "--device", "cpu", "--variants", "linear"]) == 0
     assert "| table |" in capsys.readouterr().out
     assert seen["jobs"] == 3 and seen["threads"] == 2 and seen["note"] == "CPU-scale"
+    assert seen["time_limit_minutes"] == 9 and seen["checkpoint_minutes"] is None
+    assert seen["keep_run_dirs"] and not seen["resume"]
     assert seen["overrides"] == {"model": {"num_layers": 1}, "batch_size": 8}
     assert seen["steps"] == 9 and seen["device"] == "cpu" and seen["out"] == tmp_path
     preset = seen["preset"]

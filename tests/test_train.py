@@ -244,6 +244,39 @@ def test_killed_and_resumed_run_equals_straight_run(tmp_path):
         Trainer(cfg.replace(model={"dim": 3}), model=make()[0], task=task)
 
 
+def test_deadline_stops_at_a_log_step_with_a_checkpoint_and_resumes_exactly(tmp_path):
+    """A passed deadline stops the run at the next log step (checkpoint written, no final eval,
+    no final.json); each new trainer goes one log window further; the pieces equal one run."""
+    straight = Trainer(toy_config(steps=10, out_dir=str(tmp_path / "straight")), **_toy())
+    straight.train()
+    cfg = toy_config(steps=10, out_dir=str(tmp_path / "cut"))
+    stops = []
+    for i in range(3):  # deadline already passed: 2 steps per trainer (log_every=2)
+        trainer = Trainer(cfg, deadline=0.0, **_toy(seed=7 if i else 0))  # 7: overwritten
+        summary = trainer.train()
+        stops.append((summary["step"], summary["finished"], latest_checkpoint(cfg.out_dir).name))
+    assert stops == [(n, False, f"step_{n:07d}") for n in (2, 4, 6)]
+    assert not (tmp_path / "cut" / "final.json").exists()
+    resumed = Trainer(cfg, checkpoint_seconds=1e-9, **_toy(seed=7))  # checkpoint at every log
+    summary = resumed.train()
+    assert summary["finished"] and summary["seconds"] > resumed.seconds_before > 0
+    for k, v in weights(straight.raw_model).items():
+        assert torch.equal(resumed.raw_model.state_dict()[k], v), k
+    curve = [(r["step"], r["loss"]) for r in resumed.logger.of_kind("train")]
+    assert curve == [(r["step"], r["loss"]) for r in straight.logger.of_kind("train")]
+    evals = [(r["step"], r["accuracy"]) for r in resumed.logger.of_kind("eval")]
+    assert evals == [(r["step"], r["accuracy"]) for r in straight.logger.of_kind("eval")]
+    stop_events = [r for r in read_log(cfg.out_dir) if r.get("event") == "stop"]
+    assert [r["step"] for r in stop_events] == [2, 4, 6]
+    with pytest.raises(ValueError, match="checkpoint_seconds"):
+        Trainer(cfg, checkpoint_seconds=0, **_toy())
+
+
+def _toy(seed: int = 0) -> dict:
+    model, task = make(seed)
+    return {"model": model, "task": task}
+
+
 def test_grad_accumulation_matches_full_batch():
     a, task = make()
     Trainer(toy_config(steps=4, grad_accum=1), model=a, task=task).train()

@@ -6,17 +6,28 @@ to ``runs.prev.jsonl``, so what is printed was computed by this invocation. With
 ``resume=True`` (``deltaflow compare --resume``) runs already in ``runs.jsonl`` are skipped, so
 a long grid that was interrupted continues where it stopped; changing a run's config changes
 its id, so stale results are never reused.
+
+Each run trains in its own directory ``<out>/runs/<run id>/`` (logs and checkpoints, every
+``checkpoint_minutes`` of wall time and when it stops). A run cut off, by a kill or by the
+grid's ``deadline`` (``deltaflow compare --time-limit``), continues from its latest checkpoint
+under ``resume=True`` and ends as the uninterrupted run would have (same weights on CPU, same
+loss and eval curves: the trainer's log in the run directory covers the whole run). Only
+finished runs are written to ``runs.jsonl``; their directories are then deleted (unless
+``keep_run_dirs``). Without ``resume``, an old ``runs/`` folder is moved to ``runs.prev/``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import itertools
 import json
 import math
 import os
+import re
+import shutil
 import statistics
 import time
 import traceback
@@ -136,8 +147,30 @@ def load_runs(path: Path) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
-    """Train one grid point; failures (divergence, errors) become records, not exceptions."""
+def run_dir_name(run_id: str) -> str:
+    """A run id as a directory name (ids are already tame; this guards odd cell names)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+
+
+# statuses of runs that are done: kept in runs.jsonl, skipped by resume, run directory deleted
+FINISHED = ("ok", "diverged")
+
+
+def run_one(
+    spec: RunSpec,
+    *,
+    progress: bool = False,
+    runs_root: Path | None = None,
+    deadline: float | None = None,
+    checkpoint_seconds: float | None = None,
+) -> dict[str, Any]:
+    """Train one grid point; failures (divergence, errors) become records, not exceptions.
+
+    With ``runs_root`` the run trains in ``runs_root/<run id>`` and continues from a checkpoint
+    found there. ``deadline`` (a ``time.time()`` value): stop with a checkpoint at the first log
+    step past it, or do not start at all once it has passed; the record's status is then
+    "partial" (to be continued by a later, resumed grid).
+    """
     cfg = spec.config.replace(progress=progress)
     start = time.perf_counter()
     record: dict[str, Any] = {
@@ -150,10 +183,19 @@ def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         "seed": spec.seed,
         "config": cfg.to_dict(),
     }
+    if deadline is not None and time.time() >= deadline:  # queued past the time limit
+        return {**record, "status": "partial", "step": None, "seconds": 0.0}
+    # the run directory goes into the trainer's config only: record and run id stay as before
+    run_cfg = cfg
+    if runs_root is not None:
+        run_cfg = cfg.replace(out_dir=str(runs_root / run_dir_name(spec.run_id)), resume=True)
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(run_cfg, deadline=deadline, checkpoint_seconds=checkpoint_seconds)
         summary = trainer.train()
+        if not summary["finished"]:
+            stopped = {"status": "partial", "step": summary["step"], "seconds": summary["seconds"]}
+            return {**record, **stopped}
         record.update(status="ok", eval=summary["eval"], train_loss=summary["train_loss"])
         record["num_params"] = summary["num_params"]
     except DivergenceError as err:
@@ -162,6 +204,7 @@ def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         record.update(status="error", error=f"{type(err).__name__}: {err}", eval={})
         record["traceback"] = traceback.format_exc(limit=8)
     if trainer is not None:
+        # after a resume the logger holds the whole run (it reads back the run's log.jsonl)
         record["curve"] = [[r["step"], r["loss"]] for r in trainer.logger.of_kind("train")]
         record["eval_curve"] = [
             {k: v for k, v in r.items() if k != "kind"} for r in trainer.logger.of_kind("eval")
@@ -170,7 +213,8 @@ def run_one(spec: RunSpec, *, progress: bool = False) -> dict[str, Any]:
         record["tokens_per_s"] = statistics.median(
             [r["tokens_per_s"] for r in trainer.logger.of_kind("train")] or [0.0]
         )
-    record["seconds"] = time.perf_counter() - start
+    # over every invocation that trained this run (up to the checkpoints it resumed from)
+    record["seconds"] = trainer.seconds() if trainer is not None else time.perf_counter() - start
     return record
 
 
@@ -231,21 +275,41 @@ def run_grid(
     jobs: int = 1,
     threads: int | None = None,
     resume: bool = False,
+    deadline: float | None = None,
+    checkpoint_minutes: float | None = 2.0,
+    keep_run_dirs: bool = False,
 ) -> list[dict[str, Any]]:
-    """Train every spec (with ``resume``: every spec not already in ``out_dir/runs.jsonl``);
-    returns the records of ``specs``.
+    """Train every spec (with ``resume``: every spec not already in ``out_dir/runs.jsonl``,
+    continuing unfinished ones from their checkpoints); returns the records of ``specs``.
 
     ``jobs > 1`` trains that many runs at once in worker processes (``threads`` torch threads
     each, default 1; on a multi-GPU host the workers are spread over the GPUs); results do
-    not depend on ``jobs``.
+    not depend on ``jobs``. ``deadline`` (a ``time.time()`` value): runs stop, checkpointed,
+    at their first log step past it and queued runs do not start; their records (status
+    "partial") are returned but not written to runs.jsonl. ``checkpoint_minutes``: wall time
+    between a run's checkpoints (None: only when it stops or finishes). ``keep_run_dirs``:
+    keep finished runs' directories (final checkpoint, logs) instead of deleting them.
     """
+    if checkpoint_minutes is not None and not checkpoint_minutes > 0:
+        raise ValueError(f"checkpoint_minutes must be > 0 (or None), got {checkpoint_minutes}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "runs.jsonl"
-    if not resume and log_path.exists():  # start over, but never destroy finished runs
-        os.replace(log_path, out / "runs.prev.jsonl")
+    runs_root = out / "runs"
+    if not resume:  # start over, but never destroy finished runs
+        if log_path.exists():
+            os.replace(log_path, out / "runs.prev.jsonl")
+        if runs_root.exists():  # unfinished runs of an earlier grid must not be continued
+            shutil.rmtree(out / "runs.prev", ignore_errors=True)
+            os.replace(runs_root, out / "runs.prev")
     done = load_runs(log_path)
-    todo = [s for s in specs if done.get(s.run_id, {}).get("status") in (None, "error")]
+    todo = [s for s in specs if done.get(s.run_id, {}).get("status") not in FINISHED]
+    run = functools.partial(
+        run_one,
+        runs_root=runs_root,
+        deadline=deadline,
+        checkpoint_seconds=None if checkpoint_minutes is None else 60.0 * checkpoint_minutes,
+    )
     bar = tqdm(
         total=len(specs),
         initial=len(specs) - len(todo),
@@ -266,14 +330,14 @@ def run_grid(
             initializer=_init_worker,
             initargs=(threads or 1, ctx.Value("i", 0), num_gpus),
         )
-        futures = [pool.submit(run_one, spec) for spec in todo]
+        futures = [pool.submit(run, spec) for spec in todo]
         results = (f.result() for f in as_completed(futures))
         bar.set_postfix_str(f"{min(jobs, len(todo))} parallel jobs")
     else:
         pool = None
         if threads is not None:
             _init_worker(threads)
-        results = (run_one(spec, progress=run_progress) for spec in todo)
+        results = (run(spec, progress=run_progress) for spec in todo)
     by_id = {s.run_id: s for s in todo}
     with contextlib.ExitStack() as stack:
         if pool is not None:  # on Ctrl-C, drop queued runs instead of waiting for them
@@ -282,9 +346,17 @@ def run_grid(
         for record in results:
             spec = by_id[record["id"]]
             done[spec.run_id] = record
+            if record["status"] == "partial":  # not a result: its checkpoint carries it on
+                where = "not started"
+                if record["step"]:
+                    where = f"stopped at step {record['step']}/{spec.config.steps}"
+                bar.write(f"[unfinished] {spec.run_id}: {where} (time limit; --resume continues)")
+                continue
             log.write(json.dumps(record) + "\n")
             log.flush()
             os.fsync(log.fileno())
+            if record["status"] in FINISHED and not keep_run_dirs:  # the record is all we keep
+                shutil.rmtree(runs_root / run_dir_name(spec.run_id), ignore_errors=True)
             bar.update(1)
             if record["status"] != "ok":
                 bar.write(f"[{record['status']}] {spec.run_id}: {record.get('error', '')[:200]}")
@@ -385,18 +457,29 @@ def compare(
     threads: int | None = None,
     note: str | None = None,
     resume: bool = False,
+    time_limit_minutes: float | None = None,
+    checkpoint_minutes: float | None = 2.0,
+    keep_run_dirs: bool = False,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run the grid, then write results.md, summary.json and PNG plots into ``out_dir``.
 
     ``jobs``: parallel runs (default: one per CPU core on CPU, 1 on GPU). ``resume``: keep the
-    finished runs of ``out_dir/runs.jsonl`` instead of training everything again. Returns (best
-    rows, markdown table; with the preset's ``contrast``, the per-seed margin line under it).
+    finished runs of ``out_dir/runs.jsonl`` and continue unfinished ones from their
+    checkpoints instead of training everything again. ``time_limit_minutes``: wall-time budget
+    of this call; training stops (checkpointed) when it is nearly used (see
+    :func:`training_deadline`), the table then holds the finished runs' cells only and says
+    how many runs are unfinished. ``checkpoint_minutes``, ``keep_run_dirs``: see
+    :func:`run_grid`. Returns (best rows, markdown table; with the preset's ``contrast``, the
+    per-seed margin line under it; the unfinished runs' line and how to continue them).
     """
     from deltaflow.lab.plots import make_plots
     from deltaflow.lab.report import contrast_line, markdown_report, results_table
 
     out = Path(out_dir)
     start = time.perf_counter()
+    deadline = None
+    if time_limit_minutes is not None:
+        deadline = training_deadline(time.time(), time_limit_minutes)
     specs = expand_grid(
         preset, device=device, steps=steps, scale=scale, shared=shared, overrides=overrides
     )
@@ -412,8 +495,15 @@ def compare(
         jobs=jobs,
         threads=threads,
         resume=resume,
+        deadline=deadline,
+        checkpoint_minutes=checkpoint_minutes,
+        keep_run_dirs=keep_run_dirs,
     )
-    rows = select_best(records, preset)
+    unfinished = [r for r in records if r["status"] == "partial"]
+    # a cell's best lr is chosen over all of its runs: leave out cells still missing some
+    incomplete = {(r["variant"], r["cell"], r["width"]) for r in unfinished}
+    finished = [r for r in records if (r["variant"], r["cell"], r["width"]) not in incomplete]
+    rows = select_best(finished, preset)
     plots = make_plots(rows, preset, out)
     seconds = time.perf_counter() - start
     n_steps = specs[0].config.steps if specs else 0
@@ -435,11 +525,21 @@ def compare(
             f"{preset.weight_decays if preset.weight_decays else cfg.weight_decay}, "
             f"grad clip {cfg.grad_clip}"
         )
-    run_seconds = sum(r.get("seconds", 0.0) for r in records)
+    run_seconds = sum(r.get("seconds", 0.0) for r in records if r["status"] != "partial")
     details.append(
-        f"{len(records)} runs, {run_seconds / 60:.1f} run-minutes in total; this invocation "
-        f"took {seconds / 60:.1f} min wall"
+        f"{len(records) - len(unfinished)} finished runs, {run_seconds / 60:.1f} run-minutes "
+        f"in total; this invocation took {seconds / 60:.1f} min wall"
     )
+    pending = ""
+    if unfinished:
+        again = command if " --resume" in f"{command} " else f"{command} --resume"
+        pending = (
+            f"**{len(unfinished)} of {len(records)} runs unfinished** (time limit reached; "
+            f"{len(incomplete)} cells left out of the table; runs stopped in flight have "
+            f"checkpoints in {out / 'runs'}). To continue, run the same command with --resume"
+            + (f":\n\n    {again}" if command else ".")
+        )
+        details.append("unfinished: " + ", ".join(r["id"] for r in unfinished))
     report = markdown_report(
         rows,
         preset,
@@ -449,6 +549,7 @@ def compare(
         plots=plots,
         details=details,
         note=note,
+        pending=pending,
     )
     _atomic_text(out / "results.md", report)
     summary = [{k: v for k, v in r.items() if k not in ("curve", "eval_curve")} for r in rows]
@@ -457,7 +558,17 @@ def compare(
         _atomic_text(out / "command.txt", command + "\n")
     table = results_table(rows, preset)
     margin = contrast_line(rows, preset)
-    return rows, table + (f"\n\n{margin}" if margin else "")
+    return rows, "\n\n".join(part for part in (table, margin, pending) if part)
+
+
+def training_deadline(now: float, time_limit_minutes: float) -> float:
+    """When training must stop for a call given ``time_limit_minutes`` from ``now``: a reserve
+    of 10% of the limit (at least 10 s, at most 60 s) is left for what follows the deadline:
+    running on to the next log step, the checkpoint, a last run's final evaluation, the report."""
+    if not time_limit_minutes > 0:
+        raise ValueError(f"time limit must be > 0 minutes, got {time_limit_minutes}")
+    limit = 60.0 * time_limit_minutes
+    return now + limit - min(60.0, max(10.0, 0.1 * limit))
 
 
 def _device_name(device: str) -> str:

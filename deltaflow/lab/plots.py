@@ -142,6 +142,8 @@ def plot_metric_curves(rows: list[dict[str, Any]], preset: Preset, out: Path) ->
 
 def make_plots(rows: list[dict[str, Any]], preset: Preset, out_dir: str | Path) -> list[str]:
     out = Path(out_dir)
+    if not rows:  # nothing finished yet (a grid stopped by its time limit)
+        return []
     made = [
         plot_metric_vs_width(rows, preset, out),
         plot_metric_vs_length(rows, preset, out),

@@ -111,6 +111,7 @@ def markdown_report(
     plots: list[str],
     details: list[str] | None = None,
     note: str | None = None,
+    pending: str = "",
 ) -> str:
     # seed counts over the variants (a preset may give a few variants more seeds)
     counts = sorted({len(preset.variant_seeds(v)) for v in preset.variants}) or [1]
@@ -141,6 +142,7 @@ def markdown_report(
         "",
         results_table(rows, preset),
         "",
+        *([pending, ""] if pending else []),  # unfinished runs, right under the table
     ]
     margin = contrast_line(rows, preset)
     if margin:

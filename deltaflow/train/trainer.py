@@ -13,6 +13,10 @@ Design choices a user should know:
   resumed run sees exactly the batches it would have seen.
 - The learning rate is a pure function of the step; resuming restores weights, optimizer and
   RNG state and the step counter, which on CPU reproduces an uninterrupted run bit for bit.
+- A run may be given a wall-clock ``deadline`` (and ``checkpoint_seconds``): it then stops
+  cleanly, with a checkpoint, once the deadline has passed, and checkpoints every so many
+  seconds. Both act only at log steps (``step % log_every == 0``), so a resumed run logs the
+  same loss curve as an uninterrupted one (a log window is never split by a stop).
 - Under ``torchrun`` (WORLD_SIZE > 1) the model is wrapped in DistributedDataParallel
   automatically; only rank 0 logs, evaluates and checkpoints. With ``parallel="fsdp"`` it is
   sharded with FSDP2 instead (each rank holds 1/world_size of weights, gradients and optimizer
@@ -167,6 +171,12 @@ class Trainer:
 
     ``callbacks`` are called as ``fn(trainer, step)`` after every completed optimizer step
     (after any checkpoint of that step); raising from one stops the run like a kill would.
+
+    ``deadline`` (a ``time.time()`` value): at the first log step past it, checkpoint and stop;
+    ``train()`` then returns with ``finished`` False, and a new Trainer on the same ``out_dir``
+    continues from that step. ``checkpoint_seconds``: also checkpoint at the first log
+    step after that many seconds since the last checkpoint, so a hard kill loses at most that
+    much. Neither changes what is trained; both need ``out_dir`` to be of use.
     """
 
     def __init__(
@@ -176,9 +186,17 @@ class Trainer:
         model: nn.Module | None = None,
         task: Any | None = None,
         callbacks: list[Callable[[Trainer, int], None]] | None = None,
+        deadline: float | None = None,
+        checkpoint_seconds: float | None = None,
     ) -> None:
+        self._clock_start = time.perf_counter()
         self.config = config
         self.callbacks = list(callbacks or [])
+        if checkpoint_seconds is not None and not checkpoint_seconds > 0:
+            raise ValueError(f"checkpoint_seconds must be > 0 (or None), got {checkpoint_seconds}")
+        self.deadline = deadline
+        self.checkpoint_seconds = checkpoint_seconds
+        self.seconds_before = 0.0  # wall seconds spent on this run by earlier (resumed) trainers
         self.dist = DistInfo.from_env()
         self._owns_process_group = False
         if self.dist.world_size > 1 and not dist.is_initialized():
@@ -248,6 +266,13 @@ class Trainer:
         load = load_sharded_checkpoint if self.fsdp else load_checkpoint
         state = load(path, model=self.raw_model, optimizer=self.optimizer)
         self.step = int(state["step"])
+        saved_info = json.loads((path / "state.json").read_text())
+        self.seconds_before = float(saved_info.get("seconds", 0.0))
+
+    def seconds(self) -> float:
+        """Wall seconds this run has taken so far, over every trainer that resumed it (up to
+        the checkpoint each resumed from: time after a run's last checkpoint is not counted)."""
+        return self.seconds_before + time.perf_counter() - self._clock_start
 
     def save(self, info: dict[str, Any] | None = None) -> Path | None:
         """Checkpoint the current step; every rank must call it (it gathers from all ranks).
@@ -255,6 +280,7 @@ class Trainer:
         cfg = self.config
         if cfg.out_dir is None:
             return None
+        info = {**(info or {}), "seconds": round(self.seconds(), 3)}  # read back on resume
         common = dict(step=self.step, config=cfg.to_dict(), info=info, keep=cfg.keep_checkpoints)
         if self.fsdp:
             return save_sharded_checkpoint(
@@ -427,6 +453,7 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
         last_eval: dict[str, float] = {}
+        last_save = time.perf_counter()  # for checkpoint_seconds
         try:
             while self.step < cfg.steps:
                 loss, grad_norm, tokens = self.train_step(self.step)
@@ -458,25 +485,59 @@ class Trainer:
                     window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
                 if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                     last_eval = self._eval_and_log()
+                saved = False
                 if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < cfg.steps:
                     self.save({"eval": last_eval})
                     self.logger.flush()
+                    saved, last_save = True, time.perf_counter()
+                stop = False
+                # deadline and timed checkpoints only at log steps: a stop never splits a log
+                # window, so the resumed run logs the uninterrupted run's loss curve
+                if self.step % cfg.log_every == 0 and self.step < cfg.steps:
+                    stop, due = self._clock_says(last_save)
+                    if (stop or due) and not saved:
+                        self.save({"eval": last_eval})
+                        self.logger.flush()
+                        last_save = time.perf_counter()
                 for callback in self.callbacks:
                     callback(self, self.step)
-            last_eval = self._eval_and_log()
-            self.save({"eval": last_eval})
+                if stop:
+                    if main:
+                        self.logger.log("event", self.step, event="stop", reason="deadline")
+                    break
+            finished = self.step >= cfg.steps
+            if finished:
+                last_eval = self._eval_and_log()
+                self.save({"eval": last_eval})
         finally:
             bar.close()
             self.logger.close()
         summary = {
             "step": self.step,
+            "finished": finished,  # False: stopped at the deadline (checkpointed; resumable)
+            "seconds": self.seconds(),
             "num_params": self.num_params,
             "train_loss": next((r["loss"] for r in reversed(self.logger.of_kind("train"))), None),
             "eval": last_eval,
         }
-        if main and cfg.out_dir is not None:
+        if main and cfg.out_dir is not None and finished:
             (Path(cfg.out_dir) / "final.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _clock_says(self, last_save: float) -> tuple[bool, bool]:
+        """(deadline passed, timed checkpoint due); rank 0's clock decides for every rank, so
+        that all ranks stop (and join the checkpoint's collectives) at the same step."""
+        stop = self.deadline is not None and time.time() >= self.deadline
+        due = (
+            self.checkpoint_seconds is not None
+            and time.perf_counter() - last_save >= self.checkpoint_seconds
+        )
+        timed = self.deadline is not None or self.checkpoint_seconds is not None
+        if self.dist.world_size > 1 and timed:
+            flags = torch.tensor([float(stop), float(due)], device=self.device)
+            dist.broadcast(flags, src=0)
+            stop, due = bool(flags[0]), bool(flags[1])
+        return stop, due
 
     def _peak_memory(self) -> dict[str, list[float]]:
         """``peak_mem_gb``: each rank's peak allocated GPU memory so far (CUDA only)."""

@@ -1,0 +1,190 @@
+"""Grid runs cut off mid-run (a kill, or `deltaflow compare --time-limit`) continue from their
+checkpoints with --resume and end as the uninterrupted runs do: same loss and eval curves,
+same final metrics, same weights (CPU). Tiny real models on a tiny MQAR; each grid < 2 s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import deltaflow.lab.grid as grid_module
+import deltaflow.train.trainer as trainer_module
+from deltaflow.cli import main
+from deltaflow.lab import Preset, compare, expand_grid
+from deltaflow.train import Trainer, latest_checkpoint, read_log
+
+STEPS, LOG_EVERY = 20, 5
+
+
+def tiny_preset() -> Preset:
+    return Preset(
+        name="tiny",
+        description="test grid",
+        base={
+            "steps": STEPS,
+            "batch_size": 8,
+            "log_every": LOG_EVERY,
+            "eval_every": 10,
+            "eval_kwargs": {"num_examples": 16, "batch_size": 16},
+            "model": {"num_layers": 1, "num_heads": 2, "hidden_size": 8, "backend": "torch"},
+        },
+        cells={
+            "mqar": {
+                "task": "mqar",
+                "task_kwargs": {"seq_len": 16, "num_kv_pairs": 2, "vocab_size": 24},
+            }
+        },
+        variants=["linear", "deltanet"],
+        lrs=[3e-3],
+        metric="accuracy",
+    )
+
+
+def specs():
+    return expand_grid(tiny_preset(), device="cpu")
+
+
+def run_dir(out: Path, spec) -> Path:
+    return out / "runs" / grid_module.run_dir_name(spec.run_id)
+
+
+def final_weights(out: Path, spec) -> dict[str, torch.Tensor]:
+    return load_file(latest_checkpoint(run_dir(out, spec)) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted grid: records by id, and the run directories (kept) for weights."""
+    out = tmp_path_factory.mktemp("straight")
+    records = grid_module.run_grid(specs(), out, progress=False, keep_run_dirs=True)
+    return {r["id"]: r for r in records}, out
+
+
+def same_result(record: dict, reference: dict) -> None:
+    assert record["status"] == reference["status"] == "ok"
+    assert record["curve"] == reference["curve"]  # every log step, pre- and post-resume
+    assert [s for s, _ in record["curve"]] == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    assert record["eval_curve"] == reference["eval_curve"]
+    assert [e["step"] for e in record["eval_curve"]] == [10, 20]
+    assert record["eval"] == reference["eval"] and record["train_loss"] == reference["train_loss"]
+
+
+def stop_at_the_deadline(monkeypatch) -> None:
+    """The trainers' clock says the deadline has passed (the grid's own clock does not, so the
+    runs start): every run stops at its first log step of this invocation."""
+    clock = types.SimpleNamespace(time=lambda: math.inf, perf_counter=time.perf_counter)
+    monkeypatch.setattr(trainer_module, "time", clock)
+
+
+# ------------------------------------------------------------------------- a kill mid-run
+def test_killed_grid_resumes_each_run_from_its_checkpoint(tmp_path, monkeypatch, straight):
+    by_id, _ = straight
+    first, second = specs()
+    real_step = Trainer.train_step
+
+    def killed_at_step_12(self, step):
+        if step == 12:  # like the 10-minute limit: the process dies, nothing is written
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", killed_at_step_12)
+    with pytest.raises(KeyboardInterrupt):  # checkpoint at every log step: at 5 and 10
+        grid_module.run_grid(specs(), tmp_path, progress=False, checkpoint_minutes=1e-9)
+    assert latest_checkpoint(run_dir(tmp_path, first)).name == "step_0000010"
+    assert not (tmp_path / "runs.jsonl").read_text()  # nothing finished, nothing recorded
+    monkeypatch.setattr(Trainer, "train_step", real_step)
+
+    records = grid_module.run_grid(specs(), tmp_path, progress=False, resume=True)
+    for spec, record in zip((first, second), records):
+        same_result(record, by_id[spec.run_id])
+    # finished: one record per run in runs.jsonl; run directories deleted (not kept by default)
+    lines = (tmp_path / "runs.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [first.run_id, second.run_id]
+    assert not any((tmp_path / "runs").iterdir())
+
+
+# ------------------------------------------------------------------------- --time-limit
+def test_time_limit_stops_runs_cleanly_and_resume_finishes_them(tmp_path, monkeypatch, straight):
+    by_id, straight_out = straight
+    stop_at_the_deadline(monkeypatch)
+    for resume in (False, True):  # two invocations, each stops every run after 5 more steps
+        rows, text = compare(
+            tiny_preset(),
+            tmp_path,
+            device="cpu",
+            progress=False,
+            jobs=1,
+            command="deltaflow x",
+            time_limit_minutes=60,
+            resume=resume,
+        )
+        assert rows == []  # no finished run: an empty table
+    assert "**2 of 2 runs unfinished**" in text and "deltaflow x --resume" in text
+    assert "**2 of 2 runs unfinished**" in (tmp_path / "results.md").read_text()
+    assert not (tmp_path / "runs.jsonl").read_text()  # unfinished runs are not results
+    for spec in specs():
+        assert latest_checkpoint(run_dir(tmp_path, spec)).name == "step_0000010"
+    monkeypatch.undo()
+
+    records = grid_module.run_grid(
+        specs(), tmp_path, progress=False, resume=True, keep_run_dirs=True
+    )
+    for spec, record in zip(specs(), records):
+        same_result(record, by_id[spec.run_id])
+        for name, tensor in final_weights(straight_out, spec).items():
+            assert torch.equal(final_weights(tmp_path, spec)[name], tensor), name
+        events = [r for r in read_log(run_dir(tmp_path, spec)) if r["kind"] == "event"]
+        assert [(r["event"], r["step"]) for r in events] == [
+            ("start", 0),
+            ("stop", 5),
+            ("resume", 5),
+            ("stop", 10),
+            ("resume", 10),
+        ]
+        assert record["seconds"] > 0
+
+
+def test_without_resume_old_run_dirs_are_moved_aside_not_continued(tmp_path, monkeypatch):
+    stop_at_the_deadline(monkeypatch)
+    grid_module.run_grid(specs(), tmp_path, progress=False, deadline=time.time() + 3600)
+    monkeypatch.undo()
+    first = specs()[0]
+    assert latest_checkpoint(run_dir(tmp_path, first)).name == "step_0000005"
+    grid_module.run_grid(specs()[:1], tmp_path, progress=False, keep_run_dirs=True)
+    events = [r["event"] for r in read_log(run_dir(tmp_path, first)) if r["kind"] == "event"]
+    assert events == ["start"]  # trained from scratch: no stop, no resume
+    prev = tmp_path / "runs.prev" / grid_module.run_dir_name(first.run_id)
+    assert latest_checkpoint(prev).name == "step_0000005"
+
+
+def test_runs_queued_past_the_deadline_do_not_start(tmp_path):
+    records = grid_module.run_grid(specs(), tmp_path, progress=False, deadline=time.time() - 1)
+    assert [(r["status"], r["step"]) for r in records] == [("partial", None)] * 2
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    assert grid_module.training_deadline(100.0, 9) == 100.0 + 540 - 54  # 10% reserve
+    assert grid_module.training_deadline(100.0, 100) == 100.0 + 6000 - 60  # at most 60 s
+    assert grid_module.training_deadline(100.0, 1) == 100.0 + 60 - 10  # at least 10 s
+
+
+def test_compare_cli_time_limit_exits_0_and_says_how_to_continue(tmp_path, capsys):
+    argv = ["compare", "--out", str(tmp_path), "--device", "cpu", "--no-progress"]
+    argv += ["--variants", "deltanet", "--seeds", "1", "--lrs", "1e-3", "--steps", "3"]
+    assert main([*argv, "--time-limit", "0.1"]) == 0  # 6 s minus the 10 s reserve: none start
+    out = capsys.readouterr().out
+    assert "runs unfinished** (time limit reached" in out
+    assert "--time-limit 0.1 --resume" in out
+    assert "[unfinished]" in out and "not started" in out
+    for flag, value, message in [
+        ("--time-limit", "0", "--time-limit must be > 0 minutes"),
+        ("--checkpoint-every", "-1", "--checkpoint-every must be >= 0 minutes"),
+    ]:
+        assert main([*argv, "--dry-run", flag, value]) == 2
+        assert message in capsys.readouterr().err
