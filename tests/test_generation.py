@@ -166,3 +166,29 @@ def test_static_cache_load_checks_batch():
     static = StaticDecodeCache([b.mixer for b in model.model.layers], 2, 32, ids.device)
     with pytest.raises(ValueError, match="batch"):
         static.load(dynamic)
+
+
+def test_default_mode_falls_back_when_a_mode_fails(monkeypatch):
+    """On CUDA a failing compile (or capture) hands over to the next mode, then to transformers'
+    loop, with a warning; simulated on CPU with 'eager' standing in for the graph modes."""
+    import deltaflow.models.generation as generation
+
+    model = tiny(rule="delta", use_decay=True)
+    ids, mask = padded_prompt()
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=5, decode_mode="transformers")
+    real_get_decoder = generation.get_decoder
+
+    def flaky(model, batch_size, columns, sampling, mode):
+        if mode == "broken":
+            raise RuntimeError("simulated compiler failure")
+        return real_get_decoder(model, batch_size, columns, sampling, mode)
+
+    monkeypatch.setattr(generation, "get_decoder", flaky)
+    monkeypatch.setattr(generation, "default_modes", lambda device: ("broken", "eager"))
+    with pytest.warns(UserWarning, match="'broken' failed"):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=5)
+    assert torch.equal(got, want)
+    monkeypatch.setattr(generation, "default_modes", lambda device: ("broken",))
+    with pytest.warns(UserWarning, match="simulated compiler failure"):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=5)  # transformers' loop
+    assert torch.equal(got, want)

@@ -309,6 +309,11 @@ def _unsupported(config: Any) -> list[str]:
     return bad
 
 
+def default_modes(device: torch.device) -> tuple[str, ...]:
+    """The static decode modes ``generate`` tries by default, in order (none: transformers)."""
+    return ("compile", "graph") if device.type == "cuda" else ()
+
+
 def static_generate(
     model: torch.nn.Module,
     inputs: Tensor | None,
@@ -327,7 +332,7 @@ def static_generate(
     if mode == "transformers":
         return None
     device = next(model.parameters()).device
-    if mode is None and device.type != "cuda":
+    if mode is None and not default_modes(device):
         return None  # on CPU transformers' loop with the dynamic cache stays the default
     config = copy.deepcopy(
         generation_config if generation_config is not None else model.generation_config
@@ -374,7 +379,7 @@ def static_generate(
     # (benchmarks/results/generation_*), at the price of a first call that compiles (~10-50 s,
     # cached on disk by Inductor). Where compilation or capture fails, the next path takes over:
     # the plain graph, then transformers' loop (None).
-    for fallback in ("compile", "graph"):
+    for fallback in default_modes(device):
         try:
             decoder = get_decoder(model, B, columns, sampling, fallback)
             return decoder.generate(input_ids, max_new_tokens, attention_mask=attention_mask)
