@@ -30,6 +30,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import os
 import statistics
 import time
 import traceback
@@ -377,7 +378,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {
         "device": name,
-        "commit": MT.git_commit(),
+        # the device copy's git metadata can be stale: COMMIT=<sha> overrides it
+        "commit": os.environ.get("COMMIT") or MT.git_commit(),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "architecture": arch,
