@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -10,3 +11,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 # kernel is decorated, i.e. before deltaflow.ops.triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def seed_and_one_thread():
+    """Seed 0 and one torch thread for the test (tiny tensors: one thread is faster, and
+    immune to oversubscribed CI machines); the thread count is restored afterwards."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -34,13 +34,7 @@ VARIANTS = [dict(rule=r, use_decay=i % 2 == 1) for i, r in enumerate(RULES)] + [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _seed_and_one_thread():
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("seed_and_one_thread")  # conftest.py
 
 
 def tiny(**kwargs) -> DeltaFlowForCausalLM:

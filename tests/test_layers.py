@@ -26,14 +26,7 @@ ALL_RULES = ["linear", "delta", "efla", "longhorn", "trapezoid", "kaczmarz", "re
 TOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def _seed_and_one_thread():
-    # Tiny tensors: one thread is faster, and immune to oversubscribed CI machines.
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("seed_and_one_thread")  # conftest.py
 
 
 def _decode(layer, x, prefix: int = 0, mask=None):

@@ -17,14 +17,7 @@ TOL = 1e-4
 V = 61  # odd vocabulary size
 
 
-@pytest.fixture(autouse=True)
-def _seed_and_one_thread():
-    # Tiny tensors: one thread is faster, and immune to oversubscribed CI machines.
-    torch.manual_seed(0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("seed_and_one_thread")  # conftest.py
 
 
 def tiny(**kwargs) -> DeltaFlowForCausalLM:

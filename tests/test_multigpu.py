@@ -11,13 +11,12 @@ Each test spawns 2 processes (~10 s on 2 cores); ``-m "not multiprocess"`` skips
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _distributed import free_port, set_rank_env
 from safetensors.torch import load_file
 
 from deltaflow.train import (
@@ -88,12 +87,6 @@ def single_process_losses(tmp: Path) -> list[float]:
 
 
 # ---------------------------------------------------------------------------- the 2 ranks
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Killed(Exception):
     pass
 
@@ -104,13 +97,7 @@ def _die(trainer: Trainer, step: int) -> None:
 
 
 def _worker(rank: int, world: int, port: int, tmp_dir: str, parallel: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
+    set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     tmp = Path(tmp_dir)
     # Uninterrupted run; then the probe's logits of its final (sharded or replicated) model.
@@ -139,7 +126,7 @@ def _worker(rank: int, world: int, port: int, tmp_dir: str, parallel: str) -> No
 
 
 def spawn(tmp: Path, parallel: str) -> None:
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp), parallel), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp), parallel), nprocs=2, join=True)
 
 
 # ---------------------------------------------------------------------------- tests

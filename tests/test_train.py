@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from _distributed import free_port, set_rank_env
 from safetensors.torch import load_file
 from torch import nn
 
@@ -343,20 +342,8 @@ def test_save_checkpoint_replaces_same_step(tmp_path):
 
 
 # ---------------------------------------------------------------------------- data parallel
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-    )
+    set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     model, task = make()
     summary = train(toy_config(steps=4, out_dir=out), model=model, task=task)
@@ -365,7 +352,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_ddp_two_cpu_ranks_match_single_process(tmp_path):
     """torchrun-style env (WORLD_SIZE/RANK) on the gloo backend: same result as one process."""
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     single, task = make()
     Trainer(toy_config(steps=4), model=single, task=task).train()
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
