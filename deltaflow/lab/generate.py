@@ -6,14 +6,6 @@ import torch
 from torch import nn
 
 
-def _filter(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    logits = logits.float() / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return logits
-
-
 @torch.no_grad()
 def sample(
     model: nn.Module,
@@ -51,16 +43,16 @@ def sample(
             kw.update(do_sample=False)
         return model.generate(input_ids, **kw)
 
-    from deltaflow.models.generation import top_p_filter
+    from deltaflow.models.generation import Sampling, choose_next
 
+    # temperature 0 is greedy: Sampling's default (do_sample=False) is the argmax
+    sampling = Sampling()
+    if temperature > 0:
+        sampling = Sampling(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
     tokens = input_ids
     for _ in range(max_new_tokens):
         out = model(input_ids=tokens)
         logits = (out.logits if hasattr(out, "logits") else out)[:, -1]
-        if temperature == 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            scores = top_p_filter(_filter(logits, temperature, top_k), top_p)
-            nxt = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)
-        tokens = torch.cat([tokens, nxt], dim=1)
+        nxt = choose_next(logits, sampling, generator)  # the static decoder's token choice
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
     return tokens

@@ -127,8 +127,3 @@ class StaticDecodeCache:
             static[name][:, :columns].copy_(dynamic[name])
         static["num_tokens"].copy_(dynamic["num_tokens"])
         static["length"].fill_(columns)
-
-    def free_columns(self) -> int | None:
-        """Columns left in the KV caches (None for a pure recurrent model). Syncs the host."""
-        left = [s["key"].shape[2] - int(s["length"]) for s in self.layers if "length" in s]
-        return min(left) if left else None

@@ -214,8 +214,9 @@ class StaticDecoder:
                 self._body()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        # Capture on the warm-up stream: cuBLAS keeps its workspace per stream, and one set up
-        # during capture failed at batch 256 (CUBLAS_STATUS_EXECUTION_FAILED on an H100).
+        # Capture on the warm-up stream (cuBLAS keeps a workspace per stream). The plain graph
+        # still failed to capture at batch 256 on an H100 (CUBLAS_STATUS_EXECUTION_FAILED);
+        # the compiled step captures there. Not understood yet (benchmarks/NOTES.md).
         with torch.cuda.graph(self.graph, stream=stream):
             self._body()
 
