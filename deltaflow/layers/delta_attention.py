@@ -250,6 +250,30 @@ class DeltaAttention(nn.Module):
             f"gate={self.use_output_gate}"
         )
 
+    def _heads(self, q, k, v, B: int, T: int) -> tuple[torch.Tensor, ...]:
+        """[B, T, H·D] projections -> [B, T, Hv, D] heads, q/k L2-normalized where the rule
+        asks, q/k repeated over grouped value heads."""
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_heads, self.head_dim)
+        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
+        if self.q_norm == "l2":
+            q = l2_normalize(q)
+        if self.k_norm == "l2":
+            k = l2_normalize(k)
+        if self.num_v_heads != self.num_heads:  # grouped value heads share q/k
+            group = self.num_v_heads // self.num_heads
+            q = q.repeat_interleave(group, dim=2)
+            k = k.repeat_interleave(group, dim=2)
+        return q, k, v
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
+        """y = W_o(RMSNorm(o) ⊙ SiLU(W_g x)) per head (without the gate: W_o RMSNorm(o))."""
+        g = None
+        if self.use_output_gate:
+            g = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
+        o = self.o_norm(o, g)  # RMSNorm(o) ⊙ SiLU(g) in one function
+        return self.o_proj(o.reshape(B, T, self.value_dim))
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -291,17 +315,7 @@ class DeltaAttention(nn.Module):
             v, new_state["conv_v"] = self.v_conv(v, mask, state.get("conv_v"), use_cache, cu)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        q = q.view(B, T, self.num_heads, self.head_dim)
-        k = k.view(B, T, self.num_heads, self.head_dim)
-        v = v.view(B, T, self.num_v_heads, self.head_v_dim)
-        if self.q_norm == "l2":
-            q = l2_normalize(q)
-        if self.k_norm == "l2":
-            k = l2_normalize(k)
-        if self.num_v_heads != self.num_heads:  # grouped value heads share q/k
-            group = self.num_v_heads // self.num_heads
-            q = q.repeat_interleave(group, dim=2)
-            k = k.repeat_interleave(group, dim=2)
+        q, k, v = self._heads(q, k, v, B, T)
 
         beta, log_decay = self._beta_and_log_decay(x)
 
@@ -352,11 +366,7 @@ class DeltaAttention(nn.Module):
         if use_cache:
             new_state["recurrent_state"] = S
 
-        g = None
-        if self.use_output_gate:
-            g = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
-        o = self.o_norm(o, g)  # RMSNorm(o) ⊙ SiLU(g) in one function
-        y = self.o_proj(o.reshape(B, T, self.value_dim))
+        y = self._output(o, x, B, T)
         return y, (new_state if use_cache else None)
 
     # ---------------------------------------------------------------- static decoding
@@ -393,17 +403,7 @@ class DeltaAttention(nn.Module):
             v = self.v_conv.step(v, state["conv_v"])
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
-        q = q.view(B, 1, self.num_heads, self.head_dim)
-        k = k.view(B, 1, self.num_heads, self.head_dim)
-        v = v.view(B, 1, self.num_v_heads, self.head_v_dim)
-        if self.q_norm == "l2":
-            q = l2_normalize(q)
-        if self.k_norm == "l2":
-            k = l2_normalize(k)
-        if self.num_v_heads != self.num_heads:
-            group = self.num_v_heads // self.num_heads
-            q = q.repeat_interleave(group, dim=2)
-            k = k.repeat_interleave(group, dim=2)
+        q, k, v = self._heads(q, k, v, B, 1)
         beta, log_decay = self._beta_and_log_decay(x[:, None])
         o = delta_rule_step(
             q,
@@ -416,8 +416,4 @@ class DeltaAttention(nn.Module):
             negative_eigenvalues=self.negative_eigenvalues,
             eps=self.eps,
         )
-        g = None
-        if self.use_output_gate:
-            g = self.g_proj(x).view(B, 1, self.num_v_heads, self.head_v_dim)
-        o = self.o_norm(o, g)
-        return self.o_proj(o.reshape(B, self.value_dim))
+        return self._output(o, x, B, 1).view(B, self.hidden_size)
