@@ -122,13 +122,8 @@ def left_padded(batch: int, length: int, vocab: int, device: torch.device):
 
 def build(name: str, arch: dict[str, Any], dtype: torch.dtype, device: torch.device, **extra):
     torch.manual_seed(0)
-    if name == "deltaflow":
-        from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
-
-        config = DeltaFlowConfig(
-            **arch, rule="delta", use_decay=True, qk_norm="l2", backend="auto", **extra
-        )
-        model = DeltaFlowForCausalLM(config)
+    if name == "deltaflow":  # the training benchmark's Gated DeltaNet (+ e.g. attn_every)
+        model, _ = MT.build_deltaflow({**arch, **extra})
     else:
         model, _ = MT.build_fla(arch, linear_ce=False)
     return model.to(device=device, dtype=dtype).eval()
