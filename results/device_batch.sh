@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 11 on one device machine: run several `deltaflow compare` commands AT ONCE (small models
+# leave the GPU mostly idle, so concurrent processes are where the throughput is), then pack their
+# result folders into $OUT. Usage, from the repo root on the device:
+#
+#   bash results/device_batch.sh COMMANDS_FILE [SOLO_PROBE=1]
+#
+# COMMANDS_FILE: one `deltaflow compare` argument list per line ('#' lines skipped); every line
+# should carry --resume and a --time-limit that ends before the call's 10-minute kill.
+# The CUDA MPS daemon is started first (kernels of different processes then share the GPU
+# instead of time-slicing it); if a CUDA check fails under it, it is stopped and the runs go on
+# without it. With SOLO_PROBE=1 a 200-step state-tracking run trains alone first: its tokens/s
+# is the baseline for the concurrent runs' tokens/s (the overlap factor, see results/PLAN.md).
+set -u
+commands_file=$1
+solo_probe=${2:-1}
+out=${OUT:-runs/issue11/out}
+mkdir -p runs/issue11/logs "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+cli="python3 -m deltaflow.cli compare"
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if nvidia-cuda-mps-control -d 2>/dev/null && python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
+    echo "MPS: on"
+else
+    echo quit | nvidia-cuda-mps-control 2>/dev/null
+    echo "MPS: off (daemon did not start or CUDA failed under it)"
+fi
+
+if [ "$solo_probe" = 1 ]; then
+    $cli --preset state_tracking --device cuda --cells parity --variants deltanet --lrs 3e-3 \
+        --seeds 1 --steps 200 --jobs 1 --no-progress --out runs/issue11/solo_probe \
+        > runs/issue11/logs/solo_probe.log 2>&1
+    python3 -c "import json; r=[json.loads(l) for l in open('runs/issue11/solo_probe/runs.jsonl')][-1]; print('solo probe tokens/s', r.get('tokens_per_s'), 'seconds', r.get('seconds'))"
+fi
+
+# GPU utilisation every 10 s while the commands run (is the GPU busy or waiting on launches?)
+nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 \
+    > runs/issue11/logs/nvidia_smi.csv 2>&1 &
+smi=$!
+
+i=0
+pids=()
+while IFS= read -r line; do
+    case "$line" in ''|'#'*) continue ;; esac
+    i=$((i + 1))
+    echo "[$i] deltaflow compare $line"
+    # shellcheck disable=SC2086  # the line is an argument list
+    $cli $line --no-progress > "runs/issue11/logs/cmd$i.log" 2>&1 &
+    pids+=($!)
+done < "$commands_file"
+for p in "${pids[@]}"; do wait "$p"; done
+kill "$smi" 2>/dev/null
+
+for log in runs/issue11/logs/cmd*.log; do echo "== $log"; tail -n 4 "$log"; done
+# finished runs live in runs.jsonl; the per-run checkpoint folders stay here (too big for $OUT)
+tar czf "$out/issue11.tgz" -C runs --exclude='issue11/*/runs' --exclude='issue11/*/runs.prev' issue11
+ls -la "$out"
