@@ -435,6 +435,12 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--note", help="a line put at the top of results.md (e.g. 'CPU-scale run')")
     p.add_argument("--list", action="store_true", help="list presets and variants, exit")
     p.add_argument("--dry-run", action="store_true", help="print the runs, train nothing")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: write results.md, summary.json and plots from the runs already "
+        "finished in --out (cells with runs still missing are left out)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_compare)
 
@@ -556,6 +562,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         time_limit_minutes=args.time_limit,
         checkpoint_minutes=args.checkpoint_every or None,  # 0: no periodic checkpoints
         keep_run_dirs=args.keep_run_dirs,
+        train=not args.report_only,
     )
     seeds = max(len(preset.variant_seeds(v)) for v in preset.variants)
     agg = "" if seeds == 1 else f", {preset.seed_aggregate} over up to {seeds} seeds"

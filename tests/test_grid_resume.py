@@ -188,3 +188,36 @@ def test_compare_cli_time_limit_exits_0_and_says_how_to_continue(tmp_path, capsy
     ]:
         assert main([*argv, "--dry-run", flag, value]) == 2
         assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- report only
+def test_report_only_tables_the_finished_runs_and_trains_nothing(tmp_path, straight):
+    """A grid trained piece by piece (one variant per command) is reported as a whole with
+    train=False: finished cells in the table, missing ones named as not trained, no file of a
+    run touched and no run started."""
+    by_id, _ = straight
+    linear, deltanet = specs()
+    only_linear = tiny_preset()
+    only_linear.variants = ["linear"]
+    compare(only_linear, tmp_path, device="cpu", progress=False, resume=True)
+    runs_log = (tmp_path / "runs.jsonl").read_text()
+    assert json.loads(runs_log)["eval"] == by_id[linear.run_id]["eval"]
+
+    rows, table = compare(tiny_preset(), tmp_path, device="cpu", progress=False, train=False)
+    assert [r["variant"] for r in rows] == ["linear"]  # deltanet's cell is left out
+    assert rows[0]["value"] == by_id[linear.run_id]["eval"]["accuracy"]
+    assert "**1 of 2 runs not trained yet**" in table
+    assert (tmp_path / "runs.jsonl").read_text() == runs_log  # not moved, not appended
+    assert not (tmp_path / "runs" / grid_module.run_dir_name(deltanet.run_id)).exists()
+    report = (tmp_path / "results.md").read_text()
+    assert "report only: this invocation trained nothing" in report
+    assert "cpu (" in report  # the device the finished run recorded, not a guess
+
+
+def test_report_only_from_the_command_line(tmp_path, capsys):
+    argv = ["compare", "--out", str(tmp_path), "--device", "cpu", "--no-progress"]
+    argv += ["--variants", "deltanet", "--seeds", "1", "--lrs", "1e-3", "--steps", "3"]
+    assert main([*argv, "--report-only"]) == 0  # nothing finished: an empty table
+    out = capsys.readouterr().out
+    assert "runs not trained yet" in out and "without --report-only, with --resume" in out
+    assert not (tmp_path / "runs.jsonl").exists() or not (tmp_path / "runs.jsonl").read_text()

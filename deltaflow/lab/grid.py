@@ -197,6 +197,7 @@ def run_one(
             stopped = {"status": "partial", "step": summary["step"], "seconds": summary["seconds"]}
             return {**record, **stopped}
         record.update(status="ok", eval=summary["eval"], train_loss=summary["train_loss"])
+        record["device_name"] = _device_name(cfg.device)
         record["num_params"] = summary["num_params"]
     except DivergenceError as err:
         record.update(status="diverged", error=str(err), eval={})
@@ -278,6 +279,7 @@ def run_grid(
     deadline: float | None = None,
     checkpoint_minutes: float | None = 2.0,
     keep_run_dirs: bool = False,
+    train: bool = True,
 ) -> list[dict[str, Any]]:
     """Train every spec (with ``resume``: every spec not already in ``out_dir/runs.jsonl``,
     continuing unfinished ones from their checkpoints); returns the records of ``specs``.
@@ -289,7 +291,26 @@ def run_grid(
     "partial") are returned but not written to runs.jsonl. ``checkpoint_minutes``: wall time
     between a run's checkpoints (None: only when it stops or finishes). ``keep_run_dirs``:
     keep finished runs' directories (final checkpoint, logs) instead of deleting them.
+    ``train=False``: train nothing, touch nothing; the runs not finished in runs.jsonl come back
+    as "partial" records (for a report of what has finished so far).
     """
+    if not train:
+        done = load_runs(Path(out_dir) / "runs.jsonl")
+        not_trained = {"status": "partial", "step": None, "seconds": 0.0}
+        return [
+            done[s.run_id]
+            if done.get(s.run_id, {}).get("status") in FINISHED
+            else {
+                "id": s.run_id,
+                "variant": s.variant,
+                "cell": s.cell,
+                "width": s.width,
+                "lr": s.lr,
+                "seed": s.seed,
+                **not_trained,
+            }
+            for s in specs
+        ]
     if checkpoint_minutes is not None and not checkpoint_minutes > 0:
         raise ValueError(f"checkpoint_minutes must be > 0 (or None), got {checkpoint_minutes}")
     out = Path(out_dir)
@@ -460,6 +481,7 @@ def compare(
     time_limit_minutes: float | None = None,
     checkpoint_minutes: float | None = 2.0,
     keep_run_dirs: bool = False,
+    train: bool = True,
 ) -> tuple[list[dict[str, Any]], str]:
     """Run the grid, then write results.md, summary.json and PNG plots into ``out_dir``.
 
@@ -469,8 +491,11 @@ def compare(
     of this call; training stops (checkpointed) when it is nearly used (see
     :func:`training_deadline`), the table then holds the finished runs' cells only and says
     how many runs are unfinished. ``checkpoint_minutes``, ``keep_run_dirs``: see
-    :func:`run_grid`. Returns (best rows, markdown table; with the preset's ``contrast``, the
-    per-seed margin line under it; the unfinished runs' line and how to continue them).
+    :func:`run_grid`. ``train=False``: train nothing; the report holds the cells whose runs
+    have all finished in ``out_dir/runs.jsonl`` (e.g. after several partial commands into the
+    same folder, or to re-render a grid). Returns (best rows, markdown table; with the
+    preset's ``contrast``, the per-seed margin line under it; the unfinished runs' line and how
+    to continue them).
     """
     from deltaflow.lab.plots import make_plots
     from deltaflow.lab.report import contrast_line, markdown_report, results_table
@@ -498,6 +523,7 @@ def compare(
         deadline=deadline,
         checkpoint_minutes=checkpoint_minutes,
         keep_run_dirs=keep_run_dirs,
+        train=train,
     )
     unfinished = [r for r in records if r["status"] == "partial"]
     # a cell's best lr is chosen over all of its runs: leave out cells still missing some
@@ -508,7 +534,10 @@ def compare(
     seconds = time.perf_counter() - start
     n_steps = specs[0].config.steps if specs else 0
     device_name = _device_name(specs[0].config.device if specs else device)
-    if jobs > 1:
+    if not train:  # the runs' own record of where they trained, not this machine
+        names = sorted({r["device_name"] for r in finished if r.get("device_name")})
+        device_name = ", ".join(names) or (specs[0].config.device if specs else device)
+    elif jobs > 1:
         device_name += f", {jobs} runs in parallel ({threads or 1} thread each)"
     details = []
     for cell in preset.cells:  # what actually ran (after --set overrides), self-describing
@@ -528,18 +557,31 @@ def compare(
     run_seconds = sum(r.get("seconds", 0.0) for r in records if r["status"] != "partial")
     details.append(
         f"{len(records) - len(unfinished)} finished runs, {run_seconds / 60:.1f} run-minutes "
-        f"in total; this invocation took {seconds / 60:.1f} min wall"
+        + (
+            f"in total; this invocation took {seconds / 60:.1f} min wall"
+            if train
+            else "in total (report only: this invocation trained nothing)"
+        )
     )
     pending = ""
     if unfinished:
         again = command if " --resume" in f"{command} " else f"{command} --resume"
-        pending = (
-            f"**{len(unfinished)} of {len(records)} runs unfinished** (time limit reached; "
-            f"{len(incomplete)} cells left out of the table; runs stopped in flight have "
-            f"checkpoints in {out / 'runs'}). To continue, run the same command with --resume"
-            + (f":\n\n    {again}" if command else ".")
-        )
-        details.append("unfinished: " + ", ".join(r["id"] for r in unfinished))
+        if train:
+            pending = (
+                f"**{len(unfinished)} of {len(records)} runs unfinished** (time limit reached; "
+                f"{len(incomplete)} cells left out of the table; runs stopped in flight have "
+                f"checkpoints in {out / 'runs'}). To continue, run the same command with --resume"
+                + (f":\n\n    {again}" if command else ".")
+            )
+        else:  # a report of a grid that is still being trained, command by command
+            pending = (
+                f"**{len(unfinished)} of {len(records)} runs not trained yet** "
+                f"({len(incomplete)} cells left out of the table). To train them, run the "
+                "command without --report-only, with --resume"
+                + (f":\n\n    {again.replace(' --report-only', '')}" if command else ".")
+            )
+        if len(unfinished) <= 20:
+            details.append("unfinished: " + ", ".join(r["id"] for r in unfinished))
     report = markdown_report(
         rows,
         preset,
