@@ -20,7 +20,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cli="python3 -m deltaflow.cli compare"
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-if pgrep -x nvidia-cuda-mps-control > /dev/null; then
+if pgrep -f nvidia-cuda-mps-control > /dev/null; then
     echo "MPS: on (already running on this warm machine)"
 elif nvidia-cuda-mps-control -d 2>/dev/null && python3 -c "import torch; torch.ones(1, device='cuda').sum().item()"; then
     echo "MPS: on"
