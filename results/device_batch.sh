@@ -16,6 +16,7 @@ commands_file=$1
 solo_probe=${2:-1}
 out=${OUT:-runs/issue11/out}
 mkdir -p runs/issue11/logs "$out"
+rm -f runs/issue11/logs/*  # a warm machine keeps the last call's logs: start clean
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cli="python3 -m deltaflow.cli compare"
 

@@ -7,6 +7,7 @@ Nothing here trains a model; every test builds grids, tasks or records (fast on 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import multiprocessing as mp
 import os
 from concurrent.futures import Future
@@ -283,3 +284,20 @@ def test_run_grid_on_two_gpus_hands_each_worker_the_next_gpu(monkeypatch, tmp_pa
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     assert made["max_workers"] == 4 and made["initargs"][2] == 2
     assert sorted(r["gpu"] for r in records) == ["0", "0", "1", "1"]
+
+
+def test_run_ids_do_not_depend_on_where_the_shared_folder_is(tmp_path):
+    """The same LM run on another machine (another checkout path) keeps its id, so --resume
+    and --report-only find it; a different task argument still changes the id."""
+    preset = get_preset("lm_corpus_50m")
+    here = expand_grid(preset, device="cuda", shared="/work/main/shared")
+    there = expand_grid(preset, device="cuda", shared=str(tmp_path / "elsewhere" / "shared"))
+    assert "/work/main/shared/corpus" in json.dumps(here[0].config.to_dict())  # paths resolved
+    assert [s.run_id for s in here] == [s.run_id for s in there]
+    longer = expand_grid(
+        preset,
+        device="cuda",
+        shared="/work/main/shared",
+        overrides={"task_kwargs": {"seq_len": 1024}},
+    )
+    assert here[0].run_id != longer[0].run_id

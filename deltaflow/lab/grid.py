@@ -50,10 +50,15 @@ class RunSpec:
     seed: int
     config: TrainConfig
     weight_decay: float | None = None  # set when the preset sweeps weight decay
+    shared: str | None = None  # the --shared folder substituted into the task's paths
 
     @property
     def run_id(self) -> str:
-        digest = hashlib.sha1(json.dumps(self.config.to_dict(), sort_keys=True).encode())
+        text = json.dumps(self.config.to_dict(), sort_keys=True)
+        if self.shared:  # the same run on another machine (another checkout path): same id
+            prefix = json.dumps(self.shared.rstrip("/") + "/")[:-1]  # '"<shared>/': path starts
+            text = text.replace(prefix, '"{shared}/')
+        digest = hashlib.sha1(text.encode())
         width = f"-w{self.width}" if self.width is not None else ""
         # only swept weight decays appear in the id, so ids of older grids stay valid
         wd = f"-wd{self.weight_decay:g}" if self.weight_decay is not None else ""
@@ -121,7 +126,7 @@ def expand_grid(
                         if wd is not None:
                             data["weight_decay"] = wd
                         config = TrainConfig.from_dict(data)
-                        specs.append(RunSpec(variant, cell, width, lr, seed, config, wd))
+                        specs.append(RunSpec(variant, cell, width, lr, seed, config, wd, shared))
     return specs
 
 

@@ -1,0 +1,86 @@
+"""Bring one device call's issue-11 results into the repository (after results/device_batch.sh).
+
+    python3 results/collect_device.py /work/.device/N/issue11.tgz --call s5c1
+
+1. unpacks the archive into runs/ (so the next call to a fresh machine can carry runs/issue11);
+2. merges each grid's runs.jsonl into results/issue11/<grid>/runs.jsonl by run id (a fresh
+   machine's runs.jsonl holds only that machine's runs: never overwrite, always merge);
+3. copies the call's logs to results/issue11/logs/<call>_*.log (tokenizer progress dropped);
+4. re-makes each grid's results.md / summary.json / plots with `compare --report-only` over the
+   full preset grid (cells with runs still missing are left out of the table).
+Then commit results/issue11.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+GRIDS = ("state_tracking", "mqar_512", "mad", "lm_corpus_50m")
+NOTE = (
+    "Trained on the device machine named in results/PLAN.md (bf16 autocast, Triton backend, "
+    "many runs at once); table made in compare's report-only mode from the finished runs of the "
+    "full preset grid (cells still missing runs are left out)."
+)
+
+
+def merge_runs(src: Path, dst: Path) -> tuple[int, int]:
+    """Union of two runs.jsonl files by run id (src wins); returns (runs before, after)."""
+    records: dict[str, dict] = {}
+    for path in (dst, src):
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    record = json.loads(line)
+                    records[record["id"]] = record
+    before = len(dst.read_text().splitlines()) if dst.is_file() else 0
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+    tmp.replace(dst)
+    return before, len(records)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("archive", type=Path, help="issue11.tgz from a device call's $OUT")
+    parser.add_argument("--call", required=True, help="a name for the call's logs, e.g. s5c1")
+    parser.add_argument("--results", type=Path, default=Path("results/issue11"))
+    parser.add_argument("--no-report", action="store_true", help="skip --report-only tables")
+    args = parser.parse_args()
+    if not args.archive.is_file():
+        parser.error(f"archive: {args.archive} is not a file")
+    with tarfile.open(args.archive) as tar:
+        tar.extractall("runs", filter="data")  # the archive holds issue11/...
+    unpacked = Path("runs/issue11")
+    for grid in GRIDS:
+        src = unpacked / grid / "runs.jsonl"
+        if src.is_file() and src.read_text().strip():
+            before, after = merge_runs(src, args.results / grid / "runs.jsonl")
+            print(f"{grid}: {before} -> {after} finished runs")
+    logs = args.results / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for log in sorted((unpacked / "logs").glob("*")):
+        text = log.read_text(errors="replace")
+        kept = [line for line in text.splitlines() if not line.startswith("tokenizing")]
+        (logs / f"{args.call}_{log.name}").write_text("\n".join(kept) + "\n")
+    if args.no_report:
+        return 0
+    for grid in GRIDS:
+        runs = args.results / grid / "runs.jsonl"
+        if runs.is_file() and runs.read_text().strip():  # no table for a grid with no runs yet
+            cmd = [sys.executable, "-m", "deltaflow.cli", "compare", "--preset", grid]
+            cmd += ["--device", "cuda", "--report-only", "--no-progress", "--note", NOTE]
+            cmd += ["--out", str(args.results / grid)]
+            if grid == "lm_corpus_50m":
+                cmd += ["--shared", "shared"]
+            subprocess.run(cmd, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
