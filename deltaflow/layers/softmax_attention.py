@@ -124,12 +124,6 @@ class SoftmaxAttention(nn.Module):
         )
         past_k = state.get("key")
 
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-
         # Position of each token = number of real tokens before it in its row.
         valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool, device=x.device)
         n_past = state.get("num_tokens")  # real tokens seen so far, per row
@@ -140,8 +134,7 @@ class SoftmaxAttention(nn.Module):
         if cu_seqlens is not None:  # packed sequences: positions restart in every sequence
             seq_id, pos_in_seq = position_in_sequence(cu_seqlens, T)
             pos = pos_in_seq[None]
-        q = apply_rope(q, pos, self.rope_theta)
-        k = apply_rope(k, pos, self.rope_theta)
+        q, k, v = self._heads(x, pos)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, D]
 
         if past_k is not None:
@@ -217,19 +210,27 @@ class SoftmaxAttention(nn.Module):
             "length": torch.zeros(1, device=device, dtype=torch.long),
         }
 
+    def _heads(
+        self, x: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[B, T, H, D]``, k and v ``[B, T, Hkv, D]`` of x ``[B, T, hidden]``: projections,
+        optional q/k RMSNorm, RoPE at positions ``pos [B or 1, T]`` (shared by forward and
+        decode_step)."""
+        B, T = x.shape[:2]
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta), v
+
     def decode_step(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """One token per row, x ``[B, hidden]`` -> ``[B, hidden]``: writes its key and value at
         column ``state['length']`` in place and attends over the masked full buffer (static
         shapes, no host sync: capturable in a CUDA graph). Same math as :meth:`forward`."""
         B = x.shape[0]
-        q = self.q_proj(x).view(B, 1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, 1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, 1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         pos = state["num_tokens"][:, None]  # [B, 1]: real tokens before this one
-        q = apply_rope(q, pos, self.rope_theta)
-        k = apply_rope(k, pos, self.rope_theta)
+        q, k, v = self._heads(x[:, None], pos)
         col = state["length"]
         state["key"].index_copy_(2, col, k.transpose(1, 2))
         state["value"].index_copy_(2, col, v.transpose(1, 2))
