@@ -7,7 +7,7 @@
    machine's runs.jsonl holds only that machine's runs: never overwrite, always merge);
 3. copies the call's logs to results/issue11/logs/<call>_*.log (tokenizer progress dropped);
 4. re-makes each grid's results.md / summary.json / plots with `compare --report-only` over the
-   full preset grid (cells with runs still missing are left out of the table).
+   full preset grid (a cell whose sweep is unfinished shows its best so far, marked *).
 Then commit results/issue11.
 """
 
@@ -24,7 +24,7 @@ GRIDS = ("state_tracking", "mqar_512", "mad", "lm_corpus_50m")
 NOTE = (
     "Trained on the device machine named in results/PLAN.md (bf16 autocast, Triton backend, "
     "many runs at once); table made in compare's report-only mode from the finished runs of the "
-    "full preset grid (cells still missing runs are left out)."
+    "full preset grid (* marks a cell whose sweep is not finished)."
 )
 
 

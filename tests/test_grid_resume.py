@@ -204,9 +204,18 @@ def test_report_only_tables_the_finished_runs_and_trains_nothing(tmp_path, strai
     assert json.loads(runs_log)["eval"] == by_id[linear.run_id]["eval"]
 
     rows, table = compare(tiny_preset(), tmp_path, device="cpu", progress=False, train=False)
-    assert [r["variant"] for r in rows] == ["linear"]  # deltanet's cell is left out
+    assert [r["variant"] for r in rows] == ["linear"]  # deltanet has no finished run: no row
     assert rows[0]["value"] == by_id[linear.run_id]["eval"]["accuracy"]
+    assert "runs_finished" not in rows[0] and "*" not in table.split("\n")[2]  # cell complete
     assert "**1 of 2 runs not trained yet**" in table
+
+    # a cell whose lr sweep is half done: its best so far, marked
+    wider = tiny_preset()
+    wider.lrs = [3e-3, 1e-2]
+    rows, table = compare(wider, tmp_path, device="cpu", progress=False, train=False)
+    assert rows[0]["runs_finished"] == "1/2" and rows[0]["best_lr"] == 3e-3
+    assert table.split("\n")[2].startswith(f"| linear | {rows[0]['value']:.3f}*")
+    assert "**3 of 4 runs not trained yet**: a value marked * is the best" in table
     assert (tmp_path / "runs.jsonl").read_text() == runs_log  # not moved, not appended
     assert not (tmp_path / "runs" / grid_module.run_dir_name(deltanet.run_id)).exists()
     report = (tmp_path / "results.md").read_text()

@@ -531,10 +531,19 @@ def compare(
         train=train,
     )
     unfinished = [r for r in records if r["status"] == "partial"]
-    # a cell's best lr is chosen over all of its runs: leave out cells still missing some
     incomplete = {(r["variant"], r["cell"], r["width"]) for r in unfinished}
-    finished = [r for r in records if (r["variant"], r["cell"], r["width"]) not in incomplete]
-    rows = select_best(finished, preset)
+    if train:  # a cell's best lr is chosen over all of its runs: leave out cells missing some
+        finished = [r for r in records if (r["variant"], r["cell"], r["width"]) not in incomplete]
+        rows = select_best(finished, preset)
+    else:  # an interim report: every cell with a finished run, marked while runs are missing
+        finished = [r for r in records if r["status"] != "partial"]
+        rows = select_best(finished, preset)
+        for row in rows:
+            key = (row["variant"], row["cell"], row["width"])
+            if key in incomplete:
+                cell_runs = [r for r in records if (r["variant"], r["cell"], r["width"]) == key]
+                done = sum(r["status"] != "partial" for r in cell_runs)
+                row["runs_finished"] = f"{done}/{len(cell_runs)}"
     plots = make_plots(rows, preset, out)
     seconds = time.perf_counter() - start
     n_steps = specs[0].config.steps if specs else 0
@@ -580,9 +589,10 @@ def compare(
             )
         else:  # a report of a grid that is still being trained, command by command
             pending = (
-                f"**{len(unfinished)} of {len(records)} runs not trained yet** "
-                f"({len(incomplete)} cells left out of the table). To train them, run the "
-                "command without --report-only, with --resume"
+                f"**{len(unfinished)} of {len(records)} runs not trained yet**: a value marked "
+                "* is the best of its cell's runs finished so far, not of the whole sweep "
+                f"({len(incomplete)} cells incomplete; `runs_finished` in summary.json). To "
+                "train the rest, run the command without --report-only, with --resume"
                 + (f":\n\n    {again.replace(' --report-only', '')}" if command else ".")
             )
         if len(unfinished) <= 20:

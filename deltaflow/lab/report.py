@@ -50,7 +50,8 @@ def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
                 cells.append("-")
                 continue
             if metric == preset.metric:
-                cells.append(_fmt(row["value"], row["std"]))
+                mark = "*" if row.get("runs_finished") else ""  # interim: sweep unfinished
+                cells.append(_fmt(row["value"], row["std"]) + mark)
             else:
                 cells.append(_fmt(row["metrics"].get(metric)))
             hparams = f"{row['best_lr']:g}"
