@@ -230,3 +230,14 @@ def test_report_only_from_the_command_line(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "runs not trained yet" in out and "without --report-only, with --resume" in out
     assert not (tmp_path / "runs.jsonl").exists() or not (tmp_path / "runs.jsonl").read_text()
+
+
+def test_gpu_runs_record_their_peak_memory(tmp_path, monkeypatch):
+    """Each run's record carries its own peak GPU memory (the peak is reset per run, since a
+    worker trains several): what planning how many runs share one GPU needs. Simulated."""
+    calls = []
+    monkeypatch.setattr(grid_module, "_uses_cuda", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    records = grid_module.run_grid(specs()[:1], tmp_path, progress=False)
+    assert calls == ["reset"] and records[0]["peak_gpu_memory_gib"] == 3.0

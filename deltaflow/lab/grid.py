@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from deltaflow.lab.presets import VARIANTS, Preset
@@ -195,6 +196,9 @@ def run_one(
     if runs_root is not None:
         run_cfg = cfg.replace(out_dir=str(runs_root / run_dir_name(spec.run_id)), resume=True)
     trainer = None
+    on_cuda = _uses_cuda(cfg.device)
+    if on_cuda:  # a worker process trains run after run: measure this run's peak alone
+        torch.cuda.reset_peak_memory_stats()
     try:
         trainer = Trainer(run_cfg, deadline=deadline, checkpoint_seconds=checkpoint_seconds)
         summary = trainer.train()
@@ -219,9 +223,15 @@ def run_one(
         record["tokens_per_s"] = statistics.median(
             [r["tokens_per_s"] for r in trainer.logger.of_kind("train")] or [0.0]
         )
+    if on_cuda:  # for planning how many runs share one GPU (this invocation's part of the run)
+        record["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     # over every invocation that trained this run (up to the checkpoints it resumed from)
     record["seconds"] = trainer.seconds() if trainer is not None else time.perf_counter() - start
     return record
+
+
+def _uses_cuda(device: str) -> bool:
+    return (device.startswith("cuda") or device == "auto") and torch.cuda.is_available()
 
 
 def _init_worker(threads: int, counter: Any = None, num_gpus: int = 0) -> None:
@@ -577,6 +587,9 @@ def compare(
             else "in total (report only: this invocation trained nothing)"
         )
     )
+    peaks = [r["peak_gpu_memory_gib"] for r in records if r.get("peak_gpu_memory_gib")]
+    if peaks:
+        details.append(f"peak GPU memory per run {min(peaks):.2f}-{max(peaks):.2f} GiB")
     pending = ""
     if unfinished:
         again = command if " --resume" in f"{command} " else f"{command} --resume"
