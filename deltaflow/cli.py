@@ -439,7 +439,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         "--report-only",
         action="store_true",
         help="train nothing: write results.md, summary.json and plots from the runs already "
-        "finished in --out (cells with runs still missing are left out)",
+        "finished in --out (a cell whose sweep is unfinished: its best so far, marked *)",
     )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_compare)

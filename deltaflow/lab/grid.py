@@ -506,11 +506,11 @@ def compare(
     of this call; training stops (checkpointed) when it is nearly used (see
     :func:`training_deadline`), the table then holds the finished runs' cells only and says
     how many runs are unfinished. ``checkpoint_minutes``, ``keep_run_dirs``: see
-    :func:`run_grid`. ``train=False``: train nothing; the report holds the cells whose runs
-    have all finished in ``out_dir/runs.jsonl`` (e.g. after several partial commands into the
-    same folder, or to re-render a grid). Returns (best rows, markdown table; with the
-    preset's ``contrast``, the per-seed margin line under it; the unfinished runs' line and how
-    to continue them).
+    :func:`run_grid`. ``train=False``: train nothing; report the runs finished in
+    ``out_dir/runs.jsonl`` (e.g. after several partial commands into the same folder); a cell
+    whose sweep is unfinished shows the best of its finished runs, marked ``*``. Returns (best
+    rows, markdown table; with the preset's ``contrast``, the per-seed margin line under it;
+    the unfinished runs' line and how to continue them).
     """
     from deltaflow.lab.plots import make_plots
     from deltaflow.lab.report import contrast_line, markdown_report, results_table
