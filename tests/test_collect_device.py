@@ -1,0 +1,33 @@
+"""results/collect_device.py merges a device call's runs into the committed ones by run id: a
+fresh machine's runs.jsonl holds only its own runs, so copying it over would lose results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "results" / "collect_device.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("collect_device", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_merge_keeps_old_runs_adds_new_ones_and_the_device_copy_wins(tmp_path):
+    merge_runs = load_script().merge_runs
+    committed, device = tmp_path / "results" / "runs.jsonl", tmp_path / "device.jsonl"
+    committed.parent.mkdir()
+    write(committed, [{"id": "a", "v": 1}, {"id": "b", "v": 1}])
+    write(device, [{"id": "b", "v": 2}, {"id": "c", "v": 2}])
+    assert merge_runs(device, committed) == (2, 3)
+    merged = {r["id"]: r["v"] for r in map(json.loads, committed.read_text().splitlines())}
+    assert merged == {"a": 1, "b": 2, "c": 2}
+    assert merge_runs(device, tmp_path / "new" / "runs.jsonl") == (0, 2)  # folder created
