@@ -340,11 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=32000)
+    MT.add_architecture_args(p)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=128, help="new tokens timed at batch 1")
     p.add_argument("--new-large", type=int, default=32, help="new tokens at batch > 1")
@@ -360,16 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     device = torch.device(args.device)
-    arch = MT.shared_architecture(
-        argparse.Namespace(
-            vocab=args.vocab,
-            hidden=args.hidden,
-            layers=args.layers,
-            heads=args.heads,
-            head_dim=args.head_dim,
-            expand_v=1.0,
-        )
-    )
+    arch = MT.shared_architecture(args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {
         "device": name,

@@ -46,6 +46,16 @@ def fla_intermediate_size(hidden_size: int, hidden_ratio: int = 4) -> int:
     return 256 * ((size + 255) // 256)
 
 
+def add_architecture_args(p: argparse.ArgumentParser) -> None:
+    """The model-shape flags that :func:`shared_architecture` reads (360M-class defaults)."""
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128, help="q/k head dim")
+    p.add_argument("--expand-v", type=float, default=1.0, help="v head dim = head_dim * this")
+    p.add_argument("--vocab", type=int, default=32000)
+
+
 def shared_architecture(args: argparse.Namespace) -> dict[str, Any]:
     """The one architecture both models are built from (names are ours)."""
     return dict(
@@ -390,12 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128, help="q/k head dim")
-    p.add_argument("--expand-v", type=float, default=1.0, help="v head dim = head_dim * this")
-    p.add_argument("--vocab", type=int, default=32000)
+    add_architecture_args(p)
     p.add_argument("--top", type=int, default=25, help="rows of the profile table (0 = none)")
     p.add_argument("--skip-fla", action="store_true")
     p.add_argument("--skip-deltaflow", action="store_true")
