@@ -247,7 +247,6 @@ def _init_worker(threads: int, counter: Any = None, num_gpus: int = 0) -> None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(num_gpus)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ids[index % len(ids)]  # before CUDA initializes
-    import torch
 
     torch.set_num_threads(threads)
 
@@ -260,7 +259,6 @@ def gpus_to_spread_over(specs: list[RunSpec]) -> int:
     GPU as cuda:0. A grid pinned to 'cuda:1' keeps every worker on that GPU, and a CPU grid
     has nothing to spread.
     """
-    import torch
 
     unpinned = all(s.config.device in ("auto", "cuda") for s in specs)
     if not specs or not unpinned or not torch.cuda.is_available():
@@ -271,7 +269,6 @@ def gpus_to_spread_over(specs: list[RunSpec]) -> int:
 def default_jobs(specs: list[RunSpec]) -> int:
     """CPU grids: one single-threaded run per core (small models waste a second thread, and
     oversubscribed OpenMP threads spin). GPU grids: one run at a time."""
-    import torch
 
     on_gpu = any(
         s.config.device.startswith("cuda")
@@ -544,10 +541,10 @@ def compare(
     incomplete = {(r["variant"], r["cell"], r["width"]) for r in unfinished}
     if train:  # a cell's best lr is chosen over all of its runs: leave out cells missing some
         finished = [r for r in records if (r["variant"], r["cell"], r["width"]) not in incomplete]
-        rows = select_best(finished, preset)
     else:  # an interim report: every cell with a finished run, marked while runs are missing
         finished = [r for r in records if r["status"] != "partial"]
-        rows = select_best(finished, preset)
+    rows = select_best(finished, preset)
+    if not train:
         for row in rows:
             key = (row["variant"], row["cell"], row["width"])
             if key in incomplete:
@@ -642,7 +639,6 @@ def training_deadline(now: float, time_limit_minutes: float) -> float:
 
 
 def _device_name(device: str) -> str:
-    import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
