@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+from deltaflow.cli import main as deltaflow_cli
 
 GRIDS = ("state_tracking", "mqar_512", "mad", "lm_corpus_50m")
 NOTE = (
@@ -30,14 +31,14 @@ NOTE = (
 
 def merge_runs(src: Path, dst: Path) -> tuple[int, int]:
     """Union of two runs.jsonl files by run id (src wins); returns (runs before, after)."""
-    records: dict[str, dict] = {}
-    for path in (dst, src):
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    record = json.loads(line)
-                    records[record["id"]] = record
-    before = len(dst.read_text().splitlines()) if dst.is_file() else 0
+
+    def read(path: Path) -> list[dict]:
+        lines = path.read_text().splitlines() if path.is_file() else []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    old = read(dst)
+    records = {r["id"]: r for r in old + read(src)}  # later (src) wins
+    before = len(old)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
@@ -73,12 +74,12 @@ def main() -> int:
     for grid in GRIDS:
         runs = args.results / grid / "runs.jsonl"
         if runs.is_file() and runs.read_text().strip():  # no table for a grid with no runs yet
-            cmd = [sys.executable, "-m", "deltaflow.cli", "compare", "--preset", grid]
-            cmd += ["--device", "cuda", "--report-only", "--no-progress", "--note", NOTE]
-            cmd += ["--out", str(args.results / grid)]
+            argv = ["compare", "--preset", grid, "--device", "cuda", "--report-only"]
+            argv += ["--no-progress", "--note", NOTE, "--out", str(args.results / grid)]
             if grid == "lm_corpus_50m":
-                cmd += ["--shared", "shared"]
-            subprocess.run(cmd, check=True)
+                argv += ["--shared", "shared"]
+            if deltaflow_cli(argv) != 0:
+                return 1
     return 0
 
 
