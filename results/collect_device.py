@@ -21,7 +21,17 @@ from pathlib import Path
 
 from deltaflow.cli import main as deltaflow_cli
 
-GRIDS = ("state_tracking", "mqar_512", "mad", "lm_corpus_50m")
+GRIDS = ("state_tracking", "mqar_512", "mad", "lm_corpus_50m", "state_tracking_15k")
+# a device folder trained beside its grid's own (two processes never share one runs.jsonl)
+MERGE_INTO = {"mqar_512_w128": "mqar_512"}
+# what a grid's table is made of: its preset, and the arguments that narrow or change it
+REPORT_ARGS = {
+    "lm_corpus_50m": ["--preset", "lm_corpus_50m", "--shared", "shared"],
+    "state_tracking_15k": [
+        "--preset", "state_tracking", "--cells", "mod_arith", "--variants", "deltanet,deltanet_neg",
+        "--lrs", "1e-3", "--seeds", "2", "--steps", "15000",
+    ],
+}
 NOTE = (
     "Trained on the device machine named in results/PLAN.md (bf16 autocast, Triton backend, "
     "many runs at once); table made in compare's report-only mode from the finished runs of the "
@@ -58,11 +68,12 @@ def main() -> int:
     with tarfile.open(args.archive) as tar:
         tar.extractall("runs", filter="data")  # the archive holds issue11/...
     unpacked = Path("runs/issue11")
-    for grid in GRIDS:
-        src = unpacked / grid / "runs.jsonl"
+    for folder in (*GRIDS, *MERGE_INTO):
+        src = unpacked / folder / "runs.jsonl"
+        grid = MERGE_INTO.get(folder, folder)
         if src.is_file() and src.read_text().strip():
             before, after = merge_runs(src, args.results / grid / "runs.jsonl")
-            print(f"{grid}: {before} -> {after} finished runs")
+            print(f"{folder} -> {grid}: {before} -> {after} finished runs")
     logs = args.results / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for log in sorted((unpacked / "logs").glob("*")):
@@ -74,10 +85,9 @@ def main() -> int:
     for grid in GRIDS:
         runs = args.results / grid / "runs.jsonl"
         if runs.is_file() and runs.read_text().strip():  # no table for a grid with no runs yet
-            argv = ["compare", "--preset", grid, "--device", "cuda", "--report-only"]
-            argv += ["--no-progress", "--note", NOTE, "--out", str(args.results / grid)]
-            if grid == "lm_corpus_50m":
-                argv += ["--shared", "shared"]
+            argv = ["compare", *REPORT_ARGS.get(grid, ["--preset", grid]), "--device", "cuda"]
+            argv += ["--report-only", "--no-progress", "--note", NOTE]
+            argv += ["--out", str(args.results / grid)]
             if deltaflow_cli(argv) != 0:
                 return 1
     return 0
