@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tarfile
 from pathlib import Path
@@ -65,9 +66,11 @@ def main() -> int:
     args = parser.parse_args()
     if not args.archive.is_file():
         parser.error(f"archive: {args.archive} is not a file")
+    unpacked = Path("runs/issue11")
+    # the logs are the call's own: clear the last call's (extracting adds, it never deletes)
+    shutil.rmtree(unpacked / "logs", ignore_errors=True)
     with tarfile.open(args.archive) as tar:
         tar.extractall("runs", filter="data")  # the archive holds issue11/...
-    unpacked = Path("runs/issue11")
     for folder in (*GRIDS, *MERGE_INTO):
         src = unpacked / folder / "runs.jsonl"
         grid = MERGE_INTO.get(folder, folder)
