@@ -230,6 +230,11 @@ def test_select_best_picks_lr_by_seed_aggregate_and_penalizes_failures():
     preset.seed_aggregate = "max"
     (row,) = select_best(records, preset)
     assert row["best_lr"] == 0.1 and row["value"] == pytest.approx(0.9)
+    # best of seeds: every metric of the row comes from the best seed's run, not a per-metric
+    # max over seeds (seed 1's larger loss must not appear)
+    records[0]["eval"]["loss"], records[1]["eval"]["loss"] = 0.2, 3.0
+    (row,) = select_best(records, preset)
+    assert row["metrics"] == {"m": 0.9, "m@8": 0.9, "loss": 0.2}
     # a diverged seed makes its lr the worst under 'mean'
     preset.seed_aggregate = "mean"
     records[2] = _record("a", 0.2, 0, None, status="diverged")

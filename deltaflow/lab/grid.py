@@ -457,15 +457,24 @@ def select_best(records: list[dict[str, Any]], preset: Preset) -> list[dict[str,
         row["std"] = (
             statistics.pstdev(ok) if len(ok) > 1 and all(math.isfinite(v) for v in ok) else 0.0
         )
-        metrics = {}
-        for key in sorted({k for r in runs for k in r.get("eval", {})}):
-            vals = [metric_value(r, key, higher) for r in runs]
-            vals = [v for v in vals if math.isfinite(v)]
-            if vals:
-                metrics[key] = agg(vals)
-        row["metrics"] = metrics
-        # the curve of the best seed at the best lr (the run the table number comes from)
+        # the best seed at the best lr (the run a best-of-seeds table number comes from)
         best_run = (max if higher else min)(runs, key=lambda r: metric_value(r, metric, higher))
+        if preset.seed_aggregate == "max":
+            # best of seeds: every metric from that one run (a per-metric max would mix seeds
+            # and take the largest loss)
+            metrics = {
+                k: float(v)
+                for k, v in sorted(best_run.get("eval", {}).items())
+                if isinstance(v, (int, float)) and math.isfinite(v)
+            }
+        else:
+            metrics = {}
+            for key in sorted({k for r in runs for k in r.get("eval", {})}):
+                vals = [metric_value(r, key, higher) for r in runs]
+                vals = [v for v in vals if math.isfinite(v)]
+                if vals:
+                    metrics[key] = agg(vals)
+        row["metrics"] = metrics
         row["curve"] = best_run.get("curve", [])
         row["eval_curve"] = [
             [r["step"], r[metric]] for r in best_run.get("eval_curve", []) if metric in r
