@@ -13,6 +13,7 @@ import yaml
 import deltaflow.lab.grid as grid_module
 from deltaflow.cli import build_parser, main
 from deltaflow.lab import Preset, compare, expand_grid, select_best
+from deltaflow.lab.report import results_table
 from deltaflow.train import latest_checkpoint, read_log
 
 TINY_MODEL = ["--hidden-size", "16", "--num-layers", "1", "--num-heads", "2", "--backend", "torch"]
@@ -240,6 +241,11 @@ def test_select_best_picks_lr_by_seed_aggregate_and_penalizes_failures():
     records[2] = _record("a", 0.2, 0, None, status="diverged")
     (row,) = select_best(records, preset)
     assert row["best_lr"] == 0.1 and row["value"] == pytest.approx(0.5)
+    # every metric carries its seed spread; the table shows it beside non-headline metrics too
+    assert row["metrics_std"]["m@8"] == pytest.approx(0.4)
+    preset.table_metrics = ["m", "m@8"]
+    assert "| a | 0.500 ± 0.400 | 0.500 ± 0.400 |" in results_table([row], preset)
+    preset.table_metrics = None
     # lower is better (perplexity)
     preset.higher_is_better = False
     records = [_record("a", 0.1, 0, 30.0), _record("a", 0.2, 0, 20.0)]

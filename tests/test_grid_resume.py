@@ -221,6 +221,14 @@ def test_report_only_tables_the_finished_runs_and_trains_nothing(tmp_path, strai
     report = (tmp_path / "results.md").read_text()
     assert "report only: this invocation trained nothing" in report
     assert "cpu (" in report  # the device the finished run recorded, not a guess
+    train_loss, valid_loss = (
+        by_id[linear.run_id]["train_loss"],
+        by_id[linear.run_id]["eval"]["loss"],
+    )
+    assert (
+        f"last logged training loss {train_loss:.3f}-{train_loss:.3f} vs validation loss "
+        f"{valid_loss:.3f}-{valid_loss:.3f}" in report
+    )
 
 
 def test_report_only_from_the_command_line(tmp_path, capsys):

@@ -467,14 +467,17 @@ def select_best(records: list[dict[str, Any]], preset: Preset) -> list[dict[str,
                 for k, v in sorted(best_run.get("eval", {}).items())
                 if isinstance(v, (int, float)) and math.isfinite(v)
             }
+            spreads = {}
         else:
-            metrics = {}
+            metrics, spreads = {}, {}
             for key in sorted({k for r in runs for k in r.get("eval", {})}):
                 vals = [metric_value(r, key, higher) for r in runs]
                 vals = [v for v in vals if math.isfinite(v)]
                 if vals:
                     metrics[key] = agg(vals)
+                    spreads[key] = statistics.pstdev(vals) if len(vals) > 1 else 0.0
         row["metrics"] = metrics
+        row["metrics_std"] = spreads  # seed spread of every metric (mean over seeds only)
         row["curve"] = best_run.get("curve", [])
         row["eval_curve"] = [
             [r["step"], r[metric]] for r in best_run.get("eval_curve", []) if metric in r
@@ -593,6 +596,18 @@ def compare(
             else "in total (report only: this invocation trained nothing)"
         )
     )
+    # a large gap between the two says the models memorise their training data
+    pairs = [
+        (r["train_loss"], r["eval"]["loss"])
+        for r in finished
+        if r["status"] == "ok" and r.get("train_loss") is not None and "loss" in r.get("eval", {})
+    ]
+    if pairs:
+        train_losses, valid_losses = zip(*pairs)
+        details.append(
+            f"last logged training loss {min(train_losses):.3f}-{max(train_losses):.3f} vs "
+            f"validation loss {min(valid_losses):.3f}-{max(valid_losses):.3f} (all finished runs)"
+        )
     peaks = [r["peak_gpu_memory_gib"] for r in records if r.get("peak_gpu_memory_gib")]
     if peaks:
         details.append(f"peak GPU memory per run {min(peaks):.2f}-{max(peaks):.2f} GiB")

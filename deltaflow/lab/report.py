@@ -53,7 +53,9 @@ def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
                 mark = "*" if row.get("runs_finished") else ""  # interim: sweep unfinished
                 cells.append(_fmt(row["value"], row["std"]) + mark)
             else:
-                cells.append(_fmt(row["metrics"].get(metric)))
+                cells.append(
+                    _fmt(row["metrics"].get(metric), row.get("metrics_std", {}).get(metric, 0.0))
+                )
             hparams = f"{row['best_lr']:g}"
             if sweeps_wd and row.get("best_wd") is not None:
                 hparams += f", {row['best_wd']:g}"
