@@ -22,16 +22,19 @@ from pathlib import Path
 
 from deltaflow.cli import main as deltaflow_cli
 
-GRIDS = ("state_tracking", "mqar_512", "mad", "lm_corpus_50m", "state_tracking_15k")
+GRIDS = ("state_tracking", "mqar_512", "mad", "lm_corpus_50m", "state_tracking_15k", "mqar_512_8k")
 # a device folder trained beside its grid's own (two processes never share one runs.jsonl)
-MERGE_INTO = {"mqar_512_w128": "mqar_512"}
+MERGE_INTO = {"mqar_512_w128": "mqar_512", "mqar_512_w256": "mqar_512"}
 # what a grid's table is made of: its preset, and the arguments that narrow or change it
 REPORT_ARGS = {
-    "lm_corpus_50m": ["--preset", "lm_corpus_50m", "--shared", "shared"],
-    "state_tracking_15k": [
-        "--preset", "state_tracking", "--cells", "mod_arith", "--variants", "deltanet,deltanet_neg",
-        "--lrs", "1e-3", "--seeds", "2", "--steps", "15000",
-    ],
+    "lm_corpus_50m": "--preset lm_corpus_50m --shared shared".split(),
+    "state_tracking_15k": (
+        "--preset state_tracking --cells mod_arith --variants deltanet,deltanet_neg --lrs 1e-3 "
+        "--seeds 3 --steps 15000"
+    ).split(),
+    "mqar_512_8k": (
+        "--preset mqar_512 --widths 128 --variants linear,deltanet --lrs 1e-3 --steps 8000"
+    ).split(),
 }
 NOTE = (
     "Trained on the device machine named in results/PLAN.md (bf16 autocast, Triton backend, "
