@@ -4,7 +4,8 @@
 
 1. unpacks the archive into runs/ (so the next call to a fresh machine can carry runs/issue11);
 2. merges each grid's runs.jsonl into results/issue11/<grid>/runs.jsonl by run id (a fresh
-   machine's runs.jsonl holds only that machine's runs: never overwrite, always merge);
+   machine's runs.jsonl holds only that machine's runs: never overwrite, always merge), and
+   back into every folder of runs/issue11 that trains that grid (side folders included);
 3. copies the call's logs to results/issue11/logs/<call>_*.log (tokenizer progress dropped);
 4. re-makes each grid's results.md / summary.json / plots with `compare --report-only` over the
    full preset grid (a cell whose sweep is unfinished shows its best so far, marked *).
@@ -22,12 +23,21 @@ from pathlib import Path
 
 from deltaflow.cli import main as deltaflow_cli
 
-GRIDS = ("state_tracking", "mqar_512", "mad", "lm_corpus_50m", "state_tracking_15k", "mqar_512_8k")
+GRIDS = (
+    "state_tracking",
+    "mqar_512",
+    "mad",
+    "lm_corpus_50m",
+    "lm_corpus_1pass",
+    "state_tracking_15k",
+    "mqar_512_8k",
+)
 # a device folder trained beside its grid's own (two processes never share one runs.jsonl)
-MERGE_INTO = {"mqar_512_w128": "mqar_512", "mqar_512_w256": "mqar_512"}
+MERGE_INTO = {"mqar_512_w128": "mqar_512", "mqar_512_w256": "mqar_512", "mad_b": "mad"}
 # what a grid's table is made of: its preset, and the arguments that narrow or change it
 REPORT_ARGS = {
     "lm_corpus_50m": "--preset lm_corpus_50m --shared shared".split(),
+    "lm_corpus_1pass": "--preset lm_corpus_1pass --shared shared".split(),
     "state_tracking_15k": (
         "--preset state_tracking --cells mod_arith --variants deltanet,deltanet_neg --lrs 1e-3 "
         "--seeds 3 --steps 15000"
@@ -60,6 +70,16 @@ def merge_runs(src: Path, dst: Path) -> tuple[int, int]:
     return before, len(records)
 
 
+def prepare_carry(results: Path, unpacked: Path) -> None:
+    """Give every device folder under ``unpacked`` all finished runs of its grid, so that the
+    next call to a fresh machine can carry ``runs/issue11`` and every command's --resume skips
+    what any folder has finished (a side folder such as mad_b would otherwise retrain them)."""
+    for folder in (*GRIDS, *MERGE_INTO):
+        committed = results / MERGE_INTO.get(folder, folder) / "runs.jsonl"
+        if committed.is_file() and committed.read_text().strip():
+            merge_runs(committed, unpacked / folder / "runs.jsonl")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("archive", type=Path, help="issue11.tgz from a device call's $OUT")
@@ -80,6 +100,7 @@ def main() -> int:
         if src.is_file() and src.read_text().strip():
             before, after = merge_runs(src, args.results / grid / "runs.jsonl")
             print(f"{folder} -> {grid}: {before} -> {after} finished runs")
+    prepare_carry(args.results, unpacked)
     logs = args.results / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for log in sorted((unpacked / "logs").glob("*")):

@@ -31,3 +31,18 @@ def test_merge_keeps_old_runs_adds_new_ones_and_the_device_copy_wins(tmp_path):
     merged = {r["id"]: r["v"] for r in map(json.loads, committed.read_text().splitlines())}
     assert merged == {"a": 1, "b": 2, "c": 2}
     assert merge_runs(device, tmp_path / "new" / "runs.jsonl") == (0, 2)  # folder created
+
+
+def test_side_folders_get_their_grids_finished_runs_for_the_next_fresh_machine(tmp_path):
+    """mad_b trains beside mad; carried to a fresh machine it must already list mad's finished
+    runs, or its --resume would train them again."""
+    script = load_script()
+    results, unpacked = tmp_path / "results", tmp_path / "runs"
+    (results / "mad").mkdir(parents=True)
+    write(results / "mad" / "runs.jsonl", [{"id": "a", "v": 1}, {"id": "b", "v": 1}])
+    (unpacked / "mad").mkdir(parents=True)
+    write(unpacked / "mad" / "runs.jsonl", [{"id": "c", "v": 2}])  # a run not collected yet
+    script.prepare_carry(results, unpacked)
+    for folder, ids in (("mad", {"a", "b", "c"}), ("mad_b", {"a", "b"})):
+        lines = (unpacked / folder / "runs.jsonl").read_text().splitlines()
+        assert {json.loads(line)["id"] for line in lines} == ids

@@ -11,6 +11,7 @@ import json
 import multiprocessing as mp
 import os
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +19,13 @@ import torch
 import deltaflow.lab.grid as grid_module
 from deltaflow.cli import main
 from deltaflow.lab import Preset, expand_grid, get_preset, select_best
-from deltaflow.lab.presets import VARIANTS
+from deltaflow.lab.presets import CORPUS_TRAIN_TOKENS, VARIANTS
 from deltaflow.lab.report import results_table
 from deltaflow.tasks import get_task
 from deltaflow.tasks.mad import MAD_TASKS
 from deltaflow.train import build_task
+
+SHARED = Path(__file__).parents[2] / "shared"
 
 
 def _specs(name: str, **kw):
@@ -110,6 +113,31 @@ def test_lm_50m_preset_budget_seeds_and_lengths():
     for v in ("gated_efla", "relaxed_kaczmarz_noqnorm", "transformer"):
         assert seeds[v] == [0]
     assert cfg.task_kwargs["data_dir"] == "/shared/corpus"
+
+
+def test_lm_one_pass_preset_is_the_50m_grid_at_one_pass_over_the_corpus():
+    one, full = _specs("lm_corpus_1pass"), _specs("lm_corpus_50m")
+    cfg = one[0].config
+    tokens = cfg.steps * cfg.batch_size * cfg.task_kwargs["seq_len"]
+    assert 0.99 * CORPUS_TRAIN_TOKENS <= tokens <= CORPUS_TRAIN_TOKENS
+    # the same runs but for the steps (and the warmup that follows them): new ids
+    assert [(s.variant, s.seed, s.lr) for s in one] == [(s.variant, s.seed, s.lr) for s in full]
+    a, b = cfg.to_dict(), full[0].config.to_dict()
+    assert {k for k in a if a[k] != b[k]} == {"steps"}
+    assert not {s.run_id for s in one} & {s.run_id for s in full}
+    assert get_preset("lm_corpus_1pass").contrast == ("efla", "deltanet")
+
+
+@pytest.mark.skipif(not (SHARED / "corpus").is_dir(), reason="needs ../shared/corpus")
+def test_corpus_train_tokens_is_the_suggested_splits_size(tmp_path):
+    task = get_task(
+        "lm",
+        data_dir=SHARED / "corpus",
+        tokenizer="bpe",
+        tokenizer_path=SHARED / "tokenizers" / "gpt2.tiktoken",
+        cache_dir=tmp_path,
+    )
+    assert len(task.stream("train")) == CORPUS_TRAIN_TOKENS
 
 
 def test_presets_dry_run_from_the_command_line(capsys):
