@@ -14,6 +14,13 @@
 set -u
 commands_file=$1
 solo_probe=${2:-1}
+# two commands must not share an --out: each rewrites its folder's runs.jsonl and tables
+outs=$(grep -v '^#' "$commands_file" | grep -o -- '--out [^ ]*' | sort)
+if [ -n "$(echo "$outs" | uniq -d)" ]; then
+    echo "error: $commands_file: two lines share an --out: $(echo "$outs" | uniq -d | tr '\n' ' ')" >&2
+    exit 2
+fi
+
 out=${OUT:-runs/issue11/out}
 mkdir -p runs/issue11/logs "$out"
 rm -f runs/issue11/logs/*  # a warm machine keeps the last call's logs: start clean
