@@ -120,10 +120,11 @@ def test_lm_one_pass_preset_is_the_50m_grid_at_one_pass_over_the_corpus():
     cfg = one[0].config
     tokens = cfg.steps * cfg.batch_size * cfg.task_kwargs["seq_len"]
     assert 0.99 * CORPUS_TRAIN_TOKENS <= tokens <= CORPUS_TRAIN_TOKENS
-    # the same runs but for the steps (and the warmup that follows them): new ids
+    # the same runs but for the steps and a validation curve: new ids
     assert [(s.variant, s.seed, s.lr) for s in one] == [(s.variant, s.seed, s.lr) for s in full]
     a, b = cfg.to_dict(), full[0].config.to_dict()
-    assert {k for k in a if a[k] != b[k]} == {"steps"}
+    assert {k for k in a if a[k] != b[k]} == {"steps", "eval_every"}
+    assert 0 < cfg.eval_every < cfg.steps
     assert not {s.run_id for s in one} & {s.run_id for s in full}
     assert get_preset("lm_corpus_1pass").contrast == ("efla", "deltanet")
 
