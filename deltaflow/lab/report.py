@@ -49,13 +49,12 @@ def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
             if row is None:
                 cells.append("-")
                 continue
+            mark = "*" if row.get("runs_finished") else ""  # interim: sweep unfinished
             if metric == preset.metric:
-                mark = "*" if row.get("runs_finished") else ""  # interim: sweep unfinished
                 cells.append(_fmt(row["value"], row["std"]) + mark)
             else:
-                cells.append(
-                    _fmt(row["metrics"].get(metric), row.get("metrics_std", {}).get(metric, 0.0))
-                )
+                std = row.get("metrics_std", {}).get(metric, 0.0)
+                cells.append(_fmt(row["metrics"].get(metric), std) + mark)
             hparams = f"{row['best_lr']:g}"
             if sweeps_wd and row.get("best_wd") is not None:
                 hparams += f", {row['best_wd']:g}"
