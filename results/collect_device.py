@@ -43,7 +43,8 @@ REPORT_ARGS = {
         "--seeds 3 --steps 15000"
     ).split(),
     "mqar_512_8k": (
-        "--preset mqar_512 --widths 128 --variants linear,deltanet --lrs 1e-3 --steps 8000"
+        "--preset mqar_512 --widths 128 --variants linear,deltanet,gated_deltanet --lrs 1e-3 "
+        "--seeds 2 --steps 8000"
     ).split(),
 }
 NOTE = (
