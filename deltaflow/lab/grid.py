@@ -162,6 +162,24 @@ def run_dir_name(run_id: str) -> str:
 FINISHED = ("ok", "diverged")
 
 
+# the status of a run that has not started (or not finished): not a result, never written
+NOT_STARTED = {"status": "partial", "step": None, "seconds": 0.0}
+
+
+def _record_head(spec: RunSpec, cfg: TrainConfig) -> dict[str, Any]:
+    """What every record of a run starts with: its grid point and config."""
+    return {
+        "id": spec.run_id,
+        "variant": spec.variant,
+        "cell": spec.cell,
+        "width": spec.width,
+        "lr": spec.lr,
+        "weight_decay": cfg.weight_decay,
+        "seed": spec.seed,
+        "config": cfg.to_dict(),
+    }
+
+
 def run_one(
     spec: RunSpec,
     *,
@@ -179,18 +197,9 @@ def run_one(
     """
     cfg = spec.config.replace(progress=progress)
     start = time.perf_counter()
-    record: dict[str, Any] = {
-        "id": spec.run_id,
-        "variant": spec.variant,
-        "cell": spec.cell,
-        "width": spec.width,
-        "lr": spec.lr,
-        "weight_decay": cfg.weight_decay,
-        "seed": spec.seed,
-        "config": cfg.to_dict(),
-    }
+    record = _record_head(spec, cfg)
     if deadline is not None and time.time() >= deadline:  # queued past the time limit
-        return {**record, "status": "partial", "step": None, "seconds": 0.0}
+        return {**record, **NOT_STARTED}
     # the run directory goes into the trainer's config only: record and run id stay as before
     run_cfg = cfg
     if runs_root is not None:
@@ -308,19 +317,10 @@ def run_grid(
     """
     if not train:
         done = load_runs(Path(out_dir) / "runs.jsonl")
-        not_trained = {"status": "partial", "step": None, "seconds": 0.0}
         return [
             done[s.run_id]
             if done.get(s.run_id, {}).get("status") in FINISHED
-            else {
-                "id": s.run_id,
-                "variant": s.variant,
-                "cell": s.cell,
-                "width": s.width,
-                "lr": s.lr,
-                "seed": s.seed,
-                **not_trained,
-            }
+            else {**_record_head(s, s.config), **NOT_STARTED}
             for s in specs
         ]
     if checkpoint_minutes is not None and not checkpoint_minutes > 0:
