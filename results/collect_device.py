@@ -71,14 +71,22 @@ def merge_runs(src: Path, dst: Path) -> tuple[int, int]:
     return before, len(records)
 
 
+def folders() -> list[tuple[str, str]]:
+    """(device folder, the grid it belongs to) for every folder a call may bring back."""
+    return [(folder, MERGE_INTO.get(folder, folder)) for folder in (*GRIDS, *MERGE_INTO)]
+
+
+def has_runs(path: Path) -> bool:
+    return path.is_file() and bool(path.read_text().strip())
+
+
 def prepare_carry(results: Path, unpacked: Path) -> None:
     """Give every device folder under ``unpacked`` all finished runs of its grid, so that the
     next call to a fresh machine can carry ``runs/issue11`` and every command's --resume skips
     what any folder has finished (a side folder such as mad_b would otherwise retrain them)."""
-    for folder in (*GRIDS, *MERGE_INTO):
-        committed = results / MERGE_INTO.get(folder, folder) / "runs.jsonl"
-        if committed.is_file() and committed.read_text().strip():
-            merge_runs(committed, unpacked / folder / "runs.jsonl")
+    for folder, grid in folders():
+        if has_runs(results / grid / "runs.jsonl"):
+            merge_runs(results / grid / "runs.jsonl", unpacked / folder / "runs.jsonl")
 
 
 def main() -> int:
@@ -95,10 +103,9 @@ def main() -> int:
     shutil.rmtree(unpacked / "logs", ignore_errors=True)
     with tarfile.open(args.archive) as tar:
         tar.extractall("runs", filter="data")  # the archive holds issue11/...
-    for folder in (*GRIDS, *MERGE_INTO):
+    for folder, grid in folders():
         src = unpacked / folder / "runs.jsonl"
-        grid = MERGE_INTO.get(folder, folder)
-        if src.is_file() and src.read_text().strip():
+        if has_runs(src):
             before, after = merge_runs(src, args.results / grid / "runs.jsonl")
             print(f"{folder} -> {grid}: {before} -> {after} finished runs")
     prepare_carry(args.results, unpacked)
@@ -111,8 +118,7 @@ def main() -> int:
     if args.no_report:
         return 0
     for grid in GRIDS:
-        runs = args.results / grid / "runs.jsonl"
-        if runs.is_file() and runs.read_text().strip():  # no table for a grid with no runs yet
+        if has_runs(args.results / grid / "runs.jsonl"):  # no table for a grid with no runs yet
             argv = ["compare", *REPORT_ARGS.get(grid, ["--preset", grid]), "--device", "cuda"]
             argv += ["--report-only", "--no-progress", "--note", NOTE]
             argv += ["--out", str(args.results / grid)]
