@@ -216,15 +216,6 @@ def device_name(device: str) -> str:
         return "cuda (nvidia-smi unavailable)"
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def markdown(report: dict[str, Any]) -> str:
     s = report["setup"]
     lines = [
@@ -333,6 +324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
+    from model_training import git_commit  # run as a script: benchmarks/ is on sys.path
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
