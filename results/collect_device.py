@@ -6,6 +6,9 @@
 2. merges each grid's runs.jsonl into results/issue11/<grid>/runs.jsonl by run id (a fresh
    machine's runs.jsonl holds only that machine's runs: never overwrite, always merge), and
    back into every folder of runs/issue11 that trains that grid (side folders included);
+   With resume.tgz beside the archive (results/pack_resume.py: the newest checkpoints of small
+   unfinished runs), unpacks it into runs/ too, so those runs continue on the next fresh
+   machine instead of starting over; run directories of runs finished since are deleted;
 3. copies the call's logs to results/issue11/logs/<call>_*.log (tokenizer progress dropped);
 4. re-makes each grid's results.md / summary.json / plots with `compare --report-only` over the
    full preset grid (a cell whose sweep is unfinished shows its best so far, marked *).
@@ -22,6 +25,7 @@ import tarfile
 from pathlib import Path
 
 from deltaflow.cli import main as deltaflow_cli
+from deltaflow.lab.grid import finished_run_dirs
 
 GRIDS = (
     "state_tracking",
@@ -83,10 +87,26 @@ def has_runs(path: Path) -> bool:
 def prepare_carry(results: Path, unpacked: Path) -> None:
     """Give every device folder under ``unpacked`` all finished runs of its grid, so that the
     next call to a fresh machine can carry ``runs/issue11`` and every command's --resume skips
-    what any folder has finished (a side folder such as mad_b would otherwise retrain them)."""
+    what any folder has finished (a side folder such as mad_b would otherwise retrain them).
+    Run directories (checkpoints from resume.tgz) of runs finished since are deleted."""
     for folder, grid in folders():
         if has_runs(results / grid / "runs.jsonl"):
             merge_runs(results / grid / "runs.jsonl", unpacked / folder / "runs.jsonl")
+        done = finished_run_dirs(unpacked / folder / "runs.jsonl")
+        for name in done & {p.name for p in (unpacked / folder / "runs").glob("*")}:
+            shutil.rmtree(unpacked / folder / "runs" / name)
+
+
+def restore_checkpoints(archive: Path, runs: Path) -> list[str]:
+    """Unpack resume.tgz into ``runs``, each packed run directory replacing the one there (its
+    older checkpoints would only take carry space); returns the restored run directories."""
+    with tarfile.open(archive) as tar:
+        # names are issue11/<folder>/runs/<run dir>/...: the first four parts name the run
+        run_dirs = sorted({"/".join(Path(m.name).parts[:4]) for m in tar.getmembers()})
+        for run_dir in run_dirs:
+            shutil.rmtree(runs / run_dir, ignore_errors=True)
+        tar.extractall(runs, filter="data")
+    return run_dirs
 
 
 def main() -> int:
@@ -103,6 +123,10 @@ def main() -> int:
     shutil.rmtree(unpacked / "logs", ignore_errors=True)
     with tarfile.open(args.archive) as tar:
         tar.extractall("runs", filter="data")  # the archive holds issue11/...
+    resume = args.archive.with_name("resume.tgz")
+    if resume.is_file():
+        for run_dir in restore_checkpoints(resume, Path("runs")):
+            print(f"checkpoint restored for the next fresh machine: runs/{run_dir}")
     for folder, grid in folders():
         src = unpacked / folder / "runs.jsonl"
         if has_runs(src):

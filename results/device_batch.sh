@@ -3,10 +3,12 @@
 # leave the GPU mostly idle, so concurrent processes are where the throughput is), then pack their
 # result folders into $OUT. Usage, from the repo root on the device:
 #
-#   bash results/device_batch.sh COMMANDS_FILE [SOLO_PROBE=1]
+#   bash results/device_batch.sh COMMANDS_FILE [SOLO_PROBE=1] [TIME_LIMIT]
 #
 # COMMANDS_FILE: one `deltaflow compare` argument list per line ('#' lines skipped); every line
 # should carry --resume and a --time-limit that ends before the call's 10-minute kill.
+# TIME_LIMIT (minutes) replaces every line's --time-limit: for a short last call of a chain
+# on the session's remaining device time, with the same file (finished grids skip at once).
 # The CUDA MPS daemon is started first (kernels of different processes then share the GPU
 # instead of time-slicing it); if a CUDA check fails under it, it is stopped and the runs go on
 # without it. With SOLO_PROBE=1 a 200-step state-tracking run trains alone first: its tokens/s
@@ -14,6 +16,7 @@
 set -u
 commands_file=$1
 solo_probe=${2:-1}
+time_limit=${3:-}
 # two commands must not share an --out: each rewrites its folder's runs.jsonl and tables
 outs=$(grep -v '^#' "$commands_file" | grep -o -- '--out [^ ]*' | sort)
 if [ -n "$(echo "$outs" | uniq -d)" ]; then
@@ -54,6 +57,9 @@ pids=()
 while IFS= read -r line; do
     case "$line" in ''|'#'*) continue ;; esac
     i=$((i + 1))
+    if [ -n "$time_limit" ]; then
+        line=$(echo "$line" | sed -E "s/--time-limit [0-9.]+/--time-limit $time_limit/")
+    fi
     echo "[$i] deltaflow compare $line"
     # shellcheck disable=SC2086  # the line is an argument list
     $cli $line --no-progress > "runs/issue11/logs/cmd$i.log" 2>&1 &
@@ -65,4 +71,6 @@ kill "$smi" 2>/dev/null
 for log in runs/issue11/logs/cmd*.log; do echo "== $log"; tail -n 4 "$log"; done
 # finished runs live in runs.jsonl; the per-run checkpoint folders stay here (too big for $OUT)
 tar czf "$out/issue11.tgz" -C runs --exclude='issue11/*/runs' --exclude='issue11/*/runs.prev' issue11
+# except small unfinished runs' newest checkpoints: they fit $OUT and the next machine's carry
+python3 results/pack_resume.py runs/issue11 "$out/resume.tgz"
 ls -la "$out"

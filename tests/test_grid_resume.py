@@ -5,8 +5,10 @@ same final metrics, same weights (CPU). Tiny real models on a tiny MQAR; each gr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import tarfile
 import time
 import types
 from pathlib import Path
@@ -249,3 +251,62 @@ def test_gpu_runs_record_their_peak_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
     records = grid_module.run_grid(specs()[:1], tmp_path, progress=False)
     assert calls == ["reset"] and records[0]["peak_gpu_memory_gib"] == 3.0
+
+
+# ------------------------------------------------------------------------- across machines
+def load_results_script(name: str) -> types.ModuleType:
+    path = Path(__file__).resolve().parents[1] / "results" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_packed_checkpoints_continue_a_run_on_another_machine(tmp_path, monkeypatch, straight):
+    """results/pack_resume.py packs the newest checkpoint of each unfinished run; unpacked by
+    collect_device.py into another folder (the next fresh machine's carry), the runs continue
+    from there and end as the uninterrupted runs do."""
+    pack_resume, collect = load_results_script("pack_resume"), load_results_script("collect_device")
+    by_id, straight_out = straight
+    device = tmp_path / "device" / "issue11" / "mad"  # a folder collect_device knows
+    stop_at_the_deadline(monkeypatch)
+    for _ in range(2):  # two calls: checkpoints at steps 5 and 10, the newest is 10
+        grid_module.run_grid(
+            specs(), device, progress=False, resume=True, deadline=time.time() + 3600
+        )
+    monkeypatch.undo()
+
+    archive = tmp_path / "out" / "resume.tgz"
+    archive.parent.mkdir()
+    assert pack_resume.pack(device.parent, archive, max_bytes=1) == []  # nothing fits
+    assert not archive.exists()
+    packed = pack_resume.pack(device.parent, archive, max_bytes=2**30)
+    assert sorted(p.name for p in packed) == sorted(run_dir(device, s).name for s in specs())
+    with tarfile.open(archive) as tar:
+        names = tar.getnames()
+    assert all(n.startswith("issue11/mad/runs/") for n in names)
+    assert any("step_0000010" in n for n in names) and not any("step_0000005" in n for n in names)
+
+    local = tmp_path / "here"
+    first, second = specs()
+    stale = run_dir(local / "issue11" / "mad", first) / "checkpoints" / "step_0000005"
+    stale.mkdir(parents=True)  # an older restore of the same run: replaced, not merged
+    restored = collect.restore_checkpoints(archive, local)
+    assert len(restored) == 2 and not stale.exists()
+
+    out = local / "issue11" / "mad"
+    records = grid_module.run_grid(specs(), out, progress=False, resume=True, keep_run_dirs=True)
+    for spec, record in zip(specs(), records):
+        same_result(record, by_id[spec.run_id])
+        for name, tensor in final_weights(straight_out, spec).items():
+            assert torch.equal(final_weights(out, spec)[name], tensor), name
+        events = [r for r in read_log(run_dir(out, spec)) if r["kind"] == "event"]
+        assert [(r["event"], r["step"]) for r in events][-1] == ("resume", 10)
+
+    # collected: the directories of runs finished since leave the carry (here: the first)
+    (out / "runs.jsonl").write_text("")
+    results = tmp_path / "results"
+    (results / "mad").mkdir(parents=True)
+    (results / "mad" / "runs.jsonl").write_text(json.dumps(by_id[first.run_id]) + "\n")
+    collect.prepare_carry(results, local / "issue11")
+    assert not run_dir(out, first).exists() and run_dir(out, second).exists()

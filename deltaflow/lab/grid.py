@@ -162,6 +162,12 @@ def run_dir_name(run_id: str) -> str:
 FINISHED = ("ok", "diverged")
 
 
+def finished_run_dirs(runs_jsonl: Path) -> set[str]:
+    """Directory names of the runs that ``runs_jsonl`` lists as finished (kept, never resumed)."""
+    runs = load_runs(runs_jsonl).values()
+    return {run_dir_name(r["id"]) for r in runs if r.get("status") in FINISHED}
+
+
 # the status of a run that has not started (or not finished): not a result, never written
 NOT_STARTED = {"status": "partial", "step": None, "seconds": 0.0}
 
