@@ -7,6 +7,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
+from deltaflow.cli import main as deltaflow_cli
+
 SCRIPT = Path(__file__).resolve().parents[1] / "results" / "collect_device.py"
 
 
@@ -46,3 +50,30 @@ def test_side_folders_get_their_grids_finished_runs_for_the_next_fresh_machine(t
     for folder, ids in (("mad", {"a", "b", "c"}), ("mad_b", {"a", "b"})):
         lines = (unpacked / folder / "runs.jsonl").read_text().splitlines()
         assert {json.loads(line)["id"] for line in lines} == ids
+
+
+NEXT = Path(__file__).resolve().parents[1] / "results" / "issue11" / "next"
+
+
+def command_lines(path: Path) -> list[list[str]]:
+    lines = path.read_text().splitlines()
+    return [line.split() for line in lines if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("path", sorted(NEXT.glob("*.txt")), ids=lambda p: p.name)
+def test_next_sessions_command_files_parse_and_land_where_collect_device_looks(
+    path, tmp_path, monkeypatch, capsys
+):
+    """Each line of a queued device call is a valid `compare` argument list (checked here, at
+    no device time), lines of one file never share an --out, and every --out is a folder that
+    collect_device.py merges (a folder it does not know would be trained and never collected)."""
+    known = {folder for folder, _ in load_script().folders()}
+    monkeypatch.chdir(tmp_path)  # --dry-run reads nothing of this checkout's runs/
+    outs = []
+    for argv in command_lines(path):
+        assert deltaflow_cli(["compare", *argv, "--dry-run"]) == 0, argv
+        out = Path(argv[argv.index("--out") + 1])
+        assert out.parent == Path("runs/issue11") and out.name in known, out
+        outs.append(out)
+    assert outs and len(outs) == len(set(outs))
+    assert "runs of" in capsys.readouterr().out
