@@ -431,6 +431,13 @@ def test_language_task_split_cache_batches_and_extrapolation(corpus, tmp_path, m
     assert len(spans[0]) % 64 == 0 and len(spans[0]) > 0
 
 
+def test_language_train_passes_count_the_training_split(corpus, tmp_path):
+    task = LanguageModeling(corpus, seq_len=16, valid_files=["d.txt"], cache_dir=tmp_path)
+    n = len(task.stream("train"))
+    assert task.train_passes(10, 4) == pytest.approx(10 * 4 * 16 / n)
+    assert task.train_passes(n, 1) == pytest.approx(16.0)  # n windows of 16 tokens
+
+
 def test_language_metrics_bits_per_byte(corpus, tmp_path):
     task = LanguageModeling(corpus, seq_len=12, valid_files=["a.txt"], cache_dir=tmp_path)
     batch = next(task.eval_batches("valid", batch_size=4))

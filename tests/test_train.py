@@ -192,6 +192,34 @@ def test_training_learns_the_toy_task_and_writes_logs(tmp_path):
     assert TrainConfig.from_yaml(run / "config.yaml") == cfg
 
 
+class FiniteToyTask(ToyTask):
+    """The toy task read from a finite training split of ``train_tokens`` tokens (like a corpus)."""
+
+    train_tokens = 4 * 8 * 13  # 4 steps of batch 8 (sequences of 13) are one pass
+
+    def train_passes(self, steps: int, batch_size: int) -> float:
+        return steps * batch_size * self.seq_len / self.train_tokens
+
+
+def test_more_than_one_pass_over_a_finite_split_is_warned_about_and_logged(tmp_path, recwarn):
+    """A language model trained for ~7 passes over a small corpus memorises it (issue 11's
+    50M-token runs): the trainer says so at the start and logs the passes."""
+    for steps, warned in ((4, False), (6, True)):
+        torch.manual_seed(0)
+        out = tmp_path / f"steps{steps}"
+        cfg = toy_config(steps=steps, eval_every=0, out_dir=str(out))
+        Trainer(cfg, model=ToyModel(), task=FiniteToyTask()).train()
+        start = next(r for r in read_log(out) if r["kind"] == "event")
+        assert start["event"] == "start" and start["train_passes"] == steps / 4
+        messages = [str(w.message) for w in recwarn.list if "training split" in str(w.message)]
+        assert bool(messages) == warned, messages
+        assert not warned or "~1.5 times" in messages[0]
+        recwarn.clear()
+    Trainer(toy_config(steps=2, out_dir=str(tmp_path / "toy")), **_toy()).train()
+    start = next(r for r in read_log(tmp_path / "toy") if r["kind"] == "event")
+    assert "train_passes" not in start  # a task without a finite split logs none
+
+
 def test_checkpoint_layout_atomic_prune_and_tied_weights(tmp_path):
     model, task = make()
     cfg = toy_config(steps=6, ckpt_every=2, keep_checkpoints=2, out_dir=str(tmp_path))

@@ -243,6 +243,11 @@ class LanguageModeling(Task):
         starts = torch.randint(0, n_start, (batch_size,), generator=g).tolist()
         return self._windows(stream, starts, self.seq_len)
 
+    def train_passes(self, steps: int, batch_size: int) -> float:
+        """How many times ``steps`` batches of ``batch_size`` windows read the training split
+        (in expectation: windows start at random); above 1 a model can memorise the split."""
+        return steps * batch_size * self.seq_len / len(self.stream("train"))
+
     def eval_starts(self, split: str = "valid", length: int | None = None) -> list[int]:
         length = self.seq_len if length is None else check_int("length", length, 1)
         n = len(self.stream(split)) - 1

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,15 +431,36 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ the loop
+    def _data_passes(self) -> dict[str, float]:
+        """Passes over a finite training split (language modelling), warned about above one:
+        past it the training loss falls away from the validation loss (memorising)."""
+        if not hasattr(self.task, "train_passes"):
+            return {}  # synthetic tasks draw fresh examples (or say their size in their config)
+        passes = self.task.train_passes(self.config.steps, self.config.batch_size)
+        if passes > 1:
+            warnings.warn(
+                f"{self.config.steps} steps x batch {self.config.batch_size} read the training "
+                f"split ~{passes:.1f} times (random windows): expect memorising, a training loss "
+                "well below the validation loss; pass a larger corpus or fewer steps for one pass",
+                stacklevel=2,
+            )
+        return {"train_passes": passes}
+
     def train(self) -> dict[str, Any]:
         """Run (or continue) training to ``config.steps``; returns a summary dict."""
         cfg = self.config
         main = self.dist.is_main
+        passes = self._data_passes() if main and self.step == 0 else {}  # warns past one pass
         if main and self.step == 0 and cfg.out_dir is not None:
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             cfg.to_yaml(Path(cfg.out_dir) / "config.yaml")
             self.logger.log(
-                "event", 0, event="start", num_params=self.num_params, config=cfg.to_dict()
+                "event",
+                0,
+                event="start",
+                num_params=self.num_params,
+                config=cfg.to_dict(),
+                **passes,
             )
         elif main and self.step > 0:
             self.logger.log("event", self.step, event="resume")
