@@ -28,6 +28,9 @@ out=${OUT:-runs/issue11/out}
 mkdir -p runs/issue11/logs "$out"
 rm -f runs/issue11/logs/*  # a warm machine keeps the last call's logs: start clean
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# many processes share one GPU: grow each one's cache in place instead of in fixed blocks
+# (session 6's 18 processes held ~1.3x their runs' peak memory: 142 of 143.8 GB)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 cli="python3 -m deltaflow.cli compare"
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
