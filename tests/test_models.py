@@ -199,7 +199,9 @@ def test_gradient_checkpointing_gives_same_gradients():
     model(ids, labels=ids).loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    model.gradient_checkpointing_enable()
+    # transformers renamed it (the old name warns from 5.2x on); the GPU image's 5.17 has only it
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    enable()
     assert model.model.gradient_checkpointing
     model(ids, labels=ids).loss.backward()
     for n, p in model.named_parameters():
