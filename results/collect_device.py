@@ -35,6 +35,7 @@ GRIDS = (
     "lm_corpus_1pass",
     "state_tracking_15k",
     "mqar_512_8k",
+    "mqar_512_padded",
 )
 # a device folder trained beside its grid's own (two processes never share one runs.jsonl)
 MERGE_INTO = {"mqar_512_w128": "mqar_512", "mqar_512_w256": "mqar_512", "mad_b": "mad"}
@@ -49,6 +50,11 @@ REPORT_ARGS = {
     "mqar_512_8k": (
         "--preset mqar_512 --widths 128 --variants linear,deltanet,gated_deltanet --lrs 1e-3 "
         "--seeds 2 --steps 8000"
+    ).split(),
+    # as Zoology's figure-2 configs: padding, not random tokens, between the queries
+    "mqar_512_padded": (
+        "--preset mqar_512 --set task_kwargs.random_non_queries=false --widths 64,128 "
+        "--variants linear,deltanet,transformer --lrs 1e-3,3e-3 --seeds 2"
     ).split(),
 }
 NOTE = (
