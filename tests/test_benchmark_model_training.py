@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "model_training.py"
+from _scripts import load_script
 
 
 def test_model_training_benchmark_cpu_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("model_training", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/model_training.py")
     args = "--device cpu --layers 2 --seq 64 --batch 2 --steps 2 --warmup 1 --skip-fla"
     args += f" --hidden 64 --heads 2 --head-dim 32 --vocab 256 --top 5 --out {tmp_path}"
     report = bench.main(args.split())

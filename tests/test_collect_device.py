@@ -3,22 +3,17 @@ fresh machine's runs.jsonl holds only its own runs, so copying it over would los
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 from deltaflow.cli import main as deltaflow_cli
 
-SCRIPT = Path(__file__).resolve().parents[1] / "results" / "collect_device.py"
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("collect_device", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def collect_device():
+    return load_script("results/collect_device.py")
 
 
 def write(path: Path, records: list[dict]) -> None:
@@ -26,7 +21,7 @@ def write(path: Path, records: list[dict]) -> None:
 
 
 def test_merge_keeps_old_runs_adds_new_ones_and_the_device_copy_wins(tmp_path):
-    merge_runs = load_script().merge_runs
+    merge_runs = collect_device().merge_runs
     committed, device = tmp_path / "results" / "runs.jsonl", tmp_path / "device.jsonl"
     committed.parent.mkdir()
     write(committed, [{"id": "a", "v": 1}, {"id": "b", "v": 1}])
@@ -40,7 +35,7 @@ def test_merge_keeps_old_runs_adds_new_ones_and_the_device_copy_wins(tmp_path):
 def test_side_folders_get_their_grids_finished_runs_for_the_next_fresh_machine(tmp_path):
     """mad_b trains beside mad; carried to a fresh machine it must already list mad's finished
     runs, or its --resume would train them again."""
-    script = load_script()
+    script = collect_device()
     results, unpacked = tmp_path / "results", tmp_path / "runs"
     (results / "mad").mkdir(parents=True)
     write(results / "mad" / "runs.jsonl", [{"id": "a", "v": 1}, {"id": "b", "v": 1}])
@@ -67,7 +62,7 @@ def test_next_sessions_command_files_parse_and_land_where_collect_device_looks(
     """Each line of a queued device call is a valid `compare` argument list (checked here, at
     no device time), lines of one file never share an --out, and every --out is a folder that
     collect_device.py merges (a folder it does not know would be trained and never collected)."""
-    known = {folder for folder, _ in load_script().folders()}
+    known = {folder for folder, _ in collect_device().folders()}
     monkeypatch.chdir(tmp_path)  # --dry-run reads nothing of this checkout's runs/
     outs = []
     for argv in command_lines(path):

@@ -5,7 +5,6 @@ same final metrics, same weights (CPU). Tiny real models on a tiny MQAR; each gr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import tarfile
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _scripts import load_script
 from safetensors.torch import load_file
 
 import deltaflow.lab.grid as grid_module
@@ -254,19 +254,12 @@ def test_gpu_runs_record_their_peak_memory(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------- across machines
-def load_results_script(name: str) -> types.ModuleType:
-    path = Path(__file__).resolve().parents[1] / "results" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_packed_checkpoints_continue_a_run_on_another_machine(tmp_path, monkeypatch, straight):
     """results/pack_resume.py packs the newest checkpoint of each unfinished run; unpacked by
     collect_device.py into another folder (the next fresh machine's carry), the runs continue
     from there and end as the uninterrupted runs do."""
-    pack_resume, collect = load_results_script("pack_resume"), load_results_script("collect_device")
+    pack_resume = load_script("results/pack_resume.py")
+    collect = load_script("results/collect_device.py")
     by_id, straight_out = straight
     device = tmp_path / "device" / "issue11" / "mad"  # a folder collect_device knows
     stop_at_the_deadline(monkeypatch)
