@@ -201,6 +201,10 @@ def test_compare_grid_writes_table_plots_and_resumes(tmp_path, monkeypatch):
     # a changed grid point (steps) gets a new id: it is not silently reused
     ids = {s.run_id for s in expand_grid(preset, device="cpu")}
     assert not ids & {s.run_id for s in expand_grid(preset, device="cpu", steps=3)}
+    # which GPU of a host runs it is not: a grid pinned to 'cuda:1' resumes a 'cuda' grid's runs
+    on_gpu = [s.run_id for s in expand_grid(preset, device="cuda")]
+    assert on_gpu == [s.run_id for s in expand_grid(preset, device="cuda:1")]
+    assert not ids & set(on_gpu)
 
 
 def _record(variant, lr, seed, value, status="ok", width=None):

@@ -55,7 +55,10 @@ class RunSpec:
 
     @property
     def run_id(self) -> str:
-        text = json.dumps(self.config.to_dict(), sort_keys=True)
+        config = self.config.to_dict()
+        if str(config.get("device", "")).startswith("cuda:"):  # which GPU of a host ran it is
+            config["device"] = "cuda"  # not part of the run: 'cuda:1' resumes a 'cuda' run
+        text = json.dumps(config, sort_keys=True)
         if self.shared:  # the same run on another machine (another checkout path): same id
             prefix = json.dumps(self.shared.rstrip("/") + "/")[:-1]  # '"<shared>/': path starts
             text = text.replace(prefix, '"{shared}/')
