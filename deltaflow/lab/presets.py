@@ -270,8 +270,8 @@ MAD = Preset(
         "DeltaNet paper (MAD scores, x100): DeltaNet in-context recall 100, fuzzy recall "
         "35.7, noisy recall 100, selective copy 100, compress 42.2, memorize 52.8 (avg 71.8); "
         "Transformer avg 74.5. Those average each task's harder variants and MAD trains "
-        "10x longer: compare the pattern (which tasks a model solves), not the values; this "
-        "preset's compress and memorize are easier (docs/tasks.md)."
+        "10x longer (memorize 5x shorter): compare the pattern (which tasks a model solves), "
+        "not the values; this preset's compress and memorize are easier (docs/tasks.md)."
     ),
 )
 
