@@ -341,7 +341,9 @@ def benchmark(
 def git_commit() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            # '-dirty' when the files differ from that commit (a copy synced onto a device
+            # machine may carry an older .git than its working tree)
+            ["git", "describe", "--always", "--dirty"],
             cwd=Path(__file__).resolve().parent,  # this checkout's commit, from any directory
             capture_output=True,
             text=True,
