@@ -1,0 +1,74 @@
+"""Issue 11, item 4: validation perplexity per rule at one pass over the corpus vs ~7 passes.
+
+    python3 results/plot_lm_regimes.py   # writes results/issue11/lm_regimes.png
+
+Reads the committed `runs.jsonl` of `issue11/lm_corpus_1pass` (7.06M tokens a run) and
+`issue11/lm_corpus_50m` (50M tokens: ~7 passes over the 7.07M-token training split) and draws
+every seed's ppl@512 per variant, one panel per regime, so the flip between the regimes (the
+gated rules best at one pass, worst after memorising) is visible at a glance.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent / "issue11"
+REGIMES = {
+    "lm_corpus_1pass": "one pass (7.06M tokens)",
+    "lm_corpus_50m": "50M tokens (~7 passes, memorised)",
+}
+ORDER = [  # the claims' variants first, in the order the claims name them
+    "deltanet",
+    "efla",
+    "gated_deltanet",
+    "gated_efla",
+    "kaczmarz",
+    "longhorn",
+    "relaxed_kaczmarz",
+    "relaxed_kaczmarz_noqnorm",
+    "transformer",
+]
+
+
+def load(grid: str) -> dict[str, list[float]]:
+    """variant -> ppl@512 of each finished seed."""
+    ppl: dict[str, list[float]] = {}
+    for line in (HERE / grid / "runs.jsonl").read_text().splitlines():
+        run = json.loads(line)
+        if run.get("status") == "ok":
+            ppl.setdefault(run["variant"], []).append(run["eval"]["ppl@512"])
+    return ppl
+
+
+def main() -> None:
+    runs = {grid: load(grid) for grid in REGIMES}
+    names = [v for v in ORDER if any(v in ppl for ppl in runs.values())]  # same x in both
+    fig, axes = plt.subplots(1, len(REGIMES), figsize=(12, 4.8))
+    for ax, (grid, title) in zip(axes, REGIMES.items(), strict=True):
+        for x, name in enumerate(names):
+            values = runs[grid].get(name)
+            if not values:  # not trained in this regime (yet)
+                continue
+            ax.scatter([x] * len(values), values, color="C0" if "gated" not in name else "C3")
+            ax.hlines(sum(values) / len(values), x - 0.25, x + 0.25, color="0.3")
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        ax.set_title(title)
+        ax.set_ylabel("validation ppl@512")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(
+        "31M-parameter models on the offline corpus (a dot per seed, a bar per mean; red: gated)"
+    )
+    fig.tight_layout()
+    out = HERE / "lm_regimes.png"
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
