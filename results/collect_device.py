@@ -54,7 +54,7 @@ REPORT_ARGS = {
     # as Zoology's figure-2 configs: padding, not random tokens, between the queries
     "mqar_512_padded": (
         "--preset mqar_512 --set task_kwargs.random_non_queries=false --widths 64,128 "
-        "--variants linear,deltanet,transformer --lrs 1e-3,3e-3 --seeds 2"
+        "--variants linear,deltanet,transformer --lrs 1e-3,3e-3 --seeds 4"
     ).split(),
 }
 NOTE = (

@@ -4,6 +4,7 @@ the deltaflow package, and tests call their functions directly."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 import types
 from pathlib import Path
 
@@ -15,5 +16,6 @@ def load_script(relative_path: str) -> types.ModuleType:
     path = REPO / relative_path
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module

@@ -115,13 +115,16 @@ def test_lm_50m_preset_budget_seeds_and_lengths():
     assert cfg.task_kwargs["data_dir"] == "/shared/corpus"
 
 
-def test_lm_one_pass_preset_is_the_50m_grid_at_one_pass_over_the_corpus():
+def test_lm_one_pass_preset_is_the_50m_grid_at_one_pass_over_the_corpus_with_six_seeds():
     one, full = _specs("lm_corpus_1pass"), _specs("lm_corpus_50m")
     cfg = one[0].config
     tokens = cfg.steps * cfg.batch_size * cfg.task_kwargs["seq_len"]
     assert 0.99 * CORPUS_TRAIN_TOKENS <= tokens <= CORPUS_TRAIN_TOKENS
-    # the same runs but for the steps and a validation curve: new ids
-    assert [(s.variant, s.seed, s.lr) for s in one] == [(s.variant, s.seed, s.lr) for s in full]
+    # the 50M grid's runs (and more seeds) but for the steps and a validation curve: new ids
+    assert {(s.variant, s.seed, s.lr) for s in full} < {(s.variant, s.seed, s.lr) for s in one}
+    assert sorted((s.variant, s.seed) for s in one) == sorted(
+        (v, seed) for v in get_preset("lm_corpus_1pass").variants for seed in range(6)
+    )
     a, b = cfg.to_dict(), full[0].config.to_dict()
     assert {k for k in a if a[k] != b[k]} == {"steps", "eval_every"}
     assert 0 < cfg.eval_every < cfg.steps

@@ -8,6 +8,7 @@
 """
 
 from deltaflow.lab.grid import RunSpec, compare, expand_grid, run_grid, select_best
+from deltaflow.lab.paired import PairedDifference, paired_difference
 from deltaflow.lab.plots import make_plots
 from deltaflow.lab.presets import PRESETS, VARIANTS, Preset, get_preset
 from deltaflow.lab.report import markdown_report, results_table
@@ -25,4 +26,6 @@ __all__ = [
     "make_plots",
     "results_table",
     "markdown_report",
+    "PairedDifference",
+    "paired_difference",
 ]
