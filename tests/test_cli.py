@@ -334,6 +334,8 @@ def test_quick_preset_is_the_rebinding_contrast_and_margin_line_judges_every_see
     line = contrast_line(good, preset)
     assert "mqar_rebind: deltanet - linear per seed +0.780, +0.740, +0.820" in line
     assert "separated on every seed" in line and "parity" not in line  # no parity rows given
+    # mean of +0.78, +0.74, +0.82 and t(0.975, 2) * sd / sqrt(3) = 4.303 * 0.04 / 1.732
+    assert "mean +0.780 ± 0.099 (95% t-interval, deltanet ahead)" in line
     # one seed where the margin is within the spread: not a robust separation
     bad = [row("deltanet", [0.98, 0.99, 0.5]), row("linear", [0.2, 0.25, 0.45])]
     assert "NOT separated" in contrast_line(bad, preset)

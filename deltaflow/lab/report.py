@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from deltaflow.lab.paired import paired_difference
 from deltaflow.lab.presets import Preset
 
 
@@ -72,8 +73,8 @@ def results_table(rows: list[dict[str, Any]], preset: Preset) -> str:
 
 def contrast_line(rows: list[dict[str, Any]], preset: Preset) -> str:
     """Per-seed margin of ``contrast = (winner, baseline)`` (the cell's, else the preset's) in
-    each (cell, width), and whether the winner leads on every seed by more than the larger of
-    the two seed spreads."""
+    each (cell, width), whether the winner leads on every seed by more than the larger of
+    the two seed spreads, and (two seeds or more) the mean margin with its 95% t-interval."""
     index = {(r["variant"], r["cell"], r["width"]): r for r in rows}
     parts = []
     for cell, spec in preset.cells.items():
@@ -96,9 +97,18 @@ def contrast_line(rows: list[dict[str, Any]], preset: Preset) -> str:
             verdict = "separated on every seed" if ok else "NOT separated"
             where = cell + (f" d={width}" if width is not None else "")
             per_seed = ", ".join(f"{m:+.3f}" for m in margins)
+            paired = paired_difference(
+                w["seed_values"], b["seed_values"], higher_is_better=preset.higher_is_better
+            )
+            interval = (
+                f"; mean {paired.mean:+.3f} ± {paired.half_width:.3f} (95% t-interval, "
+                f"{paired.verdict(winner, baseline)})"
+                if paired.n > 1
+                else ""
+            )
             parts.append(
                 f"{where}: {winner} - {baseline} per seed {per_seed}; smallest margin "
-                f"{min(margins):.3f} vs spread (larger std) {spread:.3f}: {verdict}"
+                f"{min(margins):.3f} vs spread (larger std) {spread:.3f}: {verdict}{interval}"
             )
     return "\n".join(f"Margin, {p}" for p in parts)
 
