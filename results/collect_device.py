@@ -13,6 +13,11 @@
 4. re-makes each grid's results.md / summary.json / plots with `compare --report-only` over the
    full preset grid (a cell whose sweep is unfinished shows its best so far, marked *).
 Then commit results/issue11.
+
+    python3 results/collect_device.py --prepare-carry
+
+builds runs/issue11 from the committed results alone (a fresh checkout has no runs/): every
+device folder gets its grid's finished runs, so the first call's carry skips them.
 """
 
 from __future__ import annotations
@@ -117,14 +122,29 @@ def restore_checkpoints(archive: Path, runs: Path) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("archive", type=Path, help="issue11.tgz from a device call's $OUT")
-    parser.add_argument("--call", required=True, help="a name for the call's logs, e.g. s5c1")
+    parser.add_argument(
+        "archive", type=Path, nargs="?", help="issue11.tgz from a device call's $OUT"
+    )
+    parser.add_argument("--call", help="a name for the call's logs, e.g. s5c1")
     parser.add_argument("--results", type=Path, default=Path("results/issue11"))
     parser.add_argument("--no-report", action="store_true", help="skip --report-only tables")
+    parser.add_argument(
+        "--prepare-carry",
+        action="store_true",
+        help="only build runs/issue11 from --results for a fresh machine's carry (no archive)",
+    )
     args = parser.parse_args()
-    if not args.archive.is_file():
-        parser.error(f"archive: {args.archive} is not a file")
     unpacked = Path("runs/issue11")
+    if args.prepare_carry:
+        for folder, _ in folders():
+            (unpacked / folder).mkdir(parents=True, exist_ok=True)
+        prepare_carry(args.results, unpacked)
+        print(f"{unpacked}: every device folder holds its grid's finished runs")
+        return 0
+    if args.archive is None or not args.archive.is_file():
+        parser.error(f"archive: {args.archive} is not a file")
+    if not args.call:
+        parser.error("--call is required with an archive")
     # the logs are the call's own: clear the last call's (extracting adds, it never deletes)
     shutil.rmtree(unpacked / "logs", ignore_errors=True)
     with tarfile.open(args.archive) as tar:

@@ -47,6 +47,23 @@ def test_side_folders_get_their_grids_finished_runs_for_the_next_fresh_machine(t
         assert {json.loads(line)["id"] for line in lines} == ids
 
 
+def test_prepare_carry_builds_runs_from_the_committed_results_alone(tmp_path, monkeypatch):
+    """A fresh checkout has no runs/: --prepare-carry gives every device folder its grid's
+    finished runs, so the first call's carry skips them (session 8 did this by hand)."""
+    script = collect_device()
+    results = tmp_path / "results"
+    (results / "mqar_512").mkdir(parents=True)
+    write(results / "mqar_512" / "runs.jsonl", [{"id": "a", "status": "ok"}])
+    monkeypatch.chdir(tmp_path)
+    argv = ["collect_device.py", "--prepare-carry", "--results", str(results)]
+    monkeypatch.setattr("sys.argv", argv)
+    assert script.main() == 0
+    for folder in ("mqar_512", "mqar_512_w128", "mqar_512_w256"):  # the grid and its side folders
+        lines = (tmp_path / "runs" / "issue11" / folder / "runs.jsonl").read_text().splitlines()
+        assert [json.loads(line)["id"] for line in lines] == ["a"]
+    assert not (tmp_path / "runs" / "issue11" / "mad" / "runs.jsonl").exists()  # nothing to give
+
+
 NEXT = Path(__file__).resolve().parents[1] / "results" / "issue11" / "next"
 
 
