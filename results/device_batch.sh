@@ -7,6 +7,11 @@
 #
 # COMMANDS_FILE: one `deltaflow compare` argument list per line ('#' lines skipped); every line
 # should carry --resume and a --time-limit that ends before the call's 10-minute kill.
+# A line that starts with `then ` waits for the line above it to end (a chain: each line after
+# the one before), and runs with what is left of the call's time: its --time-limit becomes the
+# chain's first limit minus the minutes already spent, and it is skipped under 1.5 minutes. So
+# a GPU whose first lines end early takes more work instead of idling (session 8's GPU 1 idled
+# through its third call).
 # TIME_LIMIT (minutes) replaces every line's --time-limit: for a short last call of a chain
 # on the session's remaining device time, with the same file (finished grids skip at once).
 # The CUDA MPS daemon is started first (kernels of different processes then share the GPU
@@ -31,7 +36,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # many processes share one GPU: grow each one's cache in place instead of in fixed blocks
 # (session 6's 18 processes held ~1.3x their runs' peak memory: 142 of 143.8 GB)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-cli="python3 -m deltaflow.cli compare"
+cli=${DEVICE_BATCH_CLI:-python3 -m deltaflow.cli compare}  # tests put a stand-in here
+started=$(date +%s)
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if pgrep -f nvidia-cuda-mps-control > /dev/null; then
@@ -55,19 +61,52 @@ nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 10 
     > runs/issue11/logs/nvidia_smi.csv 2>&1 &
 smi=$!
 
+# every line gets a number (its log is cmdN.log); a chain is "N<TAB>line" rows, one per line
 i=0
-pids=()
+chains=()
 while IFS= read -r line; do
     case "$line" in ''|'#'*) continue ;; esac
     i=$((i + 1))
     if [ -n "$time_limit" ]; then
         line=$(echo "$line" | sed -E "s/--time-limit [0-9.]+/--time-limit $time_limit/")
     fi
-    echo "[$i] deltaflow compare $line"
-    # shellcheck disable=SC2086  # the line is an argument list
-    $cli $line --no-progress > "runs/issue11/logs/cmd$i.log" 2>&1 &
-    pids+=($!)
+    case "$line" in
+        'then '*)
+            if [ ${#chains[@]} = 0 ]; then
+                echo "error: $commands_file: the first line cannot start with 'then'" >&2
+                exit 2
+            fi
+            chains[-1]+=$'\n'"$i"$'\t'"${line#then }" ;;
+        *) chains+=("$i"$'\t'"$line") ;;
+    esac
 done < "$commands_file"
+
+run_chain() {  # the chain's lines one after another; later ones on the time left
+    local first=1 first_limit="" n line left
+    while IFS=$'\t' read -r n line; do
+        if [ "$first" = 1 ]; then
+            first=0
+            first_limit=$(echo "$line" | grep -oE -- '--time-limit [0-9.]+' | awk '{print $2}')
+        elif [ -n "$first_limit" ]; then
+            left=$(awk -v l="$first_limit" -v s="$started" -v now="$(date +%s)" \
+                'BEGIN { printf "%.1f", l - (now - s) / 60 }')
+            if awk -v x="$left" 'BEGIN { exit !(x < 1.5) }'; then
+                echo "[$n] skipped: $left minutes left" | tee "runs/issue11/logs/cmd$n.log"
+                continue
+            fi
+            line=$(echo "$line" | sed -E "s/--time-limit [0-9.]+/--time-limit $left/")
+        fi
+        echo "[$n] deltaflow compare $line"
+        # shellcheck disable=SC2086  # the line is an argument list
+        $cli $line --no-progress > "runs/issue11/logs/cmd$n.log" 2>&1
+    done <<< "$1"
+}
+
+pids=()
+for chain in "${chains[@]}"; do
+    run_chain "$chain" &
+    pids+=($!)
+done
 for p in "${pids[@]}"; do wait "$p"; done
 kill "$smi" 2>/dev/null
 

@@ -68,8 +68,10 @@ NEXT = Path(__file__).resolve().parents[1] / "results" / "issue11" / "next"
 
 
 def command_lines(path: Path) -> list[list[str]]:
+    """Each line's `compare` arguments (a chained line's leading `then` is device_batch's)."""
     lines = path.read_text().splitlines()
-    return [line.split() for line in lines if line.strip() and not line.startswith("#")]
+    argvs = [line.split() for line in lines if line.strip() and not line.startswith("#")]
+    return [argv[1:] if argv[0] == "then" else argv for argv in argvs]
 
 
 @pytest.mark.parametrize("path", sorted(NEXT.glob("*.txt")), ids=lambda p: p.name)
