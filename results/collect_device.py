@@ -136,8 +136,6 @@ def main() -> int:
     args = parser.parse_args()
     unpacked = Path("runs/issue11")
     if args.prepare_carry:
-        for folder, _ in folders():
-            (unpacked / folder).mkdir(parents=True, exist_ok=True)
         prepare_carry(args.results, unpacked)
         print(f"{unpacked}: every device folder holds its grid's finished runs")
         return 0

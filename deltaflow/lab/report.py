@@ -86,20 +86,21 @@ def contrast_line(rows: list[dict[str, Any]], preset: Preset) -> str:
             w, b = index.get((winner, cell, width)), index.get((baseline, cell, width))
             if w is None or b is None:
                 continue
-            seeds = sorted(set(w.get("seed_values", {})) & set(b.get("seed_values", {})))
-            sign = 1.0 if preset.higher_is_better else -1.0
-            margins = [sign * (w["seed_values"][s] - b["seed_values"][s]) for s in seeds]
-            if not margins or not all(math.isfinite(m) for m in margins):
+            try:  # the winner's lead on each common seed, in the metric's good direction
+                paired = paired_difference(
+                    w.get("seed_values", {}),
+                    b.get("seed_values", {}),
+                    higher_is_better=preset.higher_is_better,
+                )
+            except ValueError:  # no common seed, or a failed (non-finite) run
                 parts.append(f"{cell}: a run failed, no margin")
                 continue
+            margins = paired.diffs
             spread = max(w["std"], b["std"])
             ok = min(margins) > spread
             verdict = "separated on every seed" if ok else "NOT separated"
             where = cell + (f" d={width}" if width is not None else "")
             per_seed = ", ".join(f"{m:+.3f}" for m in margins)
-            paired = paired_difference(
-                w["seed_values"], b["seed_values"], higher_is_better=preset.higher_is_better
-            )
             interval = (
                 f"; mean {paired.mean:+.3f} ± {paired.half_width:.3f} (95% t-interval, "
                 f"{paired.verdict(winner, baseline)})"
