@@ -167,7 +167,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--compile",
         choices=["auto", "blocks", "off"],
         help="torch.compile every model block (fused glue, selective activation "
-        "checkpointing): auto = on CUDA only [config default: auto]",
+        "checkpointing); auto is off for now and blocks is CPU-only: see "
+        "benchmarks/NOTES.md [config default: auto]",
     )
     g.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train)

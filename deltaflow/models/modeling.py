@@ -147,12 +147,12 @@ def _selective(fn: Any, *args: Any) -> Any:
 class DeltaFlowBlock(nn.Module):
     """Pre-norm residual block: mixer then SwiGLU MLP.
 
-    ``selective_checkpointing`` (set by :func:`deltaflow.models.compile.compile_blocks`):
-    the mixer and the MLP each keep only their matmul and sequence-mixer outputs for backward
-    and recompute the elementwise glue, which under ``torch.compile`` fuses into the backward
-    kernels (benchmarks/NOTES.md: bytes saved per token per layer)."""
+    ``selective_checkpointing`` (set by :func:`deltaflow.models.compile.compile_blocks`): the
+    parts named there ('mixer', 'mlp') keep only their matmul and sequence-mixer outputs for
+    backward and recompute the elementwise glue, which under ``torch.compile`` fuses into the
+    backward kernels (benchmarks/NOTES.md: bytes saved per token per layer)."""
 
-    selective_checkpointing: bool = False
+    selective_checkpointing: tuple[str, ...] = ()
 
     def __init__(self, config: DeltaFlowConfig, layer_idx: int) -> None:
         super().__init__()
@@ -170,11 +170,14 @@ class DeltaFlowBlock(nn.Module):
         use_cache: bool = False,
         cu_seqlens: torch.Tensor | None = None,  # checked offsets from prepare_cu_seqlens
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        if self.selective_checkpointing and self.training and torch.is_grad_enabled():
-            if state is not None or use_cache:
-                raise ValueError("selective checkpointing is for training: no state or cache")
-            h = h + _selective(self._mix, h, attention_mask, cu_seqlens)
-            return h + _selective(self._mlp, h), None
+        parts = self.selective_checkpointing
+        if parts and self.training and torch.is_grad_enabled() and not use_cache:
+            if state is not None:
+                raise ValueError("selective checkpointing is for training: no recurrent state")
+            mix = _selective if "mixer" in parts else (lambda fn, *args: fn(*args))
+            mlp = _selective if "mlp" in parts else (lambda fn, *args: fn(*args))
+            h = h + mix(self._mix, h, attention_mask, cu_seqlens)
+            return h + mlp(self._mlp, h), None
         o, state = self.mixer(
             self.mixer_norm(h),
             attention_mask,

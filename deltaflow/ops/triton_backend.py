@@ -506,8 +506,10 @@ def _(
     scale,
     chunk_size,
 ):
+    # Contiguous, as the kernels write them: empty_like would copy a permuted input's strides,
+    # and torch.compile would then read the real (contiguous) gradients through wrong strides.
     return [
-        q.new_empty(0) if x is None else torch.empty_like(x)
+        q.new_empty(0) if x is None else x.new_empty(x.shape)
         for x in (q, k, v, beta, log_decay, initial_state)
     ]
 

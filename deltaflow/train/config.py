@@ -53,7 +53,7 @@ class TrainConfig:
     # checkpoints that resume on any number of GPUs.
     parallel: str = "ddp"
     # torch.compile each model block (fused glue, selective activation checkpointing): 'auto'
-    # compiles on CUDA, where it is faster (benchmarks/NOTES.md), not on CPU; 'blocks' | 'off'.
+    # is off for now (wrong fp32 gradients on CUDA: deltaflow.models.compile); 'blocks' | 'off'.
     compile: str = "auto"
 
     def __post_init__(self) -> None:
