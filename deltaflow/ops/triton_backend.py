@@ -90,6 +90,8 @@ def _launch_prepare(k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, ne
     w = _output(B, T, H, Dk, like=k, dtype=dot_dtype)
     u = _output(B, T, H, Dv, like=k, dtype=dot_dtype)
     t = _output(max(n_chunks, 1) if store_t else 1, H, 64, 64, like=k, dtype=torch.float32)
+    # per chunk and head: the first token with a non-finite input (64: none)
+    first_bad = _output(max(n_chunks, 1), H, like=k, dtype=torch.int32)
     if n_chunks > 0:
         kernels.chunk_prepare_kernel[(n_chunks, H)](
             k,
@@ -99,6 +101,7 @@ def _launch_prepare(k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, ne
             w,
             u,
             t,
+            first_bad,
             cu,
             chunk_indices,
             eps,
@@ -116,14 +119,14 @@ def _launch_prepare(k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, ne
             STORE_T=store_t,
             num_warps=PREPARE_WARPS,
         )
-    return w, u, t
+    return w, u, t, first_bad
 
 
 def _precision(dot_dtype) -> str:
     return "ieee" if dot_dtype == torch.float32 else "tf32"
 
 
-def _launch_states(k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, BV):
+def _launch_states(k, w, u, log_decay, s0, first_bad, cu, chunk_offsets, n_chunks, N, BV):
     """(4), (6) sequentially per sequence: S_0 of every chunk (h), U = Ũ − W S_0, final state."""
     B, T, H, Dk = k.shape
     Dv = u.shape[-1]
@@ -139,6 +142,7 @@ def _launch_states(k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, BV):
         h,
         v_new,
         final_state,
+        first_bad,
         cu,
         chunk_offsets,
         H=H,
@@ -199,14 +203,14 @@ def _forward(
     cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, 64, q.device)
     N = cu.numel() - 1
     BK = _block(Dk)
-    w, u, _ = _launch_prepare(
+    w, u, _, first_bad = _launch_prepare(
         k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, negative_eigenvalues, eps, False
     )
     o = _output(B, T, H, Dv, like=q, dtype=v_dtype)
     if _use_two_pass(N, H, Dv, q.device):
         BV = min(_block(Dv), TWO_PASS_BV)
         h, v_new, final_state = _launch_states(
-            k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, BV
+            k, w, u, log_decay, s0, first_bad, cu, chunk_offsets, n_chunks, N, BV
         )
         if n_chunks > 0:
             BVo = min(_block(Dv), 64)
@@ -217,6 +221,7 @@ def _forward(
                 v_new,
                 q if log_decay is None else log_decay,
                 o,
+                first_bad,
                 cu,
                 chunk_indices,
                 scale,
@@ -244,7 +249,9 @@ def _forward(
         q if s0 is None else s0,
         o,
         final_state,
+        first_bad,
         cu,
+        chunk_offsets,
         scale,
         H=H,
         Dk=Dk,
@@ -274,11 +281,21 @@ def _backward_fused(
     cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, 64, q.device)
     N = cu.numel() - 1
     BK = _block(Dk)
-    w, u, t = _launch_prepare(
+    w, u, t, first_bad = _launch_prepare(
         k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, neg, eps, True
     )
     h, v_new, _ = _launch_states(
-        k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, min(_block(Dv), BWD_STATES_BV)
+        k,
+        w,
+        u,
+        log_decay,
+        s0,
+        first_bad,
+        cu,
+        chunk_offsets,
+        n_chunks,
+        N,
+        min(_block(Dv), BWD_STATES_BV),
     )
     dummy = q
     dh = _output(max(n_chunks, 1), H, Dk, Dv, like=q, dtype=q.dtype)

@@ -103,6 +103,7 @@ def chunk_states_kernel(
     h_ptr,
     v_new_ptr,
     sT_ptr,
+    first_bad_ptr,
     cu_seqlens_ptr,
     chunk_offsets_ptr,
     H: tl.constexpr,
@@ -114,7 +115,8 @@ def chunk_states_kernel(
     HAS_S0: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new)."""
+    """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
+    States after a chunk with a non-finite input (``first_bad`` < 64) are stored as NaN."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
@@ -134,12 +136,14 @@ def chunk_states_kernel(
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
+    poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
     n_chunks = tl.cdiv(eos - bos, 64)
     for j in range(0, n_chunks):
         offs_t = bos + j * 64 + rows
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
-        tl.store(h_ptr + (c * H + i_h) * Dk * Dv + state_offs, S.to(DT), mask=state_mask)
+        h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
+        tl.store(h_offs, (S + poison).to(DT), mask=state_mask)
         b_w = _rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_k = _rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_u = _rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
@@ -152,8 +156,10 @@ def chunk_states_kernel(
         # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
         k_to_end = (b_k.to(tl.float32) * tl.exp(gamma_last - gamma)[:, None]).to(DT)
         S = tl.exp(gamma_last) * S + tl.dot(tl.trans(k_to_end), U.to(DT), input_precision=PREC)
+        first_bad = tl.load(first_bad_ptr + c * H + i_h)
+        poison += tl.where(first_bad < 64, float("nan"), 0.0)
 
-    tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S, mask=state_mask)
+    tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S + poison, mask=state_mask)
 
 
 @triton.jit
@@ -164,6 +170,7 @@ def chunk_output_kernel(
     v_new_ptr,
     g_ptr,
     o_ptr,
+    first_bad_ptr,
     cu_seqlens_ptr,
     chunk_indices_ptr,
     scale,
@@ -175,7 +182,8 @@ def chunk_output_kernel(
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """(5) for one chunk, head and value block: O = scale [diag(Γ) Q S_0 + P U]."""
+    """(5) for one chunk, head and value block: O = scale [diag(Γ) Q S_0 + P U]; rows from the
+    chunk's first non-finite token on are NaN (a poison on Γ_i; P masked by selection)."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
@@ -198,8 +206,10 @@ def chunk_output_kernel(
     gamma = _gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
     causal = rows[:, None] >= rows[None, :]
     decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], -float("inf")))
-    P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay
-    b_o = tl.exp(gamma)[:, None] * tl.dot(b_q, S0, input_precision=PREC)
+    P = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay, 0.0)
+    first_bad = tl.load(first_bad_ptr + i_c * H + i_h)
+    row_scale = tl.exp(gamma) + tl.where(rows >= first_bad, float("nan"), 0.0)
+    b_o = row_scale[:, None] * tl.dot(b_q, S0, input_precision=PREC)
     b_o += tl.dot(P.to(DT), b_u, input_precision=PREC)
     tl.store(
         o_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],

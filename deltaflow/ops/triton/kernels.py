@@ -96,7 +96,10 @@ def _load_block(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
 ):
-    """16 tokens from t0: keys, the rule's strengths a and b, and log α (0 beyond eos)."""
+    """16 tokens from t0: keys, the rule's strengths a and b, log α (0 beyond eos), and which
+    tokens are finite. A token whose k, β, a, b or log α is NaN or ±inf gets zeros instead
+    (``finite`` says which): the chunk's products over tokens then stay finite, and the caller
+    poisons the outputs from that token on (the 0 · NaN of a masked product would reach back)."""
     offs_t = t0 + tl.arange(0, 16)
     mask_t = offs_t < eos
     offs_k = tl.arange(0, BK)
@@ -106,20 +109,37 @@ def _load_block(
         other=0.0,
     ).to(tl.float32)
     b_beta, b_g = _load_chunk_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
-    lam = tl.sum(b_k * b_k, axis=1)  # λ_i = ‖k_i‖²
+    lam = tl.sum(b_k * b_k, axis=1)  # λ_i = ‖k_i‖² (NaN or inf when any entry of k_i is)
     a, b = rule_strengths(b_beta, lam, eps, RULE, NEG)
-    return b_k, tl.where(mask_t, a, 0.0), tl.where(mask_t, b, 0.0), b_g
+    finite = (lam * 0.0 + a * 0.0 + b * 0.0 + b_g * 0.0) == 0.0  # x·0 is NaN unless x is finite
+    keep = mask_t & finite
+    return (
+        tl.where(finite[:, None], b_k, 0.0),
+        tl.where(keep, a, 0.0),
+        tl.where(keep, b, 0.0),
+        tl.where(finite, b_g, 0.0),
+        finite,
+    )
 
 
 @triton.jit
 def _load_values(v_ptr, t0, eos, i_h, H: tl.constexpr, Dv: tl.constexpr, BV: tl.constexpr):
+    """16 value rows from t0 with NaN and ±inf entries zeroed, and which rows were finite."""
     offs_t = t0 + tl.arange(0, 16)
     offs_v = tl.arange(0, BV)
-    return tl.load(
+    b_v = tl.load(
         v_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
         mask=(offs_t[:, None] < eos) & (offs_v[None, :] < Dv),
         other=0.0,
     ).to(tl.float32)
+    finite = b_v * 0.0 == 0.0
+    return tl.where(finite, b_v, 0.0), tl.sum(tl.where(finite, 0, 1), axis=1) == 0
+
+
+@triton.jit
+def _first_bad(finite, block: tl.constexpr):
+    """Index in the chunk of the first token of a 16-token block that is not finite (64: none)."""
+    return tl.min(tl.where(finite, 64, block * 16 + tl.arange(0, 16)), axis=0)
 
 
 @triton.jit
@@ -194,6 +214,7 @@ def chunk_prepare_kernel(
     w_ptr,
     u_ptr,
     t_ptr,
+    first_bad_ptr,
     cu_seqlens_ptr,
     chunk_indices_ptr,
     eps,
@@ -212,19 +233,20 @@ def chunk_prepare_kernel(
 ):
     """(3)–(4) for one 64-token chunk and head, in four 16-token blocks:
     W = T diag(aΓ) K and Ũ = T diag(b) V with T = (I + A)^{-1} by block forward substitution
-    X_b ← D_b (X_b − Σ_{j<b} A_bj X_j), D_b = (I + A_bb)^{-1}. Written in k's and v's layout."""
+    X_b ← D_b (X_b − Σ_{j<b} A_bj X_j), D_b = (I + A_bb)^{-1}. Written in k's and v's layout.
+    Also the chunk's first token with a non-finite input (64: none), for the output kernels."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
-    k0, a0, b0, g0 = _load_block(
+    k0, a0, b0, g0, ok0 = _load_block(
         k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
     )
-    k1, a1, b1, g1 = _load_block(
+    k1, a1, b1, g1, ok1 = _load_block(
         k_ptr, beta_ptr, g_ptr, t0 + 16, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
     )
-    k2, a2, b2, g2 = _load_block(
+    k2, a2, b2, g2, ok2 = _load_block(
         k_ptr, beta_ptr, g_ptr, t0 + 32, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
     )
-    k3, a3, b3, g3 = _load_block(
+    k3, a3, b3, g3, ok3 = _load_block(
         k_ptr, beta_ptr, g_ptr, t0 + 48, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
     )
     # γ_i = Σ_{j≤i} log α_j over the whole chunk
@@ -271,35 +293,29 @@ def chunk_prepare_kernel(
     _store_rows(w_ptr, w2, t0 + 32, eos, i_h, H, Dk, BK)
     _store_rows(w_ptr, w3, t0 + 48, eos, i_h, H, Dk, BK)
 
-    # Ũ = T diag(b) V, the same substitution
-    u0 = _mm(D0, b0[:, None] * _load_values(v_ptr, t0, eos, i_h, H, Dv, BV), PREC, DT)
-    u1 = _mm(
-        D1,
-        b1[:, None] * _load_values(v_ptr, t0 + 16, eos, i_h, H, Dv, BV) - _mm(A10, u0, PREC, DT),
-        PREC,
-        DT,
-    )
-    u2 = _mm(
-        D2,
-        b2[:, None] * _load_values(v_ptr, t0 + 32, eos, i_h, H, Dv, BV)
-        - _mm(A20, u0, PREC, DT)
-        - _mm(A21, u1, PREC, DT),
-        PREC,
-        DT,
-    )
+    # Ũ = T diag(b) V, the same substitution (each value block loaded where it is used)
+    v0, fin0 = _load_values(v_ptr, t0, eos, i_h, H, Dv, BV)
+    u0 = _mm(D0, b0[:, None] * v0, PREC, DT)
+    first_bad = _first_bad(ok0 & fin0, 0)
+    v1, fin1 = _load_values(v_ptr, t0 + 16, eos, i_h, H, Dv, BV)
+    u1 = _mm(D1, b1[:, None] * v1 - _mm(A10, u0, PREC, DT), PREC, DT)
+    first_bad = tl.minimum(first_bad, _first_bad(ok1 & fin1, 1))
+    v2, fin2 = _load_values(v_ptr, t0 + 32, eos, i_h, H, Dv, BV)
+    u2 = _mm(D2, b2[:, None] * v2 - _mm(A20, u0, PREC, DT) - _mm(A21, u1, PREC, DT), PREC, DT)
+    first_bad = tl.minimum(first_bad, _first_bad(ok2 & fin2, 2))
+    v3, fin3 = _load_values(v_ptr, t0 + 48, eos, i_h, H, Dv, BV)
     u3 = _mm(
         D3,
-        b3[:, None] * _load_values(v_ptr, t0 + 48, eos, i_h, H, Dv, BV)
-        - _mm(A30, u0, PREC, DT)
-        - _mm(A31, u1, PREC, DT)
-        - _mm(A32, u2, PREC, DT),
+        b3[:, None] * v3 - _mm(A30, u0, PREC, DT) - _mm(A31, u1, PREC, DT) - _mm(A32, u2, PREC, DT),
         PREC,
         DT,
     )
+    first_bad = tl.minimum(first_bad, _first_bad(ok3 & fin3, 3))
     _store_rows(u_ptr, u0, t0, eos, i_h, H, Dv, BV)
     _store_rows(u_ptr, u1, t0 + 16, eos, i_h, H, Dv, BV)
     _store_rows(u_ptr, u2, t0 + 32, eos, i_h, H, Dv, BV)
     _store_rows(u_ptr, u3, t0 + 48, eos, i_h, H, Dv, BV)
+    tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
 
     if STORE_T:  # T itself (fp32, [chunk, head, 64, 64]) for the backward: the same substitution
         _store_t(t_ptr, i_c, i_h, H, D0, D1, D2, D3, A10, A20, A21, A30, A31, A32, PREC)
@@ -353,7 +369,9 @@ def chunk_forward_kernel(
     s0_ptr,
     o_ptr,
     sT_ptr,
+    first_bad_ptr,
     cu_seqlens_ptr,
+    chunk_offsets_ptr,
     scale,
     H: tl.constexpr,
     Dk: tl.constexpr,
@@ -364,11 +382,16 @@ def chunk_forward_kernel(
     HAS_S0: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """(4)–(6) along one sequence for one head and BV value columns, state S in registers."""
+    """(4)–(6) along one sequence for one head and BV value columns, state S in registers.
+
+    From the first token with a non-finite input on (the prepare kernel's ``first_bad``),
+    outputs and the final state are NaN: a poison added to the rows' scale Γ_i, never a product
+    with a masked future (P is masked by selection: 0 · NaN would reach back in time)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
     eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    c_first = tl.load(chunk_offsets_ptr + i_n)
     DT = w_ptr.dtype.element_ty  # matrix-unit operand dtype (bf16/fp16, or fp32 exactly)
 
     rows = tl.arange(0, 64)
@@ -384,10 +407,13 @@ def chunk_forward_kernel(
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
+    poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
     n_chunks = tl.cdiv(eos - bos, 64)
     for j in range(0, n_chunks):
         offs_t = bos + j * 64 + rows
         mask_t = offs_t < eos
+        first_bad = tl.load(first_bad_ptr + (c_first + j) * H + i_h)
+        row_poison = poison + tl.where(rows >= first_bad, float("nan"), 0.0)
         k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
         k_mask = mask_t[:, None] & mask_k[None, :]
         v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
@@ -407,15 +433,17 @@ def chunk_forward_kernel(
         U = b_u - tl.dot(b_w.to(DT), S.to(DT), input_precision=PREC)
         # (5) O = scale [diag(Γ) Q S_0 + ((Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}) U]
         decay = tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], -float("inf")))
-        P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay
-        b_o = tl.exp(gamma)[:, None] * tl.dot(b_q.to(DT), S.to(DT), input_precision=PREC)
+        P = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay, 0.0)
+        row_scale = tl.exp(gamma) + row_poison
+        b_o = row_scale[:, None] * tl.dot(b_q.to(DT), S.to(DT), input_precision=PREC)
         b_o += tl.dot(P.to(DT), U.to(DT), input_precision=PREC)
         tl.store(o_ptr + v_offs, (scale * b_o).to(o_ptr.dtype.element_ty), mask=v_mask)
         # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
         k_to_end = (b_k.to(tl.float32) * tl.exp(gamma_last - gamma)[:, None]).to(DT)
         S = tl.exp(gamma_last) * S + tl.dot(tl.trans(k_to_end), U.to(DT), input_precision=PREC)
+        poison += tl.where(first_bad < 64, float("nan"), 0.0)
 
-    tl.store(sT_ptr + state_offs, S, mask=state_mask)
+    tl.store(sT_ptr + state_offs, S + poison, mask=state_mask)
 
 
 @triton.jit
