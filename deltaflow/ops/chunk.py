@@ -1,4 +1,5 @@
-"""The chunked PyTorch backend: DESIGN.md §3 (UT transform with separate erase/write strengths).
+"""The chunked PyTorch backend: docs/design.md §3 (the UT transform with separate erase and write
+strengths) and §5 (its backward, written out by hand).
 
 Inside a chunk of ``C`` tokens every token writes ``S_i = α_i S_{i−1} + k_i u_iᵀ``; solving for all
 ``u_i`` at once is one unit-lower-triangular system, so the only sequential work left is one
@@ -62,6 +63,7 @@ def chunk_delta_rule(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    *,
     a: Tensor,
     b: Tensor,
     log_decay: Tensor | None,
