@@ -1,13 +1,13 @@
 """Step rules: how one online-regression step on ``min_S ½‖Sᵀk − v‖²`` is taken.
 
 Every rule turns the raw gate ``β`` and the squared key norm ``λ = ‖k‖²`` into an erase
-strength ``a`` and a write strength ``b`` for the one recurrence (DESIGN.md §1)::
+strength ``a`` and a write strength ``b`` for the one recurrence (docs/design.md §1)::
 
     S_t = α_t (I − a_t k_t k_tᵀ) S_{t−1} + b_t k_t v_tᵀ
 
-The transition has eigenvalue 1 off ``k`` and ``μ = 1 − aλ`` along ``k`` (DESIGN.md §2). For all
-built-in rules but ``linear``, ``a = b``, so the new prediction for ``k`` interpolates between the
-old one and the target: ``kᵀS_t = μ·kᵀ(αS_{t−1}) + (1 − μ)·vᵀ``.
+The transition has eigenvalue 1 off ``k`` and ``μ = 1 − aλ`` along ``k`` (docs/design.md §2).
+For all built-in rules but ``linear``, ``a = b``, so the new prediction for ``k`` interpolates
+between the old one and the target: ``kᵀS_t = μ·kᵀ(αS_{t−1}) + (1 − μ)·vᵀ``.
 
 A user rule is any function ``fn(beta, lam, eps) -> (a, b)`` of tensors; register it with
 :func:`register_rule` (or pass a :class:`StepRule` straight to ``delta_rule``) and every backend
@@ -39,7 +39,7 @@ class StepRule:
         needs_beta: whether ``beta`` is read (``linear`` and ``kaczmarz`` accept ``None``).
         qk_norm: the ``(q, k)`` normalization ``DeltaAttention`` applies by default, ``'l2'``
             or ``'none'`` each: rules whose ``μ`` leaves ``[−1, 1]`` for large ``λ`` (``delta``,
-            ``linear``) expect unit keys; the others keep ``‖k‖`` (DESIGN.md §4).
+            ``linear``) expect unit keys; the others keep ``‖k‖`` (docs/design.md §4).
         kernel_id: the id of the rule's in-kernel form in the Triton rule table
             (``deltaflow/ops/triton/rules.py``); ``None`` for rules that run in PyTorch only.
         description, source: one line each, for tables and ``--help``.

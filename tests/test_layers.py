@@ -156,7 +156,8 @@ def test_decode_state_contents():
 
 
 def test_delta_attention_matches_explicit_parametrization():
-    """Rebuild q, k, v, β, α by hand from DESIGN.md §4 and compare with the layer (efla: raw k)."""
+    """Rebuild q, k, v, β, α by hand from docs/design.md §4 and compare with the layer
+    (efla: raw k)."""
     layer = DeltaAttention(
         24, num_heads=2, head_dim=6, expand_v=2.0, num_v_heads=4, rule="efla", use_decay=True,
         beta_activation="softplus", backend="torch",

@@ -1,5 +1,5 @@
 """The chunked PyTorch backend: docs/design.md §3 (the UT transform with separate erase and write
-strengths) and §5 (its backward, written out by hand).
+strengths) and §7 (its backward, written out by hand).
 
 Inside a chunk of ``C`` tokens every token writes ``S_i = α_i S_{i−1} + k_i u_iᵀ``; solving for all
 ``u_i`` at once is one unit-lower-triangular system, so the only sequential work left is one

@@ -1,7 +1,7 @@
 """The Triton backend: the kernels of ``deltaflow/ops/triton/`` assembled into a forward, a
 fused backward and a decode step, behind ``torch.library`` custom ops (with fake
 implementations and autograd), so ``torch.compile(fullgraph=True)`` traces through
-``delta_rule`` without graph breaks. The algorithm and its equations: docs/design.md §3, §5.
+``delta_rule`` without graph breaks. The algorithm and its equations: docs/design.md §3, §7.
 
 Forward (two or three launches, chunks of ``CHUNK`` = 64 tokens):
   prepare (``triton/prepare.py``) → the fused state pass with outputs (``triton/states.py``),

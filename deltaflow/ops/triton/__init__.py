@@ -1,4 +1,4 @@
-"""The Triton kernels, one file per stage of the chunked algorithm (docs/design.md §3, §5),
+"""The Triton kernels, one file per stage of the chunked algorithm (docs/design.md §3, §7),
 each kernel beside its launcher:
 
 - ``rules.py``: the rule table, every built-in rule's strengths and derivatives by kernel id

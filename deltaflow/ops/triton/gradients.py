@@ -1,5 +1,5 @@
 """Stage 3 of the backward, parallel over every chunk: every gradient but the state's,
-(9)–(12) of docs/design.md §5, from what the backward's prepare (T), state pass (S_0, U) and
+(9)–(12) of docs/design.md §7, from what the backward's prepare (T), state pass (S_0, U) and
 reverse pass (G, dU) stored.
 
 Two kernels rather than one (one spilled registers): ``chunk_grads_v_kernel``, the value side

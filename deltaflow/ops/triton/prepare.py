@@ -5,7 +5,7 @@ For one chunk of CHUNK tokens (four sub-blocks of SUB tokens): ``a, b`` from ``�
 ``λ = ‖k‖²`` (the rule table), the in-chunk decay ``γ``, ``A`` (3), and ``W = T diag(aΓ) K``,
 ``Ũ = T diag(b) V`` (4) by block forward substitution, written in k's and v's layout; for the
 backward also ``T = (I + A)⁻¹`` itself. And each chunk's first token with a non-finite input
-(docs/design.md §6), which the later stages turn into NaN outputs from that token on.
+(docs/design.md §8), which the later stages turn into NaN outputs from that token on.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ one place, selected by the ``kernel_id`` its :class:`~deltaflow.rules.StepRule` 
 
 Each entry computes, elementwise from ``β``, ``λ = ‖k‖²`` and ``ε``, the erase and write
 strengths ``(a, b)`` of ``deltaflow/rules.py`` and their four partial derivatives (the fused
-backward's dβ and dλ, docs/design.md §5). The kernels call :func:`strengths` and
+backward's dβ and dλ, docs/design.md §7). The kernels call :func:`strengths` and
 :func:`derivatives`; an id without an entry stops compilation with a ``static_assert`` (and
 :func:`check_kernel_id` refuses it before launch), so a forgotten rule can never run another.
 

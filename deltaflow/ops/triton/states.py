@@ -6,12 +6,12 @@ the chunks in order (the only sequential work), with the state in registers.
 - ``chunk_states_kernel``: the state pass alone, (4) and (6), storing the state entering every
   chunk and U for the per-chunk output kernel (outputs.py) and the gradients (gradients.py).
   With few sequences × heads, more programs with narrower value blocks beat the fused kernel.
-- ``chunk_dstates_kernel``: the backward's reverse pass, (7)–(8) of docs/design.md §5: the
+- ``chunk_dstates_kernel``: the backward's reverse pass, (7)–(8) of docs/design.md §7: the
   state's gradient from the last chunk to the first, storing it leaving every chunk, and dU.
 
 From a chunk's first non-finite token on (``first_bad``, from the prepare kernel), outputs and
 states are NaN: a poison added to the row scale Γ_i and to stored states, never a product with
-a masked future (docs/design.md §6).
+a masked future (docs/design.md §8).
 """
 
 from __future__ import annotations
