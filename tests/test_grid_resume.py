@@ -255,11 +255,11 @@ def test_gpu_runs_record_their_peak_memory(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------- across machines
 def test_packed_checkpoints_continue_a_run_on_another_machine(tmp_path, monkeypatch, straight):
-    """results/pack_resume.py packs the newest checkpoint of each unfinished run; unpacked by
+    """experiments/pack_resume.py packs the newest checkpoint of each unfinished run; unpacked by
     collect_device.py into another folder (the next fresh machine's carry), the runs continue
     from there and end as the uninterrupted runs do."""
-    pack_resume = load_script("results/pack_resume.py")
-    collect = load_script("results/collect_device.py")
+    pack_resume = load_script("experiments/pack_resume.py")
+    collect = load_script("experiments/collect_device.py")
     by_id, straight_out = straight
     device = tmp_path / "device" / "issue11" / "mad"  # a folder collect_device knows
     stop_at_the_deadline(monkeypatch)
