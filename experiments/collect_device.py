@@ -30,7 +30,7 @@ import tarfile
 from pathlib import Path
 
 from deltaflow.cli import main as deltaflow_cli
-from deltaflow.lab.grid import finished_run_dirs
+from deltaflow.lab.runner import finished_run_dirs
 
 GRIDS = (
     "state_tracking",

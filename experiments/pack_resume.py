@@ -21,7 +21,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from deltaflow.lab.grid import finished_run_dirs
+from deltaflow.lab.runner import finished_run_dirs
 from deltaflow.train.checkpoint import LATEST, checkpoint_dir, latest_checkpoint
 
 MIB = 2**20

@@ -21,9 +21,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from deltaflow.lab.grid import FINISHED, load_runs, select_best  # noqa: E402
 from deltaflow.lab.paired import PairedDifference, paired_difference  # noqa: E402
 from deltaflow.lab.presets import get_preset  # noqa: E402
+from deltaflow.lab.runner import FINISHED, load_runs  # noqa: E402
+from deltaflow.lab.select import select_best  # noqa: E402
 
 # the committed issue-11 results, whatever the working directory
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "issue11"
