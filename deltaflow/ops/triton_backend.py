@@ -94,7 +94,7 @@ def _use_two_pass(N: int, H: int, Dv: int, device: torch.device) -> bool:
     if interpreting():
         return False
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return N * H * triton.cdiv(Dv, 64) < sms
+    return N * H * triton.cdiv(Dv, states.FUSED_BV) < sms
 
 
 def _prepare(
