@@ -34,6 +34,7 @@ from deltaflow.layers.norm import RMSNorm
 from deltaflow.layers.softmax_attention import SoftmaxAttention
 from deltaflow.models.config import DeltaFlowConfig
 from deltaflow.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from deltaflow.ops.delta_rule import TRITON_CHUNK_SIZE
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
@@ -639,7 +640,7 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             elif isinstance(m, ShortConvolution):
                 flops += 2 * m.channels * m.kernel_size
             elif isinstance(m, DeltaAttention):
-                C = min(m.chunk_size, seq_len)
+                C = min(m.chunk_size or TRITON_CHUNK_SIZE, seq_len)  # None: the op's choice
                 Dk, Dv = m.head_dim, m.head_v_dim
                 flops += m.num_v_heads * (6 * Dk * Dv + 3 * C * Dk + 2 * C * Dv + C * C / 3)
             elif isinstance(m, SoftmaxAttention):
