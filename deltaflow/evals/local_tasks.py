@@ -119,9 +119,12 @@ def build_tasks(
             "doc_to_text": "",
             "doc_to_target": "{{text}}",
             "metric_list": [
-                {"metric": "word_perplexity"},
-                {"metric": "byte_perplexity"},
-                {"metric": "bits_per_byte"},
+                {"metric": m, "aggregation": agg, "higher_is_better": False}
+                for m, agg in (
+                    ("word_perplexity", "weighted_perplexity"),
+                    ("byte_perplexity", "weighted_perplexity"),
+                    ("bits_per_byte", "bits_per_byte"),
+                )
             ],
         },
         source,

@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,7 @@ class WandbSink:
         if resumed and id_file.is_file():
             run_id = id_file.read_text().strip()
         else:
-            run_id = wandb.util.generate_id()
+            run_id = secrets.token_hex(4)  # W&B run ids: short, alphanumeric
             id_file.write_text(run_id + "\n")
         self.run = wandb.init(
             dir=str(folder),
