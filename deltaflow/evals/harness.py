@@ -2,10 +2,10 @@
 
     deltaflow eval runs/lm --lm-eval hellaswag,lambada_openai          # from the deltaflow CLI
     deltaflow-lm-eval --model deltaflow --model_args pretrained=runs/lm --tasks lambada_openai
-    python -m deltaflow.evals.harness --model deltaflow --model_args pretrained=runs/lm ...
+    python -m deltaflow.evals --model deltaflow --model_args pretrained=runs/lm ...
 
-``deltaflow-lm-eval`` is lm-eval's own command line (every ``lm_eval`` flag) with this class
-registered: lm-eval finds out-of-tree model classes only once they are imported (it has no
+``deltaflow-lm-eval`` (``python -m deltaflow.evals``) is lm-eval's own command line, every
+``lm_eval`` flag (``--device``, ``--batch_size``, ``--limit``, ...), with this class registered: lm-eval finds out-of-tree model classes only once they are imported (it has no
 plugin entry point), so a plain ``lm_eval --model deltaflow`` works in a Python process that has
 imported ``deltaflow.evals.harness`` (``lm_eval.simple_evaluate(model="deltaflow", ...)``).
 
@@ -23,8 +23,10 @@ separator, as every training document was. Generation is greedy with the recurre
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,6 +70,10 @@ class DeltaFlowLM(TemplateLM):
                 f"unknown model_args {sorted(unknown)} for --model deltaflow; it takes "
                 "pretrained, device, batch_size, max_length, tokenizer, dtype"
             )
+        if str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's command line defaults to cuda:0 even where there is no GPU
+            warnings.warn(f"device {device!r} is not available: evaluating on cpu", stacklevel=2)
+            device = "cpu"
         loaded = load_pretrained(pretrained, device=device or "auto", dtype=dtype)
         self.model = loaded.model
         self._tok = loaded.tokenizer
@@ -251,15 +257,17 @@ def evaluate(
     if unknown:
         hint = " (add the folder of its YAML with --lm-eval-include)" if not include_path else ""
         raise ValueError(f"unknown lm-eval tasks {unknown}{hint}")
-    results = simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=bootstrap_iters,
-    )
+    # lm-eval prints progress lines to stdout; keep stdout for the results (--json)
+    with contextlib.redirect_stdout(sys.stderr):
+        results = simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=bootstrap_iters,
+        )
     if results is None:  # pragma: no cover - only non-zero ranks get None
         raise RuntimeError("lm-eval returned no results")
     return results
@@ -273,6 +281,3 @@ def main() -> None:
     sys.argv[0] = "deltaflow-lm-eval"
     cli_evaluate()
 
-
-if __name__ == "__main__":
-    main()
