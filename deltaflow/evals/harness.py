@@ -5,12 +5,14 @@
     python -m deltaflow.evals --model deltaflow --model_args pretrained=runs/lm ...
 
 ``deltaflow-lm-eval`` (``python -m deltaflow.evals``) is lm-eval's own command line, every
-``lm_eval`` flag (``--device``, ``--batch_size``, ``--limit``, ...), with this class registered: lm-eval finds out-of-tree model classes only once they are imported (it has no
-plugin entry point), so a plain ``lm_eval --model deltaflow`` works in a Python process that has
-imported ``deltaflow.evals.harness`` (``lm_eval.simple_evaluate(model="deltaflow", ...)``).
+``lm_eval`` flag (``--device``, ``--batch_size``, ``--limit``, ...), with this class
+registered. lm-eval finds out-of-tree model classes only once they are imported (it has no
+plugin entry point), so a plain ``lm_eval --model deltaflow`` works only in a Python process
+that has imported ``deltaflow.evals.harness`` (``lm_eval.simple_evaluate(model="deltaflow")``).
 
 Model arguments (``--model_args k=v,...``): ``pretrained`` (run folder, checkpoint folder or
-exported Hugging Face folder), ``device`` (auto), ``batch_size`` (requests per forward, 8),
+exported Hugging Face folder), ``device`` (auto; lm-eval's ``--device``), ``batch_size``
+(requests per forward, 8; lm-eval's ``--batch_size``),
 ``max_length`` (tokens of context, default the run's training length, else 2048),
 ``tokenizer`` (another tokenizer; it must fit the model's vocabulary), ``dtype`` (auto: bf16
 on CUDA, fp32 on CPU).
