@@ -282,4 +282,3 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.argv[0] = "deltaflow-lm-eval"
     cli_evaluate()
-
