@@ -55,18 +55,21 @@ def write_parquet(path: Path, docs: list[str], field: str = "text") -> Path:
     return path
 
 
-def write_dataset(path: Path, docs: list[str], valid: list[str] | None = None) -> Path:
+def write_dataset(
+    path: Path, docs: list[str], valid: list[str] | None = None, test: list[str] | None = None
+) -> Path:
     """A ``datasets.save_to_disk`` folder: a Dataset, or with ``valid`` a DatasetDict with
-    train and validation splits."""
+    train, validation (and ``test``) splits."""
     from datasets import Dataset, DatasetDict
 
     train = Dataset.from_dict({"text": docs})
-    data = (
-        train
-        if valid is None
-        else DatasetDict(train=train, validation=Dataset.from_dict({"text": valid}))
-    )
-    data.save_to_disk(str(path))
+    if valid is None:
+        train.save_to_disk(str(path))
+        return path
+    splits = {"train": train, "validation": Dataset.from_dict({"text": valid})}
+    if test is not None:
+        splits["test"] = Dataset.from_dict({"text": test})
+    DatasetDict(splits).save_to_disk(str(path))
     return path
 
 

@@ -96,9 +96,9 @@ def test_every_format_gives_the_same_documents_and_split(fmt, tmp_path, monkeypa
 
 def test_validation_from_a_dataset_dict_split_and_from_valid_files(tmp_path):
     pytest.importorskip("datasets")
-    data = write_dataset(tmp_path / "dd", DOCS[:30], valid=DOCS[30:])
+    data = write_dataset(tmp_path / "dd", DOCS[:30], valid=DOCS[30:35], test=DOCS[35:])
     task = lm(data, tmp_path / "cache")
-    assert split_docs(task, "train") == DOCS[:30] and split_docs(task, "valid") == DOCS[30:]
+    assert split_docs(task, "train") == DOCS[:30] and split_docs(task, "valid") == DOCS[30:35]
     write_jsonl(tmp_path / "jl" / "a.jsonl", DOCS[:30])
     write_jsonl(tmp_path / "jl" / "b.jsonl", DOCS[30:], field="body")
     task = lm(tmp_path / "jl", tmp_path / "cache", valid_files=["b.jsonl"], text_field="body")

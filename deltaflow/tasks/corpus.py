@@ -7,8 +7,9 @@ Formats (found by extension under a folder, or given as one file):
 - ``.jsonl``: one document per line, the text in field ``text_field`` (default ``"text"``).
 - ``.parquet``: one document per row, the text in column ``text_field`` (needs ``pyarrow``).
 - a ``datasets.save_to_disk`` folder (``Dataset`` or ``DatasetDict``): one document per row
-  (needs ``datasets``); a ``DatasetDict``'s ``validation``/``valid``/``test`` split is the
-  validation set.
+  (needs ``datasets``); a ``DatasetDict``'s first ``validation``/``valid``/``test`` split is
+  the validation set and, when it has a ``train`` split, only ``train`` is trained on (a
+  ``test`` split beside ``validation`` stays unseen).
 
 Validation documents, in order of precedence: ``valid_files`` (paths relative to the data
 folder: every document of those files); a ``DatasetDict``'s validation split; for ``.txt``
@@ -242,6 +243,9 @@ class Corpus:
         elif any(s.dataset_split in DATASET_VALID_SPLITS for s in self.sources):
             name = next(n for n in DATASET_VALID_SPLITS if n in rels)
             chosen = {name}
+            if "train" in rels:  # train on "train" only: never on a second held-out split
+                self.sources = [s for s in self.sources if s.rel in ("train", name)]
+                rels = [s.rel for s in self.sources]
         elif self.plain_text:
             if len(rels) < 2:
                 raise ValueError(
