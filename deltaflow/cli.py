@@ -4,6 +4,7 @@
     deltaflow train --config configs/mqar_efla.yaml --lr 3e-4 --set model.qk_norm=l2
     deltaflow eval runs/efla                       # latest checkpoint of a run directory
     deltaflow generate runs/lm --prompt "It is a truth" --max-new-tokens 100
+    deltaflow eval runs/lm --lm-eval lambada_openai   # lm-evaluation-harness tasks
     deltaflow compare                              # the main job: quick CPU preset (<= 2 min)
     deltaflow compare --preset mqar_512 --device cuda --out results/mqar_512
 
@@ -44,6 +45,8 @@ _TRAIN_FIELDS: dict[str, tuple[str | None, str]] = {
     "precision": (None, "precision"),
     "parallel": (None, "parallel"),
     "compile": (None, "compile"),
+    "tensorboard": (None, "tensorboard"),
+    "wandb": (None, "wandb"),
     "seq_len": ("task_kwargs", "seq_len"),
     "num_kv_pairs": ("task_kwargs", "num_kv_pairs"),
     "vocab_size": ("task_kwargs", "vocab_size"),
@@ -102,9 +105,18 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seq-len", type=int)
     g.add_argument("--num-kv-pairs", type=int, help="MQAR key-value pairs")
     g.add_argument("--vocab-size", type=int, help="synthetic task vocabulary")
-    g.add_argument("--data-dir", help="lm: directory of .txt files")
-    g.add_argument("--tokenizer", choices=["byte", "bpe"], help="lm tokenizer")
-    g.add_argument("--tokenizer-path", help="lm: GPT-2 .tiktoken file for --tokenizer bpe")
+    g.add_argument(
+        "--data-dir",
+        help="lm: folder (or file) of .txt, .jsonl or .parquet documents, or a "
+        "datasets.save_to_disk folder",
+    )
+    g.add_argument(
+        "--tokenizer",
+        help="lm: byte | bpe | hf, or a Hugging Face tokenizer folder or a .tiktoken file",
+    )
+    g.add_argument(
+        "--tokenizer-path", help="lm: the .tiktoken file (--tokenizer bpe) or folder (hf)"
+    )
     g = p.add_argument_group("model")
     g.add_argument(
         "--rule", help="step rule: linear, delta, efla, longhorn, trapezoid, kaczmarz, ..."
@@ -171,6 +183,18 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "benchmarks/NOTES.md [config default: auto]",
     )
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument(
+        "--tensorboard",
+        action="store_true",
+        default=None,
+        help="also log to TensorBoard (<out>/tensorboard; needs the tensorboard package)",
+    )
+    g.add_argument(
+        "--wandb",
+        action="store_true",
+        default=None,
+        help="also log to Weights & Biases (<out>/wandb), offline unless WANDB_MODE is set",
+    )
     p.set_defaults(func=cmd_train)
 
 
@@ -224,19 +248,18 @@ def _load_trained(path: str, device: str) -> tuple[Any, Any, Path]:
 
     ckpt = resolve_checkpoint(path)
     config = TrainConfig.from_yaml(ckpt / "config.yaml").replace(device=device, out_dir=None)
-    vocab = _vocab_size(config)
+    vocab = _vocab_size(config, ckpt)
     model = build_model(config, vocab).to(resolve_device(device, DistInfo()))
     load_checkpoint(ckpt, model=model, restore_rng=False)
     model.eval()
     return config, model, ckpt
 
 
-def _vocab_size(config: Any) -> int:
+def _vocab_size(config: Any, ckpt: Path) -> int:
     if config.task == "lm":
-        from deltaflow.tasks.language import get_tokenizer
+        from deltaflow.tasks.tokenizers import run_tokenizer
 
-        kw = config.task_kwargs
-        return get_tokenizer(kw.get("tokenizer", "byte"), kw.get("tokenizer_path")).vocab_size
+        return run_tokenizer(ckpt, config.task_kwargs).vocab_size
     from deltaflow.train import build_task
 
     return build_task(config).vocab_size
@@ -264,11 +287,29 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int)
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
+    g = p.add_argument_group("lm-evaluation-harness (pip install 'deltaflow[eval]')")
+    g.add_argument(
+        "--lm-eval",
+        metavar="TASKS",
+        help="comma-separated lm-eval tasks (e.g. lambada_openai,hellaswag) instead of the "
+        "run's own task; --batch-size is requests per forward",
+    )
+    g.add_argument(
+        "--lm-eval-include",
+        action="append",
+        metavar="DIR",
+        help="folder of task YAMLs (e.g. from deltaflow lm-eval-task); repeatable",
+    )
+    g.add_argument("--limit", type=float, help="lm-eval: examples per task (< 1: a fraction)")
+    g.add_argument("--num-fewshot", type=int, help="lm-eval: few-shot examples")
     p.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from deltaflow.train import Trainer, build_task
+
+    if args.lm_eval:
+        return _cmd_lm_eval(args)
 
     config, model, ckpt = _load_trained(args.checkpoint, args.device)
     changes: dict[str, Any] = {"resume": False, "progress": False}
@@ -295,6 +336,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         width = max(len(k) for k in metrics)
         for key, value in metrics.items():
             print(f"  {key:<{width}}  {value:.6g}")
+    return 0
+
+
+def _cmd_lm_eval(args: argparse.Namespace) -> int:
+    from deltaflow.evals.harness import evaluate
+
+    results = evaluate(
+        args.checkpoint,
+        [t.strip() for t in args.lm_eval.split(",") if t.strip()],
+        include_path=args.lm_eval_include,
+        limit=int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size or 8,
+        device=args.device,
+    )
+    if args.json:
+        print(json.dumps(results["results"], indent=2, default=str))
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
     return 0
 
 
@@ -325,15 +387,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from deltaflow.lab.generate import sample
-    from deltaflow.tasks.language import get_tokenizer
+    from deltaflow.tasks.tokenizers import run_tokenizer
 
-    config, model, _ = _load_trained(args.checkpoint, args.device)
+    config, model, ckpt = _load_trained(args.checkpoint, args.device)
     if config.task != "lm":
         raise SystemExit(
             f"generate needs a language-model checkpoint (task 'lm'), got {config.task!r}"
         )
-    kw = config.task_kwargs
-    tokenizer = get_tokenizer(kw.get("tokenizer", "byte"), kw.get("tokenizer_path"))
+    tokenizer = run_tokenizer(ckpt, config.task_kwargs)  # the copy saved with the checkpoint
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise SystemExit("--prompt encodes to no tokens; give some text")
@@ -593,6 +654,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_generate_parser(sub)
     add_compare_parser(sub)
+    from deltaflow.evals.local_tasks import add_lm_eval_task_parser
+
+    add_lm_eval_task_parser(sub)
     try:  # written by another module; the CLI works without it
         from deltaflow.analysis.cli import add_stability_parser
     except ImportError:

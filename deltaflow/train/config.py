@@ -49,6 +49,10 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda:LOCAL_RANK if available, else cpu
     precision: str = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu; or 'bf16' | 'fp32'
     progress: bool = True  # tqdm bar (rank 0 only)
+    # Extra log sinks beside log.jsonl / CSV (rank 0; like them, nothing without out_dir):
+    # TensorBoard events in <out_dir>/tensorboard; W&B in <out_dir>/wandb, offline by default.
+    tensorboard: bool = False
+    wandb: bool = False
     # Under torchrun: 'ddp' replicates the model; 'fsdp' shards it (FSDP2) and writes sharded
     # checkpoints that resume on any number of GPUs.
     parallel: str = "ddp"
@@ -103,6 +107,9 @@ class TrainConfig:
                 raise TypeError(
                     f"{name} must be a mapping, got {type(getattr(self, name)).__name__}"
                 )
+        for name in ("tensorboard", "wandb"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if "vocab_size" in self.model:
             raise ValueError("model.vocab_size is taken from the task; remove it from the config")
         if self.eval_lengths is not None:
