@@ -99,6 +99,10 @@ class DeltaAttention(nn.Module):
         layer_idx: index in a model (only used in messages).
     """
 
+    # Set by deltaflow.parallel.enable_context_parallel: the layer then runs on one segment of
+    # each sequence (conv halos and recurrent state exchanged with the other ranks).
+    context_parallel = None
+
     def __init__(
         self,
         hidden_size: int,
@@ -306,9 +310,16 @@ class DeltaAttention(nn.Module):
             mask_prepared,
         )
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
+        cp = self.context_parallel  # None unless enable_context_parallel set it
+        if cp is not None and cp.enabled:
+            cp.check_call(mask, state, use_cache, cu_seqlens)
+        else:
+            cp = None
 
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_short_conv:
+        if self.use_short_conv and cp is not None:
+            q, k, v = cp.short_convs((self.q_conv, self.k_conv, self.v_conv), (q, k, v))
+        elif self.use_short_conv:
             cu = cu_seqlens
             q, new_state["conv_q"] = self.q_conv(q, mask, state.get("conv_q"), use_cache, cu)
             k, new_state["conv_k"] = self.k_conv(k, mask, state.get("conv_k"), use_cache, cu)
@@ -348,7 +359,7 @@ class DeltaAttention(nn.Module):
             # β >= 0 and log α <= 0 hold by construction: skip the op's host-side value
             # checks (one GPU sync each, per layer and training step).
             with _trusted_values():
-                o, S = delta_rule(
+                o, S = (delta_rule if cp is None else cp.delta_rule)(
                     q,
                     k,
                     v,

@@ -52,6 +52,9 @@ class TrainConfig:
     # Under torchrun: 'ddp' replicates the model; 'fsdp' shards it (FSDP2) and writes sharded
     # checkpoints that resume on any number of GPUs.
     parallel: str = "ddp"
+    # Context parallelism: groups of this many ranks split every sequence along T (world =
+    # data-parallel ranks x context_parallel); delta-rule models only (deltaflow.parallel).
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         # YAML 1.1 reads "3e-4" (no dot) as a string: accept numeric strings for float fields.
@@ -71,7 +74,14 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+        for name in (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "log_every",
+            "keep_checkpoints",
+            "context_parallel",
+        ):
             positive(name)
         for name in ("eval_every", "ckpt_every"):
             value = getattr(self, name)

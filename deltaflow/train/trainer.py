@@ -56,6 +56,7 @@ from deltaflow.train.checkpoint import (
     save_sharded_checkpoint,
 )
 from deltaflow.train.config import TrainConfig
+from deltaflow.train.context_parallel import DataLayout
 from deltaflow.train.logging import RunLogger
 from deltaflow.train.parallel import shard_model
 from deltaflow.train.schedule import lr_at
@@ -207,11 +208,17 @@ class Trainer:
         self.device = resolve_device(config.device, self.dist)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        per_rank, rem = divmod(config.batch_size, self.dist.world_size * config.grad_accum)
+        # context_parallel > 1: cp ranks share rows and split their tokens (context_parallel.py)
+        self.layout = DataLayout.create(
+            config.context_parallel, self.dist.rank, self.dist.world_size
+        )
+        dp = self.layout.dp_size
+        per_rank, rem = divmod(config.batch_size, dp * config.grad_accum)
         if rem or per_rank == 0:
             raise ValueError(
                 f"batch_size={config.batch_size} must be a positive multiple of "
-                f"world_size ({self.dist.world_size}) x grad_accum ({config.grad_accum})"
+                f"data-parallel ranks ({dp} = world_size / context_parallel) x grad_accum "
+                f"({config.grad_accum})"
             )
         self.micro_batch = per_rank
         use_bf16 = config.precision == "bf16" or (
@@ -226,6 +233,7 @@ class Trainer:
         torch.manual_seed(config.seed)  # identical init on every rank (DDP also broadcasts)
         self.task = task if task is not None else build_task(config)
         base = model if model is not None else build_model(config, self.task.vocab_size)
+        self.layout.attach(base)
         if self.sharded:
             bf16_weights = use_bf16 and self.device.type == "cuda"
             self.raw_model = shard_model(base, self.device, bf16=bf16_weights)
@@ -333,12 +341,16 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        rank_rows = cfg.batch_size // self.dist.world_size
-        start = self.dist.rank * rank_rows
+        rank_rows = cfg.batch_size // self.layout.dp_size
+        start = self.layout.dp_rank * rank_rows
         for micro in range(cfg.grad_accum):
             lo = start + micro * self.micro_batch
-            x = ids[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
-            y = labels[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
+            x = self.layout.tokens(ids[lo : lo + self.micro_batch]).to(
+                self.device, non_blocking=True
+            )
+            y = self.layout.tokens(labels[lo : lo + self.micro_batch]).to(
+                self.device, non_blocking=True
+            )
             sync = micro == cfg.grad_accum - 1 or self.dist.world_size == 1
             with self._grad_sync(sync):
                 with self._autocast():
@@ -575,10 +587,11 @@ class Trainer:
 
     def _eval_and_log(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        if self.sharded:  # every rank runs the forward passes (they all-gather the weights)
-            metrics = self.evaluate()
-        elif self.dist.is_main:
-            metrics = self.evaluate()
+        with self.layout.whole_sequences():  # context parallel: each process evaluates alone
+            if self.sharded:  # every rank runs the forward passes (they all-gather the weights)
+                metrics = self.evaluate()
+            elif self.dist.is_main:
+                metrics = self.evaluate()
         if self.dist.is_main:
             self.logger.log("eval", self.step, split=self.config.eval_split, **metrics)
             self.logger.flush()
