@@ -365,7 +365,6 @@ def enable_context_parallel(
     from deltaflow.layers.delta_attention import DeltaAttention
     from deltaflow.layers.softmax_attention import SoftmaxAttention
 
-    cp = ContextParallel(group)
     attention = [name for name, m in model.named_modules() if isinstance(m, SoftmaxAttention)]
     if attention:
         raise ValueError(
@@ -376,6 +375,7 @@ def enable_context_parallel(
     layers = [m for m in model.modules() if isinstance(m, DeltaAttention)]
     if not layers:
         raise ValueError("context parallelism: the model has no DeltaAttention layer")
+    cp = ContextParallel(group)
     for layer in layers:
         layer.context_parallel = cp
     return cp
