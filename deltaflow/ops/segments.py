@@ -210,7 +210,8 @@ def summarize_segment(
         o_aug, head = op(everything, v_aug, _identity_state(B, H, Dk, Dv, q, state_dtype), None)
         out = head if plan.continues_out else zeros_out(B)
         ends = [] if plan.continues_out or not output_final_state else list(range(B))
-        return SegmentSummary(o_aug[..., Dk:], o_aug[..., :Dk], head, out, ends, None, [])
+        q_in, o = o_aug.split([Dk, Dv], dim=-1)  # one split: its backward is one cat
+        return SegmentSummary(o, q_in, head, out, ends, None, [])
 
     # Packed documents: B == 1; document j of the segment is global document plan.docs[j].
     docs, cu = list(plan.docs), list(plan.cu)
@@ -226,7 +227,8 @@ def summarize_segment(
         o_aug, head = op(
             slice(0, head_len), v_aug, _identity_state(1, H, Dk, Dv, q, state_dtype), None
         )
-        q_in, o_parts = o_aug[..., :Dk], [o_aug[..., Dk:]]
+        q_in, o_head = o_aug.split([Dk, Dv], dim=-1)
+        o_parts = [o_head]
         head_final_docs = [docs[0]] if (len(docs) > 1 or not plan.continues_out) else []
         rest_docs, rest_cu, rest_from = docs[1:], [c - head_len for c in cu[1:]], head_len
     else:

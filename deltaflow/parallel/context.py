@@ -100,6 +100,8 @@ class _SegmentExchange(torch.autograd.Function):
                 dist.all_reduce(shared, group=meta.group)  # each document has one owner
         ctx.meta = meta
         ctx.o_dtype = o.dtype
+        # q_in is a view of the op's output [q̃ | o]: a copy of it alone lets the rest go
+        q_in = None if q_in is None else q_in.contiguous()
         ctx.save_for_backward(q_in, head, transitions[: meta.rank], states)
         return o_true, shared
 

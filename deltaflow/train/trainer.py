@@ -22,6 +22,8 @@ Design choices a user should know:
   sharded with FSDP2 instead (each rank holds 1/world_size of weights, gradients and optimizer
   state); every rank then takes part in evaluation (the forward all-gathers weights) and in
   the sharded checkpoint, and rank 0 still does all the logging.
+- ``context_parallel = N`` splits every sequence along T over groups of N ranks (delta-rule
+  models; ``deltaflow/train/context_parallel.py``): the world is data-parallel groups x N.
 """
 
 from __future__ import annotations
