@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from deltaflow.ops.checks import compute_dtype
 from deltaflow.ops.delta_rule import delta_rule
 
 
@@ -174,7 +175,8 @@ def summarize_segment(
     Dv = v.shape[-1]
     if L != plan.length:
         raise ValueError(f"the segment holds {L} tokens but its plan says {plan.length}")
-    state_dtype = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
+    # the op's state dtype (float64 if any input is): every segment's transition must agree
+    state_dtype = compute_dtype(q, k, v, beta, initial_state)
 
     def op(sl: slice, v_: Tensor, s0: Tensor | None, cu: list[int] | None):
         def pick(x: Tensor | None) -> Tensor | None:
@@ -369,6 +371,7 @@ def segmented_delta_rule(
     if list(bounds) != sorted(set(bounds)) or bounds[0] != 0 or bounds[-1] != T:
         raise ValueError(f"bounds must increase strictly from 0 to T={T}, got {list(bounds)}")
     cu = None if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
+    state_dtype = compute_dtype(q, k, v, beta, initial_state)
     plans = [plan_segment(lo, hi, T, cu) for lo, hi in zip(bounds, bounds[1:])]
     summaries = []
     for plan in plans:
@@ -386,14 +389,15 @@ def segmented_delta_rule(
                 **op_kwargs,
             )
         )
-    incoming = chain(torch.stack([s.out for s in summaries]))
     outputs, finals, owners = [], [], []
-    for r, s in enumerate(summaries):
-        o, owned = apply_incoming(s, incoming[r])
-        outputs.append(o)
-        if owned is not None:
-            finals.append(owned)
-            owners += s.head_final_docs + s.final_docs
+    with torch.autocast(q.device.type, enabled=False):  # the chain stays in fp32 / fp64
+        incoming = chain(torch.stack([s.out.to(state_dtype) for s in summaries]))
+        for r, s in enumerate(summaries):
+            o, owned = apply_incoming(s, incoming[r])
+            outputs.append(o)
+            if owned is not None:
+                finals.append(owned)
+                owners += s.head_final_docs + s.final_docs
     o = torch.cat(outputs, dim=1)
     if not output_final_state:
         return o, None
