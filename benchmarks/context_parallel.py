@@ -91,49 +91,70 @@ class Worker:
         fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.raw.parameters(), lr=1e-4, fused=fused)
 
+    def bounds(self, T: int) -> list[int]:
+        """The ranks' segments of a row of T tokens: equal, or rank 0 taking ``--rank0-share``
+        of them (rank 0 runs the plain op, the others the op with Dk more value columns, so
+        a larger rank-0 segment can balance the ranks' step times), in multiples of 64."""
+        if self.world == 1:
+            return [0, T]
+        if self.args.rank0_share is None:
+            if T % self.world:
+                raise ValueError(f"T={T} must be a multiple of the {self.world} ranks")
+            return [r * T // self.world for r in range(self.world + 1)]
+        first = round(T * self.args.rank0_share / 64) * 64
+        rest = T - first
+        if not 0 < first < T or rest % (self.world - 1):
+            raise ValueError(
+                f"T={T} with --rank0-share {self.args.rank0_share}: rank 0 takes {first} "
+                f"tokens, the other {self.world - 1} ranks cannot split {rest} equally"
+            )
+        step = rest // (self.world - 1)
+        return [0] + [first + r * step for r in range(self.world)]
+
     def batch(self, T: int, seed: int = 0):
         """This rank's segment of one random row and its next-token targets (shifted over the
         whole row, so a segment's last position predicts the next segment's first token)."""
         import torch
 
-        if T % self.world:
-            raise ValueError(f"T={T} must be a multiple of the {self.world} ranks")
         g = torch.Generator().manual_seed(seed)
         row = torch.randint(0, self.args.vocab, (1, T + 1), generator=g)
-        L = T // self.world
-        sl = slice(self.rank * L, (self.rank + 1) * L)
+        bounds = self.bounds(T)
+        sl = slice(bounds[self.rank], bounds[self.rank + 1])
+        self.share = (sl.stop - sl.start) / T  # this rank's fraction of the row's targets
         ids, targets = row[:, :T][:, sl], row[:, 1:][:, sl]
         return ids.to(self.device), targets.to(self.device)
 
-    def step(self, ids, targets) -> float:
-        """Forward, backward, optimizer step; returns the whole row's mean loss."""
+    def _loss(self, ids, targets):
+        """This rank's part of the row's mean loss, scaled for DDP: every target is scored,
+        rank r holds ``share_r`` of them, and DDP averages gradients over the ranks, so
+        ``world x share_r x (rank r's mean loss)`` has the row's mean loss as its average."""
+        loss = self.model(input_ids=ids, labels=targets, labels_are_shifted=True).loss
+        return loss * (self.world * self.share), loss.detach().float() * self.share
+
+    def _row_loss(self, part) -> float:
         import torch.distributed as dist
 
-        loss = self.model(input_ids=ids, labels=targets, labels_are_shifted=True).loss
-        # Every target is scored and each rank holds 1/world of them: DDP averages gradients
-        # over the ranks, so each rank's mean loss is the row's mean loss's gradient share.
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = loss.detach().float().clone()
+        total = part.clone()
         if self.world > 1:
             dist.all_reduce(total)
-            total /= self.world
         return float(total)
 
-    def first_step_gradients(self, ids, targets) -> tuple[float, dict[str, Any]]:
-        """The loss and the (world-summed) weight gradients of one step, without updating."""
-        import torch.distributed as dist
+    def step(self, ids, targets) -> float:
+        """Forward, backward, optimizer step; returns the whole row's mean loss."""
+        scaled, part = self._loss(ids, targets)
+        scaled.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._row_loss(part)
 
-        loss = self.model(input_ids=ids, labels=targets, labels_are_shifted=True).loss
-        loss.backward()
+    def first_step_gradients(self, ids, targets) -> tuple[float, dict[str, Any]]:
+        """The loss and the weight gradients (DDP-reduced: the whole row's) of one step,
+        without updating the weights."""
+        scaled, part = self._loss(ids, targets)
+        scaled.backward()
         grads = {n: p.grad.detach().float().cpu() for n, p in self.raw.named_parameters()}
         self.optimizer.zero_grad(set_to_none=True)
-        total = loss.detach().float().clone()
-        if self.world > 1:
-            dist.all_reduce(total)
-            total /= self.world
-        return float(total), grads
+        return self._row_loss(part), grads
 
     def synchronize(self) -> None:
         import torch
@@ -305,6 +326,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-grads", help="measure: save the first step's loss and gradients")
     p.add_argument("--reference-grads", help="measure: compare with these saved gradients")
     p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing")
+    p.add_argument("--rank0-share", type=float, help="rank 0's part of each row (default: equal)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     # CPU checks of the search's failure path: the last rank fails lengths above this
     p.add_argument("--simulate-oom-above", type=int, default=0, help=argparse.SUPPRESS)
@@ -350,6 +372,8 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
         f"--vocab={args.cp_vocab}",
         f"--device={args.device}",
     ]
+    if args.cp_rank0_share is not None:
+        flags.append(f"--rank0-share={args.cp_rank0_share}")
     return flags + (["--checkpointing"] if args.cp_checkpointing else [])
 
 
@@ -461,6 +485,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"DeltaNet, {s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads x "
         f"{s['head_dim']}, vocab {s['vocab']}, {s.get('dtype', 'bf16')} parameters, AdamW, B=1"
         + (", gradient checkpointing" if s["checkpointing"] else "")
+        + (f", rank 0 holds {s['rank0_share']:.0%} of each row" if s.get("rank0_share") else "")
         + f"; median of {s['steps']} steps after {s['warmup']} warm-up steps.",
     ]
     if report.get("speed"):
@@ -549,6 +574,7 @@ def run_benchmark(args: argparse.Namespace, parts: list[str]) -> dict[str, Any]:
             warmup=args.cp_warmup,
             checkpointing=args.cp_checkpointing,
             lengths=args.cp_lengths,
+            rank0_share=args.cp_rank0_share,
             dtype="bf16" if args.device == "cuda" else "fp32",
         ),
     )
@@ -600,6 +626,12 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-search-max", type=int, default=2**21, help="longest T tried")
     g.add_argument("--cp-checkpointing", action="store_true", help="gradient checkpointing")
     g.add_argument("--cp-keep-grads", action="store_true", help="keep the reference gradients")
+    g.add_argument(
+        "--cp-rank0-share",
+        type=float,
+        help="rank 0's part of each row (default: 1 / --gpus); rank 0 runs the plain op, "
+        "the others the op with Dk extra value columns, so more than 1/gpus can balance them",
+    )
     # the model of benchmarks/model_training.py: Gated DeltaNet, ~400M with untied embeddings
     g.add_argument("--cp-layers", type=int, default=24)
     g.add_argument("--cp-hidden", type=int, default=1024)
