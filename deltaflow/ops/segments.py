@@ -221,6 +221,7 @@ def summarize_segment(
     def own_initial(ds: list[int]) -> Tensor | None:
         return None if initial_state is None else initial_state[ds]
 
+    o_parts: list[Tensor] = []
     finals: list[Tensor] = []
     final_docs: list[int] = []
     if plan.continues_in:  # the first document: transition columns, its tokens only
@@ -230,7 +231,7 @@ def summarize_segment(
             slice(0, head_len), v_aug, _identity_state(1, H, Dk, Dv, q, state_dtype), None
         )
         q_in, o_head = o_aug.split([Dk, Dv], dim=-1)
-        o_parts = [o_head]
+        o_parts.append(o_head)
         head_final_docs = [docs[0]] if (len(docs) > 1 or not plan.continues_out) else []
         rest_docs, rest_cu, rest_from = docs[1:], [c - head_len for c in cu[1:]], head_len
     else:
@@ -239,10 +240,7 @@ def summarize_segment(
         rest_docs, rest_cu, rest_from = docs, cu, 0
     if rest_docs:
         o_rest, S_rest = op(slice(rest_from, L), v, own_initial(rest_docs), rest_cu)
-        if plan.continues_in:
-            o_parts.append(o_rest)
-        else:
-            o_parts = [o_rest]
+        o_parts.append(o_rest)
         ending = len(rest_docs) - (1 if plan.continues_out else 0)
         finals.append(S_rest[:ending])
         final_docs += rest_docs[:ending]
