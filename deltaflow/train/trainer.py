@@ -219,8 +219,8 @@ class Trainer:
         if rem or per_rank == 0:
             raise ValueError(
                 f"batch_size={config.batch_size} must be a positive multiple of "
-                f"data-parallel ranks ({dp} = world_size / context_parallel) x grad_accum "
-                f"({config.grad_accum})"
+                f"world_size ({self.dist.world_size}) / context_parallel "
+                f"({config.context_parallel}) x grad_accum ({config.grad_accum})"
             )
         self.micro_batch = per_rank
         use_bf16 = config.precision == "bf16" or (
