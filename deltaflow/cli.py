@@ -44,6 +44,7 @@ _TRAIN_FIELDS: dict[str, tuple[str | None, str]] = {
     "precision": (None, "precision"),
     "parallel": (None, "parallel"),
     "context_parallel": (None, "context_parallel"),
+    "compile": (None, "compile"),
     "seq_len": ("task_kwargs", "seq_len"),
     "num_kv_pairs": ("task_kwargs", "num_kv_pairs"),
     "vocab_size": ("task_kwargs", "vocab_size"),
@@ -169,6 +170,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="under torchrun: groups of N ranks split every sequence along T (long "
         "sequences; delta-rule models only); world = data-parallel ranks x N [default: 1]",
+    )
+    g.add_argument(
+        "--compile",
+        choices=["auto", "blocks", "off"],
+        help="torch.compile every model block (fused glue, selective activation "
+        "checkpointing): auto = on CUDA only [config default: auto]",
     )
     g.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train)

@@ -7,8 +7,8 @@ Processes (``-m "not multiprocess"`` skips them): one spawn of 2 ranks and one o
 checking many cases inside: the context-parallel op against the one-process op (every rule,
 decay, negative eigenvalues, initial and final states, segment boundaries inside and between
 chunks, packed documents crossing one or several ranks, starting at a boundary, empty ones),
-the tiny language model's loss and gradients (2 ranks; also packed and with gradient
-checkpointing), and the trainer's ``context_parallel`` (2 ranks: cp 2 with DDP; 4 ranks: cp 2
+the tiny language model's loss and gradients (2 ranks; plain and packed rows, op-by-op and
+fused projections, with gradient checkpointing), and the trainer's ``context_parallel`` (2 ranks: cp 2 with DDP; 4 ranks: cp 2
 x dp 2 with FSDP2) against one process on the same global batch.
 """
 
@@ -238,10 +238,12 @@ def check_op_case(rank: int, world: int, case: dict) -> None:
             assert rel_err(grad, ref_grad[:, sl]) <= TOL, f"{what}: d{name}"
 
 
-def check_model(rank: int, world: int, packed: bool, checkpointing: bool) -> None:
+def check_model(
+    rank: int, world: int, packed: bool, checkpointing: bool, fused: bool = False
+) -> None:
     """The tiny LM on this rank's segment: loss and every weight gradient (summed over the
-    ranks) equal one process on the whole batch. β and log α are float32 in the layer, so
-    their gradients match to float32 rounding, not float64."""
+    ranks) equal one process on the whole batch (float64). ``fused``: the layers' fused
+    projections and q|k|v conv (the CUDA default) instead of the op-by-op path."""
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
     from deltaflow.parallel import enable_context_parallel
 
@@ -257,6 +259,8 @@ def check_model(rank: int, world: int, packed: bool, checkpointing: bool) -> Non
     )
     torch.manual_seed(0)
     ref = DeltaFlowForCausalLM(config).double().train()
+    for layer in ref.model.layers:
+        layer.mixer.fused_projections = fused
     model = copy.deepcopy(ref)
     cp = enable_context_parallel(model)
     if checkpointing:  # the backward recomputes each block, collectives included
@@ -279,13 +283,13 @@ def check_model(rank: int, world: int, packed: bool, checkpointing: bool) -> Non
     (local.loss * share).backward()
     loss = (local.loss * share).detach()
     dist.all_reduce(loss)
-    what = f"rank {rank}, packed={packed}, checkpointing={checkpointing}"
+    what = f"rank {rank}, packed={packed}, checkpointing={checkpointing}, fused={fused}"
     assert abs(loss.item() - out.loss.item()) <= 1e-10 * out.loss.item(), what
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         grad = p.grad.clone()
         dist.all_reduce(grad)
-        assert rel_err(grad, ref_params[name].grad) <= 1e-6, f"{what}: {name}"
+        assert rel_err(grad, ref_params[name].grad) <= TOL, f"{what}: {name}"
 
     left_padded = torch.ones_like(ids[:, sl])
     left_padded[:, 0] = 0
@@ -340,7 +344,9 @@ def _worker(rank: int, world: int, port: int, tmp_dir: str) -> None:
             check_op_case(rank, world, case)
         if world == 2:
             check_model(rank, world, packed=False, checkpointing=False)
-            check_model(rank, world, packed=True, checkpointing=True)
+            check_model(rank, world, packed=True, checkpointing=True, fused=True)
+            check_model(rank, world, packed=True, checkpointing=False)
+            check_model(rank, world, packed=False, checkpointing=False, fused=True)
         from deltaflow.train import Trainer
 
         parallel = "ddp" if world == 2 else "fsdp"  # 4 ranks: 2 data-parallel x 2 context

@@ -315,37 +315,50 @@ class ContextParallel:
     def plan(self, length: int) -> SegmentPlan:
         return _plan(self.rank, self.world, length, self.cu_seqlens, None)
 
-    def short_convs(self, convs: Sequence[nn.Module], xs: Sequence[Tensor]) -> list[Tensor]:
-        """The short convolutions of q, k, v on this rank's segment, with one halo exchange
-        for the three (``convs``: ShortConvolution modules of one kernel size)."""
-        W = convs[0].kernel_size
-        B, L = xs[0].shape[:2]
-        if W == 1:
-            return [conv(x)[0] for conv, x in zip(convs, xs)]
+    def _with_halo(self, x: Tensor, W: int) -> tuple[Tensor, Tensor | None]:
+        """``x [B, L, C]`` with the previous rank's last ``W − 1`` tokens in front (zeros on
+        rank 0), and the packed offsets a causal conv of that needs (None for plain rows).
+        The conv's first ``W − 1`` outputs (the halo's own) are to be dropped."""
+        L = x.shape[1]
         if L < W - 1:
             raise ValueError(
                 f"context parallelism: each rank needs at least conv_size - 1 = {W - 1} tokens "
                 f"for the short convolutions' halo, got {L}"
             )
-        widths = [x.shape[-1] for x in xs]
-        halo = exchange_halo(torch.cat([x[:, L - (W - 1) :] for x in xs], dim=-1), self.group)
-        halos = halo.split(widths, dim=-1)
+        halo = exchange_halo(x[:, L - (W - 1) :], self.group)
+        extended = torch.cat([halo, x], dim=1)
         if self.cu_seqlens is None:
-            return [conv(x, state=h.transpose(1, 2))[0] for conv, x, h in zip(convs, xs, halos)]
-        # Packed documents: the halo goes in front as extra tokens; it belongs to the first
-        # document only where that document started before this segment (and only from its
-        # start on), otherwise it is a separate piece whose outputs are dropped.
+            return extended, None
+        # Packed documents: the halo belongs to the first document only where that document
+        # started before this segment, and only from its start on; before that it is a piece
+        # of its own (whose outputs are dropped), so no tap reaches across a document start.
         plan = self.plan(L)
         halo_start = W - 1
         if plan.continues_in:
             halo_start = max(0, (W - 1) - (plan.lo - plan.first_start))
-        cu = [0, halo_start] if halo_start > 0 else [0]
-        cu += [W - 1 + c for c in plan.cu[1:]]
-        cu_t = torch.tensor(cu, dtype=torch.long, device=xs[0].device)
-        return [
-            conv(torch.cat([h, x], dim=1), cu_seqlens=cu_t)[0][:, W - 1 :]
-            for conv, x, h in zip(convs, xs, halos)
-        ]
+        cu = ([0, halo_start] if halo_start > 0 else [0]) + [W - 1 + c for c in plan.cu[1:]]
+        return extended, torch.tensor(cu, dtype=torch.long, device=x.device)
+
+    def conv_silu(self, x: Tensor, weight: Tensor) -> Tensor:
+        """:func:`deltaflow.layers.conv.causal_conv_silu` of this rank's segment (the fused
+        q|k|v channels, ``weight [C, W]``), continuing the previous rank's."""
+        from deltaflow.layers.conv import causal_conv_silu
+
+        W = weight.shape[-1]
+        if W == 1:
+            return causal_conv_silu(x, weight)
+        extended, cu = self._with_halo(x, W)
+        return causal_conv_silu(extended, weight, cu)[:, W - 1 :]
+
+    def short_convs(self, convs: Sequence[nn.Module], xs: Sequence[Tensor]) -> list[Tensor]:
+        """The ShortConvolution modules ``convs`` (one kernel size) of q, k, v on this rank's
+        segment, continuing the previous rank's: one halo exchange for the three."""
+        W = convs[0].kernel_size
+        if W == 1:
+            return [conv(x)[0] for conv, x in zip(convs, xs)]
+        extended, cu = self._with_halo(torch.cat(list(xs), dim=-1), W)
+        parts = extended.split([x.shape[-1] for x in xs], dim=-1)
+        return [conv(part, cu_seqlens=cu)[0][:, W - 1 :] for conv, part in zip(convs, parts)]
 
     def delta_rule(self, q, k, v, beta=None, **kwargs) -> tuple[Tensor, Tensor | None]:
         """:func:`context_parallel_delta_rule` over this group and documents."""

@@ -55,6 +55,19 @@ class DataLayout:
         if self.cp_size > 1:
             self.context = enable_context_parallel(model, self.group)
 
+    def allows_compile(self, mode: str) -> bool:
+        """Compiled blocks (``compile``) need one graph per block; the context-parallel layers
+        exchange halos and states with collectives inside the block, so under context
+        parallelism ``auto`` runs eager and ``blocks`` is refused."""
+        if self.cp_size == 1:
+            return True
+        if mode == "blocks":
+            raise ValueError(
+                "compile='blocks' does not support context_parallel > 1 yet (the layers' "
+                "collectives sit inside each block): use compile='auto' or 'off' (eager)"
+            )
+        return False
+
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's segment of each row of ``x [B, T]``."""
         if self.cp_size == 1:
