@@ -131,6 +131,20 @@ def test_enable_refuses_attention_layers():
         enable_context_parallel(hybrid)
 
 
+def test_layout_of_ranks_and_tokens():
+    from deltaflow.train.context_parallel import DataLayout
+
+    layout = DataLayout(dp_rank=1, dp_size=2, cp_rank=1, cp_size=2)
+    ids = torch.arange(16).reshape(2, 8)
+    assert layout.tokens(ids).tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    with pytest.raises(ValueError, match="multiple of it"):
+        layout.tokens(ids[:, :7])
+    assert not layout.allows_compile("auto")  # eager under context parallelism
+    with pytest.raises(ValueError, match="compile='blocks' does not support"):
+        layout.allows_compile("blocks")
+    assert DataLayout().allows_compile("blocks")
+
+
 def test_cli_flag_sets_the_config(capsys):
     from deltaflow.cli import main
 
