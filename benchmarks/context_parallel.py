@@ -84,7 +84,8 @@ class Worker:
         if self.world > 1:
             from deltaflow.parallel import enable_context_parallel
 
-            enable_context_parallel(model)  # the default group: every rank holds one segment
+            # every rank holds one segment; a group of its own (not DDP's communicator)
+            enable_context_parallel(model)
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         self.model = model

@@ -373,9 +373,16 @@ def enable_context_parallel(
 ) -> ContextParallel:
     """Make every delta-rule layer of ``model`` run context-parallel over ``group``.
 
-    Call it before wrapping the model in DDP / FSDP2; feed each rank its segment of every
-    sequence (rank r of the group: tokens ``[r·T/R, (r+1)·T/R)``). Softmax attention layers
-    (hybrid models) are refused: they would need a ring or all-gather attention.
+    Call it on every rank, before wrapping the model in DDP / FSDP2; feed each rank its
+    segment of every sequence (rank r of the group: tokens ``[r·T/R, (r+1)·T/R)``). Softmax
+    attention layers (hybrid models) are refused: they would need a ring or all-gather
+    attention.
+
+    ``group=None`` creates a new group of all ranks rather than using the default one: the
+    layers' collectives must not share a communicator with DDP's or FSDP's gradient
+    reductions, which are issued as gradients become ready, in an order that may differ
+    between ranks whose graphs differ (NCCL runs a communicator's collectives in the order
+    each rank issues them).
     """
     from deltaflow.layers.delta_attention import DeltaAttention
     from deltaflow.layers.softmax_attention import SoftmaxAttention
@@ -390,6 +397,9 @@ def enable_context_parallel(
     layers = [m for m in model.modules() if isinstance(m, DeltaAttention)]
     if not layers:
         raise ValueError("context parallelism: the model has no DeltaAttention layer")
+    if group is None:
+        _group_rank_and_size(None)  # a clear error without a process group
+        group = dist.new_group(list(range(dist.get_world_size())))
     cp = ContextParallel(group)
     for layer in layers:
         layer.context_parallel = cp
