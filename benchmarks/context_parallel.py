@@ -438,9 +438,11 @@ def _search_phase(args, out: Path, gpus: int, lengths: list[int], tag: str) -> l
     records = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
     tried = {r["seq"] for r in records}
     if error is not None and len(tried) < len(lengths):
-        # the process died at the first length it did not record (an OOM that killed it)
+        # The process died at the first length it did not record: an OOM on some rank ends
+        # the group (fits: False); a timeout says nothing about memory (fits: None).
         first_missing = next(T for T in lengths if T not in tried)
-        records.append({"seq": first_missing, "fits": False, "note": error})
+        fits = None if error.startswith("timed out") else False
+        records.append({"seq": first_missing, "fits": fits, "note": error})
     return records
 
 
@@ -453,12 +455,14 @@ def search(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         doubling = [start * 2**i for i in range(64) if start * 2**i <= args.cp_search_max]
         records = _search_phase(args, out, gpus, doubling, "doubling")
         fitted = [r["seq"] for r in records if r["fits"]]
-        failed = [r["seq"] for r in records if not r["fits"]]
+        failed = [r["seq"] for r in records if r["fits"] is False]
         row: dict[str, Any] = {"gpus": gpus, "trials": list(records)}
         if not fitted:
             row["largest_seq"] = None
         elif not failed:
-            row.update(largest_seq=max(fitted), note="every length up to --cp-search-max fits")
+            unknown = [r for r in records if r["fits"] is None]
+            note = unknown[0]["note"] if unknown else "every length up to --cp-search-max fits"
+            row.update(largest_seq=max(fitted), note=note)
         else:
             good = max(fitted)
             unit = 1024 * step
@@ -470,8 +474,10 @@ def search(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
                 fitted += [r["seq"] for r in records if r["fits"]]
             row.update(
                 largest_seq=max(fitted),
-                smallest_failed=min(r["seq"] for r in row["trials"] if not r["fits"]),
+                smallest_failed=min(r["seq"] for r in row["trials"] if r["fits"] is False),
             )
+            if any(r["fits"] is None for r in records):
+                row["note"] = "refinement cut short: " + records[-1].get("note", "")
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "trials"}), flush=True)
     return rows
@@ -528,8 +534,8 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             "Largest T that trains one step without running out of memory:",
             "",
-            "| GPUs | largest T | first T that failed | peak memory at the largest (GB) |",
-            "| --- | --- | --- | --- |",
+            "| GPUs | largest T | first T that failed | peak memory at the largest (GB) | note |",
+            "| --- | --- | --- | --- | --- |",
         ]
         for r in report["search"]:
             best = next(
@@ -538,7 +544,7 @@ def markdown(report: dict[str, Any]) -> str:
             mem = ", ".join(f"{m:.1f}" for m in best.get("peak_memory_gb") or []) or "-"
             largest = f"{r['largest_seq']:,}" if r.get("largest_seq") else "none"
             failed = f"{r['smallest_failed']:,}" if r.get("smallest_failed") else "-"
-            lines.append(f"| {r['gpus']} | {largest} | {failed} | {mem} |")
+            lines.append(f"| {r['gpus']} | {largest} | {failed} | {mem} | {r.get('note', '')} |")
         one = next((r for r in report["search"] if r["gpus"] == 1), {})
         cp = next((r for r in report["search"] if r["gpus"] > 1), {})
         if one.get("largest_seq") and cp.get("largest_seq"):

@@ -11,6 +11,8 @@ from _scripts import load_script
 
 
 def test_search_doubles_then_refines_in_eighths(tmp_path, monkeypatch):
+    """1 GPU runs out of memory above 100k tokens; the CP phase times out at 512k tokens
+    (which says nothing about memory: no refinement, a note instead)."""
     bench = load_script("benchmarks/context_parallel.py")
     limits = {1: 100_000, 2: 300_000}  # the longest T each setting fits
     phases = []
@@ -19,6 +21,9 @@ def test_search_doubles_then_refines_in_eighths(tmp_path, monkeypatch):
         phases.append((gpus, tag, list(lengths)))
         records = []
         for T in lengths:  # increasing; a real phase stops at its first failure
+            if gpus == 2 and T >= 524288:
+                records.append({"seq": T, "fits": None, "note": "timed out after 300 s"})
+                break
             records.append({"seq": T, "fits": T <= limits[gpus], "peak_memory_gb": [1.0]})
             if T > limits[gpus]:
                 break
@@ -33,7 +38,8 @@ def test_search_doubles_then_refines_in_eighths(tmp_path, monkeypatch):
     one, cp = rows
     assert one["largest_seq"] == max(T for T in phases[1][2] if T <= 100_000)
     assert one["smallest_failed"] == min(T for T in phases[1][2] if T > 100_000)
-    assert 262144 < cp["largest_seq"] <= 300_000
+    assert cp["largest_seq"] == 262144 and "timed out" in cp["note"]
+    assert "smallest_failed" not in cp and [p[1] for p in phases if p[0] == 2] == ["doubling"]
     report = {
         "device": "test",
         "torch": torch.__version__,
