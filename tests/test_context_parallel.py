@@ -8,8 +8,9 @@ checking many cases inside: the context-parallel op against the one-process op (
 decay, negative eigenvalues, initial and final states, segment boundaries inside and between
 chunks, packed documents crossing one or several ranks, starting at a boundary, empty ones),
 the tiny language model's loss and gradients (2 ranks; plain and packed rows, op-by-op and
-fused projections, with gradient checkpointing), and the trainer's ``context_parallel`` (2 ranks: cp 2 with DDP; 4 ranks: cp 2
-x dp 2 with FSDP2) against one process on the same global batch.
+fused projections, with gradient checkpointing), and the trainer's ``context_parallel`` (2
+ranks: cp 2 with DDP; 4 ranks: cp 2 x dp 2 with FSDP2) against one process on the same global
+batch.
 """
 
 from __future__ import annotations
