@@ -44,6 +44,7 @@ _TRAIN_FIELDS: dict[str, tuple[str | None, str]] = {
     "device": (None, "device"),
     "precision": (None, "precision"),
     "parallel": (None, "parallel"),
+    "context_parallel": (None, "context_parallel"),
     "compile": (None, "compile"),
     "tensorboard": (None, "tensorboard"),
     "wandb": (None, "wandb"),
@@ -174,6 +175,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         choices=["ddp", "fsdp"],
         help="under torchrun: ddp (replicated model) or fsdp (FSDP2, sharded model and "
         "checkpoints) [config default: ddp]",
+    )
+    g.add_argument(
+        "--context-parallel",
+        type=int,
+        metavar="N",
+        help="under torchrun: groups of N ranks split every sequence along T (long "
+        "sequences; delta-rule models only); world = data-parallel ranks x N [default: 1]",
     )
     g.add_argument(
         "--compile",

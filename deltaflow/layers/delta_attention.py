@@ -83,6 +83,10 @@ class DeltaAttention(nn.Module):
             CPU path stays the op-by-op one.
     """
 
+    # Set by deltaflow.parallel.enable_context_parallel: the layer then runs on one segment of
+    # each sequence (conv halos and recurrent state exchanged with the other ranks).
+    context_parallel = None
+
     def __init__(
         self,
         hidden_size: int,
@@ -204,6 +208,11 @@ class DeltaAttention(nn.Module):
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
         return A_log, dt_bias
 
+    def _active_context_parallel(self):
+        """The :class:`deltaflow.parallel.ContextParallel` this layer runs under, or None."""
+        cp = self.context_parallel
+        return cp if cp is not None and cp.enabled else None
+
     def _fused_inputs(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
@@ -223,7 +232,8 @@ class DeltaAttention(nn.Module):
         head = out[..., :qkv_dim]  # q|k|v lead the output: convolve them as one tensor
         if self.use_short_conv:
             w = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])[:, 0]
-            head = causal_conv_silu(head, w, cu_seqlens)
+            cp = self._active_context_parallel()
+            head = causal_conv_silu(head, w, cu_seqlens) if cp is None else cp.conv_silu(head, w)
         else:
             head = F.silu(head)
         q, k, v = head.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -337,6 +347,9 @@ class DeltaAttention(nn.Module):
             mask_prepared,
         )
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
+        cp = self._active_context_parallel()
+        if cp is not None:
+            cp.check_call(mask, state, use_cache, cu_seqlens)
 
         fused = self.fused_projections
         if fused is None:
@@ -348,7 +361,9 @@ class DeltaAttention(nn.Module):
         else:
             g = None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            if self.use_short_conv:
+            if self.use_short_conv and cp is not None:
+                q, k, v = cp.short_convs((self.q_conv, self.k_conv, self.v_conv), (q, k, v))
+            elif self.use_short_conv:
                 cu = cu_seqlens
                 q, new_state["conv_q"] = self.q_conv(q, mask, state.get("conv_q"), use_cache, cu)
                 k, new_state["conv_k"] = self.k_conv(k, mask, state.get("conv_k"), use_cache, cu)
@@ -384,7 +399,7 @@ class DeltaAttention(nn.Module):
                 eps=self.eps,
             )
         else:
-            o, S = delta_rule(
+            o, S = (delta_rule if cp is None else cp.delta_rule)(
                 q,
                 k,
                 v,

@@ -56,6 +56,9 @@ class TrainConfig:
     # Under torchrun: 'ddp' replicates the model; 'fsdp' shards it (FSDP2) and writes sharded
     # checkpoints that resume on any number of GPUs.
     parallel: str = "ddp"
+    # Context parallelism: groups of this many ranks split every sequence along T (world =
+    # data-parallel ranks x context_parallel); delta-rule models only (deltaflow.parallel).
+    context_parallel: int = 1
     # torch.compile each model block (fused glue, selective activation checkpointing): 'auto'
     # is off for now (wrong fp32 gradients on CUDA: deltaflow.models.compile); 'blocks' | 'off'.
     compile: str = "auto"
@@ -78,7 +81,14 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
-        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+        for name in (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "log_every",
+            "keep_checkpoints",
+            "context_parallel",
+        ):
             positive(name)
         for name in ("eval_every", "ckpt_every"):
             value = getattr(self, name)

@@ -22,6 +22,8 @@ Design choices a user should know:
   sharded with FSDP2 instead (each rank holds 1/world_size of weights, gradients and optimizer
   state); every rank then takes part in evaluation (the forward all-gathers weights) and in
   the sharded checkpoint, and rank 0 still does all the logging.
+- ``context_parallel = N`` splits every sequence along T over groups of N ranks (delta-rule
+  models; ``deltaflow/train/context_parallel.py``): the world is data-parallel groups x N.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from deltaflow.train.checkpoint import (
     save_sharded_checkpoint,
 )
 from deltaflow.train.config import TrainConfig
+from deltaflow.train.context_parallel import DataLayout
 from deltaflow.train.logging import RunLogger
 from deltaflow.train.packing import packed_forward
 from deltaflow.train.parallel import shard_model
@@ -215,11 +218,17 @@ class Trainer:
         self.device = resolve_device(config.device, self.dist)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        per_rank, rem = divmod(config.batch_size, self.dist.world_size * config.grad_accum)
+        # context_parallel > 1: cp ranks share rows and split their tokens (context_parallel.py)
+        self.layout = DataLayout.create(
+            config.context_parallel, self.dist.rank, self.dist.world_size
+        )
+        dp = self.layout.dp_size
+        per_rank, rem = divmod(config.batch_size, dp * config.grad_accum)
         if rem or per_rank == 0:
             raise ValueError(
                 f"batch_size={config.batch_size} must be a positive multiple of "
-                f"world_size ({self.dist.world_size}) x grad_accum ({config.grad_accum})"
+                f"world_size ({self.dist.world_size}) / context_parallel "
+                f"({config.context_parallel}) x grad_accum ({config.grad_accum})"
             )
         self.micro_batch = per_rank
         use_bf16 = config.precision == "bf16" or (
@@ -235,12 +244,14 @@ class Trainer:
         self.task = task if task is not None else build_task(config)
         base = model if model is not None else build_model(config, self.task.vocab_size)
         _check_tokenizer_fits(base, self.task)
+        self.layout.attach(base)
         if self.sharded:
             bf16_weights = use_bf16 and self.device.type == "cuda"
             self.raw_model = shard_model(base, self.device, bf16=bf16_weights)
         else:
             self.raw_model = base.to(self.device)
         self.compiled = resolve_compile(config.compile, self.device)
+        self.compiled = self.compiled and self.layout.allows_compile(config.compile)
         if self.compiled:
             compile_blocks(self.raw_model)  # in place: parameter names are unchanged
         # After sharding: the optimizer must hold the sharded (DTensor) parameters.
@@ -342,6 +353,11 @@ class Trainer:
         check_batch(batch, cfg.batch_size)
         ids, labels = batch["input_ids"], batch["labels"]
         doc_starts = batch.get("doc_starts")  # packed documents (a CPU tensor, like ids)
+        if doc_starts is not None and self.layout.cp_size > 1:
+            raise ValueError(
+                "context_parallel > 1 does not support packed documents yet: set the task's "
+                "pack=false (the rows then run as plain sequences)"
+            )
         n_scored = max(1, int((labels != IGNORE_INDEX).sum()))  # over the GLOBAL batch
         lr = lr_at(
             step,
@@ -354,12 +370,16 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        rank_rows = cfg.batch_size // self.dist.world_size
-        start = self.dist.rank * rank_rows
+        rank_rows = cfg.batch_size // self.layout.dp_size
+        start = self.layout.dp_rank * rank_rows
         for micro in range(cfg.grad_accum):
             lo = start + micro * self.micro_batch
-            x = ids[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
-            y = labels[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
+            x = self.layout.tokens(ids[lo : lo + self.micro_batch]).to(
+                self.device, non_blocking=True
+            )
+            y = self.layout.tokens(labels[lo : lo + self.micro_batch]).to(
+                self.device, non_blocking=True
+            )
             starts = None if doc_starts is None else doc_starts[lo : lo + self.micro_batch]
             sync = micro == cfg.grad_accum - 1 or self.dist.world_size == 1
             with self._grad_sync(sync):
@@ -598,10 +618,11 @@ class Trainer:
 
     def _eval_and_log(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        if self.sharded:  # every rank runs the forward passes (they all-gather the weights)
-            metrics = self.evaluate()
-        elif self.dist.is_main:
-            metrics = self.evaluate()
+        with self.layout.whole_sequences():  # context parallel: each process evaluates alone
+            if self.sharded:  # every rank runs the forward passes (they all-gather the weights)
+                metrics = self.evaluate()
+            elif self.dist.is_main:
+                metrics = self.evaluate()
         if self.dist.is_main:
             self.logger.log("eval", self.step, split=self.config.eval_split, **metrics)
             self.logger.flush()
