@@ -9,6 +9,11 @@ The transition has eigenvalue 1 off ``k`` and ``μ = 1 − aλ`` along ``k`` (do
 For all built-in rules but ``linear``, ``a = b``, so the new prediction for ``k`` interpolates
 between the old one and the target: ``kᵀS_t = μ·kᵀ(αS_{t−1}) + (1 − μ)·vᵀ``.
 
+A rule may also read the decay: the paper form of gated EFLA (``gated_efla``) solves the gated
+ODE exactly, so its ``(a, b)`` depend on ``α`` and it hands the op a transformed decay. Such a
+rule has ``decay_coefficients(beta, lam, log_decay, eps) -> (a, b, op_log_decay)``;
+:func:`step_inputs` is what every PyTorch backend calls and covers both kinds.
+
 A user rule is any function ``fn(beta, lam, eps) -> (a, b)`` of tensors; register it with
 :func:`register_rule` (or pass a :class:`StepRule` straight to ``delta_rule``) and every backend
 that computes coefficients in PyTorch uses it unchanged. A built-in rule is defined here once
@@ -25,6 +30,10 @@ import torch
 from torch import Tensor
 
 CoefficientFn = Callable[[Tensor | None, Tensor, float], tuple[Tensor, Tensor]]
+# (beta, lam, log_decay, eps) -> (a, b, the op's log decay): rules whose strengths read the decay
+DecayCoefficientFn = Callable[
+    [Tensor | None, Tensor, Tensor, float], tuple[Tensor, Tensor, Tensor]
+]
 QK_NORMS = ("l2", "none")
 
 
@@ -42,6 +51,10 @@ class StepRule:
             ``linear``) expect unit keys; the others keep ``‖k‖`` (docs/design.md §4).
         kernel_id: the id of the rule's in-kernel form in the Triton rule table
             (``deltaflow/ops/triton/rules.py``); ``None`` for rules that run in PyTorch only.
+        decay_coefficients: for rules whose strengths read the decay (``gated_efla``):
+            ``(beta, lam, log_decay, eps) -> (a, b, op_log_decay)``, where ``log_decay`` is the
+            layer's gate and ``op_log_decay`` the ``log α`` of the op's recurrence (1). Used
+            whenever a decay is given; ``coefficients`` is the rule at ``α = 1``.
         description, source: one line each, for tables and ``--help``.
     """
 
@@ -52,10 +65,11 @@ class StepRule:
     kernel_id: int | None = None
     description: str = ""
     source: str = ""
+    decay_coefficients: DecayCoefficientFn | None = None
 
     @property
     def builtin(self) -> bool:
-        """Built-in rules have a fused Triton form (a ``kernel_id``)."""
+        """Rules with a fused Triton form (a ``kernel_id``): the ones the Triton backend runs."""
         return self.kernel_id is not None
 
 
@@ -101,6 +115,23 @@ def _efla(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Tensor, Tensor]
     # a = (1 − e^{−h}) / λ with h = βλ, written as β·φ(h) so that λ → 0 gives β.
     a = beta * efla_phi(beta * lam)
     return a, a
+
+
+def _gated_efla(
+    beta: Tensor | None, lam: Tensor, log_decay: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    # The EFLA paper's gated form (appendix D): the gated delta step
+    # S_t = α(I − β kkᵀ)S + β kvᵀ is one explicit Euler step of
+    # dS/dτ = −(1 − α)S − αβ kkᵀS + β kvᵀ; its exact solution over τ ∈ [0, 1] is
+    # S_t = e^{−(1−α)} (I − (1 − e^{−αβλ})/λ · kkᵀ) S_{t−1} + β(1 − e^{−η})/η · k vᵀ,
+    # η = (1 − α) + αβλ. In the one recurrence (1): the op's decay is e^{−(1−α)}, the erase
+    # strength is EFLA's at step αβ, the write strength β·φ(η) (docs/design.md §2).
+    alpha = torch.exp(log_decay)
+    leak = -torch.expm1(log_decay)  # 1 − α, exact for α near 1
+    step = alpha * beta
+    a = step * efla_phi(step * lam)
+    b = beta * efla_phi(leak + step * lam)
+    return a, b, -leak
 
 
 def _longhorn(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -157,6 +188,18 @@ RULES: dict[str, StepRule] = {
             source="EFLA, arXiv 2512.12602",
         ),
         StepRule(
+            "gated_efla",
+            _efla,  # at α = 1 (no decay) it is EFLA
+            qk_norm=RAW_KEYS,
+            kernel_id=None,  # no Triton entry yet: 'auto' runs it on the torch backend
+            description=(
+                "gated EFLA, paper form: decay e^{−(1−α)}, a = (1 − e^{−αh})/λ, "
+                "b = β(1 − e^{−η})/η, η = 1 − α + αh"
+            ),
+            source="EFLA, arXiv 2512.12602, appendix D",
+            decay_coefficients=_gated_efla,
+        ),
+        StepRule(
             "longhorn",
             _longhorn,
             qk_norm=RAW_KEYS,
@@ -203,7 +246,7 @@ def register_rule(
 ) -> StepRule:
     """Add a user rule ``coefficients(beta, lam, eps) -> (a, b)`` under ``name`` (it runs on the
     PyTorch backends; ``qk_norm`` is the layer's default (q, k) normalization for it)."""
-    if name in RULES and RULES[name].builtin:
+    if name in RULES and RULES[name].source != "user":
         raise ValueError(f"rule name {name!r} is a built-in rule and cannot be replaced")
     if len(qk_norm) != 2 or any(n not in QK_NORMS for n in qk_norm):
         raise ValueError(f"qk_norm must be a (q, k) pair of {QK_NORMS}, got {qk_norm!r}")
@@ -252,6 +295,36 @@ def step_coefficients(
     if negative_eigenvalues:
         a, b = 2 * a, 2 * b
     return a, b
+
+
+def step_inputs(
+    rule: str | StepRule | CoefficientFn,
+    beta: Tensor | None,
+    lam: Tensor,
+    log_decay: Tensor | None,
+    *,
+    negative_eigenvalues: bool = False,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(a, b, log α)`` of the op's recurrence (1) for the layer's gates ``beta`` and
+    ``log_decay`` (None: no decay) and ``lam = ‖k‖²``: what every PyTorch backend computes.
+
+    For most rules the decay passes through unchanged and ``(a, b)`` is
+    :func:`step_coefficients`; a rule with ``decay_coefficients`` (``gated_efla``) maps the
+    layer's decay to its own ``(a, b, log α)``. ``negative_eigenvalues`` doubles ``a`` and ``b``.
+    """
+    step_rule = get_rule(rule)
+    if log_decay is None or step_rule.decay_coefficients is None:
+        a, b = step_coefficients(
+            step_rule, beta, lam, negative_eigenvalues=negative_eigenvalues, eps=eps
+        )
+        return a, b, log_decay
+    if beta is None and step_rule.needs_beta:
+        raise ValueError(f"beta is None but rule {step_rule.name!r} needs beta of shape [B, T, H]")
+    a, b, op_log_decay = step_rule.decay_coefficients(beta, lam, log_decay, eps)
+    if negative_eigenvalues:
+        a, b = 2 * a, 2 * b
+    return a, b, op_log_decay
 
 
 def eigenvalue(

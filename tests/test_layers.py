@@ -95,11 +95,26 @@ def test_delta_attention_modes_agree(rule, use_decay):
         dict(rule="efla", num_v_heads=4, expand_v=2.0, head_dim=8, use_decay=True),
         dict(rule="delta", use_short_conv=False, use_output_gate=False),
         dict(rule="relaxed_kaczmarz", conv_size=2, qk_norm=("none", "l2")),
+        dict(rule="gated_efla", use_decay=True),  # the rule that reads the decay
     ],
 )
 def test_delta_attention_variants_modes_agree(kwargs):
     layer = DeltaAttention(32, num_heads=2, chunk_size=8, backend="torch", **kwargs)
     _check_modes(layer)
+
+
+def test_gated_efla_layer_needs_the_decay_and_differs_from_efla_times_alpha():
+    with pytest.raises(ValueError, match="rule 'gated_efla' reads the decay: set use_decay=True"):
+        DeltaAttention(32, num_heads=2, rule="gated_efla")
+    torch.manual_seed(0)
+    paper = DeltaAttention(32, num_heads=2, rule="gated_efla", use_decay=True, backend="auto")
+    efla = DeltaAttention(32, num_heads=2, rule="efla", use_decay=True)
+    efla.load_state_dict(paper.state_dict())  # same parameters, different rule
+    x = torch.randn(2, 19, 32, requires_grad=True)
+    y, _ = paper(x)
+    assert not torch.allclose(y, efla(x)[0], atol=1e-4)
+    y.square().sum().backward()
+    assert torch.isfinite(paper.A_log.grad).all() and paper.A_log.grad.abs().sum() > 0
 
 
 @settings(

@@ -21,6 +21,7 @@ def mu_closed_form(rule: str, beta: float, lam: float) -> float:
         "linear": 1.0,
         "delta": 1 - h,
         "efla": math.exp(-h),
+        "gated_efla": math.exp(-h),  # without a decay it is EFLA
         "longhorn": 1 / (1 + h),
         "trapezoid": (1 - h / 2) / (1 + h / 2),
         "kaczmarz": 1 - lam / (lam + EPS),
@@ -86,7 +87,8 @@ def test_eigenvalue_along_k(rule, negative_eigenvalues, backend):
         assert abs(mu_lib.item() - mu) < 1e-12
 
 
-@pytest.mark.parametrize("rule", [r for r in sorted(RULES) if r != "linear"])
+# linear has a ≠ b; gated_efla has a ≠ b under a decay (its write strength includes the leak)
+@pytest.mark.parametrize("rule", [r for r in sorted(RULES) if r not in ("linear", "gated_efla")])
 def test_prediction_interpolates_to_target(rule):
     # a = b rules: kᵀS_t = μ·kᵀ(α S_{t−1}) + (1 − μ)·vᵀ, here with decay and a random state.
     g = torch.Generator().manual_seed(2)
@@ -134,6 +136,68 @@ def test_efla_is_the_exact_flow(beta):
     M[:Dk, Dk:] = torch.outer(k, v)
     flow = torch.linalg.matrix_exp(beta * M) @ torch.cat([s0, torch.eye(Dv, dtype=torch.float64)])
     torch.testing.assert_close(one_step("efla", k, v, beta, s0), flow[:Dk], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("beta", [0.05, 0.8, 3.0])
+@pytest.mark.parametrize("log_decay", [-1e-9, -0.1, -1.0, -6.0])
+def test_gated_efla_is_the_exact_gated_flow(beta, log_decay):
+    # The EFLA paper's gated form (appendix D): the exact solution over τ ∈ [0, 1] of
+    # dS/dτ = −(1 − α) S − αβ k kᵀ S + β k vᵀ (whose explicit Euler step is Gated DeltaNet's
+    # S_t = α(I − β kkᵀ)S + β kvᵀ), from the augmented linear system and a matrix exponential,
+    # independently of deltaflow.rules.
+    g = torch.Generator().manual_seed(5)
+    Dk, Dv = 6, 3
+    k = 1.3 * torch.randn(Dk, generator=g, dtype=torch.float64)
+    v = torch.randn(Dv, generator=g, dtype=torch.float64)
+    s0 = torch.randn(Dk, Dv, generator=g, dtype=torch.float64)
+    alpha = math.exp(log_decay)
+    M = torch.zeros(Dk + Dv, Dk + Dv, dtype=torch.float64)
+    M[:Dk, :Dk] = -(1 - alpha) * torch.eye(Dk, dtype=torch.float64) - alpha * beta * torch.outer(
+        k, k
+    )
+    M[:Dk, Dk:] = beta * torch.outer(k, v)
+    flow = torch.linalg.matrix_exp(M) @ torch.cat([s0, torch.eye(Dv, dtype=torch.float64)])
+    for backend in ("reference", "torch"):
+        s1 = one_step("gated_efla", k, v, beta, s0, log_decay, backend=backend)
+        torch.testing.assert_close(s1, flow[:Dk], rtol=1e-10, atol=1e-10)
+
+
+def test_gated_efla_maps_onto_the_one_recurrence():
+    # Which part of the decay is where: the op's decay is e^{−(1−α)}, a = (1 − e^{−αβλ})/λ,
+    # b = β(1 − e^{−η})/η with η = (1 − α) + αβλ (docs/design.md §2); without a decay, EFLA.
+    from deltaflow.rules import step_inputs
+
+    beta = torch.tensor([0.3, 0.9, 2.0], dtype=torch.float64)
+    lam = torch.tensor([0.5, 4.0, 1e-12], dtype=torch.float64)
+    log_decay = torch.tensor([-0.2, -2.0, -0.7], dtype=torch.float64)
+    alpha = log_decay.exp()
+    a, b, op_log_decay = step_inputs("gated_efla", beta, lam, log_decay)
+    eta = (1 - alpha) + alpha * beta * lam
+    torch.testing.assert_close(op_log_decay, -(1 - alpha))
+    torch.testing.assert_close(a[:2], (-torch.expm1(-alpha * beta * lam) / lam)[:2])
+    torch.testing.assert_close(a[2], alpha[2] * beta[2])  # λ → 0: αβ
+    torch.testing.assert_close(b, beta * -torch.expm1(-eta) / eta)
+    a0, b0, none = step_inputs("gated_efla", beta, lam, None)
+    a1, b1 = step_coefficients("efla", beta, lam)
+    assert none is None and torch.equal(a0, a1) and torch.equal(b0, b1)
+    # gradients reach the decay through a, b and the op's decay, finite at α = 1
+    ld = torch.tensor([0.0, -1e-12, -3.0], dtype=torch.float64, requires_grad=True)
+    sum(x.sum() for x in step_inputs("gated_efla", beta, lam, ld)).backward()
+    assert torch.isfinite(ld.grad).all() and (ld.grad != 0).all()
+
+
+def test_gated_efla_runs_on_torch_where_triton_has_no_form():
+    from deltaflow.ops.delta_rule import resolve_backend
+
+    rule = get_rule("gated_efla")
+    assert not rule.builtin and rule.kernel_id is None
+    q = torch.zeros(1, 1, 1, 4, device="meta")
+    assert resolve_backend("auto", q, rule) == "torch"
+    x = make_inputs(1, 5, 1, 4, 4, rule="gated_efla")
+    with pytest.raises(ValueError, match="rule 'gated_efla' has no kernel_id"):
+        delta_rule(**x, rule="gated_efla", backend="triton")
+    with pytest.raises(ValueError, match="built-in"):
+        register_rule("gated_efla", lambda beta, lam, eps: (beta, beta))
 
 
 def test_efla_small_key_limit_is_delta():

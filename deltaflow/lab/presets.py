@@ -22,7 +22,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gated_deltanet": {"rule": "delta", "use_decay": True},
     "gated_deltanet_neg": {"rule": "delta", "use_decay": True, "negative_eigenvalues": True},
     "efla": {"rule": "efla"},
+    # α times the EFLA step (decay outside the exact solution), not the EFLA paper's form
     "gated_efla": {"rule": "efla", "use_decay": True},
+    # the EFLA paper's gated form (appendix D): decay folded into the exact solution
+    "gated_efla_paper": {"rule": "gated_efla", "use_decay": True},
     "longhorn": {"rule": "longhorn"},
     "kaczmarz": {"rule": "kaczmarz"},
     "relaxed_kaczmarz": {"rule": "relaxed_kaczmarz"},  # rule default: L2 on q, raw k
@@ -387,6 +390,9 @@ LM_CORPUS_1PASS = replace(
     seeds=list(range(6)),
     seeds_per_variant={},
 )
+# Issue 24: the EFLA paper's gated EFLA beside today's (α times the EFLA step) and Gated DeltaNet.
+_after = LM_CORPUS_1PASS.variants.index("gated_efla") + 1
+LM_CORPUS_1PASS.variants.insert(_after, "gated_efla_paper")
 LM_CORPUS_1PASS.base["steps"] = 431
 LM_CORPUS_1PASS.base["eval_every"] = 144  # a validation curve (3 points) at ~2% cost each
 

@@ -10,7 +10,7 @@ from torch import Tensor
 from deltaflow.ops.checks import check_inputs, compute_dtype
 from deltaflow.ops.chunk import chunk_delta_rule
 from deltaflow.ops.naive import recurrent_delta_rule
-from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_coefficients
+from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_inputs
 
 # The torch backend's default chunk on CPU: with the forward-only path, 32-token chunks beat 64
 # by ~15% at B=1, T=4096, H=4, D=64 (less C×C work per token; the loop's extra steps are cheap
@@ -29,8 +29,9 @@ def _triton_backend():
 
 
 def resolve_backend(backend: str, q: Tensor, rule: StepRule, chunk_size: int | None = None) -> str:
-    """'auto' picks the fastest correct backend for the device: Triton on CUDA for built-in
-    rules, unless ``chunk_size`` asks for a chunk length its kernels do not have."""
+    """'auto' picks the fastest correct backend for the device: Triton on CUDA for rules with a
+    Triton form (``kernel_id``), unless ``chunk_size`` asks for a chunk length its kernels do
+    not have. Rules without one (user rules, ``gated_efla``) run on the torch backend."""
     if backend != "auto":
         return backend
     triton_chunk = chunk_size is None or chunk_size == TRITON_CHUNK_SIZE
@@ -116,8 +117,8 @@ def delta_rule(
     dtype = compute_dtype(q, k, v, beta, initial_state)
     if backend == "triton" and not step_rule.builtin:
         raise ValueError(
-            f"backend='triton' supports the built-in rules only; rule {step_rule.name!r} "
-            "is user-defined: use backend='torch'"
+            f"backend='triton' runs the rules of the Triton rule table only; rule "
+            f"{step_rule.name!r} has no kernel_id: use backend='torch' (or 'auto')"
         )
     if q.shape[1] == 0:  # before any backend: no kernel or chunk loop ever sees T = 0
         return _empty(q, v, initial_state, cu_seqlens, output_final_state, dtype)
@@ -249,14 +250,14 @@ def _torch_chunked(
 ) -> tuple[Tensor, Tensor]:
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     lam = (k * k).sum(-1)  # λ = ‖k‖²
-    a, b = step_coefficients(
+    a, b, g = step_inputs(  # g: the recurrence's log α (a rule may transform the layer's)
         rule,
         None if beta is None else beta.to(dtype),
         lam,
+        None if log_decay is None else log_decay.to(dtype),
         negative_eigenvalues=negative_eigenvalues,
         eps=eps,
     )
-    g = None if log_decay is None else log_decay.to(dtype)
     s0 = None if initial_state is None else initial_state.to(dtype)
     if cu_seqlens is None:
         return chunk_delta_rule(

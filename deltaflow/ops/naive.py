@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deltaflow.rules import StepRule, step_coefficients
+from deltaflow.rules import StepRule, step_inputs
 
 
 def recurrent_delta_rule(
@@ -31,8 +31,11 @@ def recurrent_delta_rule(
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     beta = None if beta is None else beta.to(dtype)
     lam = (k * k).sum(-1)  # λ_t = ‖k_t‖², [B, T, H]
-    a, b = step_coefficients(rule, beta, lam, negative_eigenvalues=negative_eigenvalues, eps=eps)
-    alpha = torch.ones_like(lam) if log_decay is None else torch.exp(log_decay.to(dtype))
+    log_decay = None if log_decay is None else log_decay.to(dtype)
+    a, b, log_decay = step_inputs(
+        rule, beta, lam, log_decay, negative_eigenvalues=negative_eigenvalues, eps=eps
+    )
+    alpha = torch.ones_like(lam) if log_decay is None else torch.exp(log_decay)
 
     S = q.new_zeros(B, H, Dk, Dv) if initial_state is None else initial_state.to(dtype)
     outputs = []
