@@ -31,9 +31,7 @@ from torch import Tensor
 
 CoefficientFn = Callable[[Tensor | None, Tensor, float], tuple[Tensor, Tensor]]
 # (beta, lam, log_decay, eps) -> (a, b, the op's log decay): rules whose strengths read the decay
-DecayCoefficientFn = Callable[
-    [Tensor | None, Tensor, Tensor, float], tuple[Tensor, Tensor, Tensor]
-]
+DecayCoefficientFn = Callable[[Tensor | None, Tensor, Tensor, float], tuple[Tensor, Tensor, Tensor]]
 QK_NORMS = ("l2", "none")
 
 
