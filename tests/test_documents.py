@@ -325,3 +325,20 @@ def test_a_tokenizer_larger_than_the_model(hf_tok, tmp_path):
         "the model's vocabulary has 257",
     ):
         Trainer(config, model=small, task=task)
+
+
+def test_packed_evaluation_scores_the_same_tokens_at_2x_and_4x(tmp_path):
+    # issue 24: with packed documents too, 2x and 4x score the 1x rows' labels, with the
+    # window's earlier positions ignored and document starts kept (so the state restarts)
+    task = lm(write_jsonl(tmp_path / "d.jsonl", DOCS), tmp_path / "cache", seq_len=16)
+    base = list(task.eval_batches("valid", 6, batch_size=4))
+    labels = torch.cat([b["labels"] for b in base]).flatten()
+    assert (labels != -100).all()
+    for m in (2, 4):
+        longer = list(task.eval_batches("valid", 6, batch_size=4, length=m * 16))
+        got = torch.cat([b["labels"] for b in longer])
+        assert got.shape == (6, m * 16)
+        assert torch.equal(got[got != -100], labels)
+        ids = torch.cat([b["input_ids"] for b in longer])
+        starts = torch.cat([b["doc_starts"] for b in longer])
+        assert starts[:, 0].all() and ids.shape == got.shape

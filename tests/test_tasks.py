@@ -421,14 +421,42 @@ def test_language_task_split_cache_batches_and_extrapolation(corpus, tmp_path, m
     row = b["input_ids"][0].numpy()
     starts = [i for i in range(len(train) - 16) if np.array_equal(train[i : i + 16], row)]
     assert starts  # windows are real slices of the stream
-    # lengths L, 2L and 4L score the same tokens of the validation stream
-    spans = []
-    for L in (16, 32, 64):
-        ids = [x["input_ids"] for x in task.eval_batches("valid", batch_size=3, length=L)]
-        assert all(x.shape[1] == L for x in ids)
-        spans.append(torch.cat([x.flatten() for x in ids]))
-    assert torch.equal(spans[0], spans[1]) and torch.equal(spans[0], spans[2])
-    assert len(spans[0]) % 64 == 0 and len(spans[0]) > 0
+    assert_same_tokens_at_every_length(task)
+
+
+def scored_positions(task: LanguageModeling, length: int, num_examples=None) -> list[tuple]:
+    """(stream position of the label, label, context length) of every scored token, windows
+    mode: label j of a window starting at w is stream[w + j + 1], seen after j + 1 inputs."""
+    stream = np.asarray(task.stream("valid"))
+    assert len(set(stream.tolist())) == len(stream)  # distinct tokens: a token is its position
+    out = []
+    for batch in task.eval_batches("valid", num_examples, batch_size=3, length=length):
+        assert batch["input_ids"].shape[1] == length
+        for ids, labels in zip(batch["input_ids"], batch["labels"]):
+            w = int(ids[0])
+            assert np.array_equal(stream[w : w + length], ids)
+            for j in torch.nonzero(labels != -100).flatten().tolist():
+                assert labels[j] == stream[w + j + 1]
+                out.append((w + j + 1, int(labels[j]), j + 1))
+    return out
+
+
+def assert_same_tokens_at_every_length(task: LanguageModeling) -> None:
+    # issue 24: 1x, 2x and 4x score the same tokens at the same stream positions (also with a
+    # num_examples cap, which used to keep more text at 2x), each with as much context as the
+    # length allows: at 2x every row but the first sees seq_len more tokens
+    T = task.seq_len
+    valid = np.arange(9 * T + 5, dtype=np.int64)  # distinct ids, not a multiple of 4T
+    task._data = {"train": task._split("train"), "valid": (valid, np.array([0, len(valid)]))}
+    for cap in (None, 5):
+        base = scored_positions(task, T, cap)
+        assert len(base) == (cap or len(task.eval_starts("valid"))) * T
+        assert all(ctx <= T for _, _, ctx in base)
+        for m in (2, 4):
+            longer = scored_positions(task, m * T, cap)
+            assert [p[:2] for p in longer] == [p[:2] for p in base]
+            for (pos, _, ctx), (_, _, ctx1) in zip(longer, base):
+                assert ctx == min(pos, (m - 1) * T + ctx1)  # the window [0, mT) for the first rows
 
 
 def test_language_train_passes_count_the_training_split(corpus, tmp_path):

@@ -8,8 +8,9 @@
 - `LanguageModeling`: training batches are either random windows of the token stream (the
   default for `.txt` folders) or rows *packed* from whole documents (the default for record
   data): each row carries ``doc_starts`` and the trainer runs it with ``cu_seqlens``, so no
-  token sees another document. Evaluation uses consecutive non-overlapping rows at any length,
-  so perplexity and bits per byte can be compared at the training length and at 2x and 4x it.
+  token sees another document. Evaluation scores consecutive non-overlapping rows of the
+  training length; at a longer length L each row is scored with up to L tokens of context, so
+  perplexity and bits per byte at 1x, 2x and 4x the training length cover the same tokens.
 """
 
 from __future__ import annotations
@@ -64,10 +65,16 @@ class LanguageModeling(Task):
     into ``cu_seqlens`` so that no token attends to, or carries state or convolution from,
     another document, and no label is another document's token.
 
-    `eval_batches(split, length=L)`: consecutive non-overlapping rows of L tokens over the same
-    span of the validation split (in document order) for L = seq_len, 2*seq_len and 4*seq_len
-    (the span is a multiple of 4*seq_len), so the three lengths score the same tokens. The
-    corpus has one held-out split: "valid" and "test" are the same documents.
+    `eval_batches(split, length=L)`: the scored tokens are always the same, consecutive
+    non-overlapping rows of `seq_len` tokens of the validation split (in document order; with
+    `num_examples`, the first rows); `length` sets the context each row is scored with. At
+    ``L <= seq_len`` a row is scored as it is (``L < seq_len``: consecutive rows of L tokens,
+    the only case that scores other rows). At ``L > seq_len`` every row is the last `seq_len`
+    positions of an L-token window ending where the row ends (the first rows, which have less
+    than L tokens before their end, sit inside the window ``[0, L)``), and the labels of the
+    window's other positions are ignored: so the 2x and 4x numbers score the same tokens at
+    the same positions as the 1x number, with longer contexts (issue 24). The corpus has one
+    held-out split: "valid" and "test" are the same documents.
     """
 
     name = "lm"
@@ -222,15 +229,21 @@ class LanguageModeling(Task):
         (random windows: in expectation); above 1 a model can memorise the split."""
         return steps * batch_size * self.seq_len / len(self.stream("train"))
 
-    def eval_starts(self, split: str = "valid", length: int | None = None) -> list[int]:
-        length = self.seq_len if length is None else check_int("length", length, 1)
+    def _eval_tokens(self, split: str) -> int:
         # windows need one token past the end for the last label; packed units carry their own
-        n = len(self.stream(split)) - (0 if self.pack else 1)
+        return len(self.stream(split)) - (0 if self.pack else 1)
+
+    def eval_starts(self, split: str = "valid", length: int | None = None) -> list[int]:
+        """Where the scored rows start: rows of ``min(length, seq_len)`` tokens over a span of
+        the split that is a multiple of ``4 · seq_len`` (the whole split if shorter)."""
+        length = self.seq_len if length is None else check_int("length", length, 1)
+        row = min(length, self.seq_len)
+        n = self._eval_tokens(split)
         span = (n // (4 * self.seq_len)) * 4 * self.seq_len or n
-        count = span // length
+        count = span // row
         if count == 0:
-            raise self._too_small(split, n, length, f"one evaluation row of {length}")
-        return list(range(0, count * length, length))
+            raise self._too_small(split, n, row, f"one evaluation row of {row}")
+        return list(range(0, count * row, row))
 
     def eval_set(self, split: str = "valid", num_examples: int | None = None, **kw) -> Batch:
         return next(self.eval_batches(split, num_examples, batch_size=1 << 30, **kw))
@@ -242,21 +255,36 @@ class LanguageModeling(Task):
         batch_size: int = 8,
         length: int | None = None,
     ) -> Iterator[Batch]:
-        """Consecutive rows of `length` tokens (default seq_len); `num_examples` caps the
-        number of rows (the first ones). Packed: documents in order, with ``doc_starts``."""
+        """The rows of :meth:`eval_starts` (`num_examples` caps their number: the first ones),
+        each scored with a context of `length` tokens (default seq_len; see the class doc).
+        Packed: documents in order, with ``doc_starts``."""
         check_int("batch_size", batch_size, 1)
         starts = self.eval_starts(split, length)
         if num_examples is not None:
             starts = starts[: check_int("num_examples", num_examples, 1)]
         length = self.seq_len if length is None else length
+        row = min(length, self.seq_len)
+        if length > self._eval_tokens(split):
+            raise self._too_small(
+                split, self._eval_tokens(split), length, f"one evaluation window of {length}"
+            )
+        # The window holding each row: it ends where the row ends, or is [0, length) for the
+        # first rows; only the row's positions are scored (the others' labels are ignored).
+        windows = [max(0, s + row - length) for s in starts]
         stream, offsets = self._split(split)
         for i in range(0, len(starts), batch_size):
-            chunk = starts[i : i + batch_size]
+            chunk = windows[i : i + batch_size]
             if self.pack:
                 order = np.arange(len(offsets) - 1)
-                yield self._packed(split, order, offsets[1:], chunk, length)
+                batch = self._packed(split, order, offsets[1:], chunk, length)
             else:
-                yield self._windows(stream, chunk, length)
+                batch = self._windows(stream, chunk, length)
+            if length > row:
+                offset = torch.tensor(starts[i : i + batch_size]) - torch.tensor(chunk)
+                pos = torch.arange(length)
+                scored = (pos >= offset[:, None]) & (pos < offset[:, None] + row)
+                batch["labels"] = batch["labels"].masked_fill(~scored, IGNORE_INDEX)
+            yield batch
 
     def metric_sums(self, logits: torch.Tensor, batch: Batch) -> dict[str, float]:
         labels = batch["labels"].to(logits.device)
