@@ -333,3 +333,17 @@ def test_run_ids_do_not_depend_on_where_the_shared_folder_is(tmp_path):
         overrides={"task_kwargs": {"seq_len": 1024}},
     )
     assert here[0].run_id != longer[0].run_id
+
+
+def test_state_tracking_uniform_is_state_tracking_with_the_papers_metric():
+    # issue 24: only the evaluation lengths differ; the report keeps the old per-length columns
+    old, new = _specs("state_tracking"), _specs("state_tracking_uniform")
+    assert [(s.variant, s.cell, s.lr, s.seed) for s in old] == [
+        (s.variant, s.cell, s.lr, s.seed) for s in new
+    ]
+    for a, b in zip(old, new):
+        assert b.config.task_kwargs == {**a.config.task_kwargs, "eval_lengths": "uniform"}
+        assert a.run_id != b.run_id  # the old grid's runs keep their ids and tables
+    preset = get_preset("state_tracking_uniform")
+    assert preset.metric == "scaled_accuracy" and preset.seed_aggregate == "max"
+    assert preset.table_metrics[1:] == [f"scaled_accuracy@{L}" for L in (40, 64, 128, 256)]

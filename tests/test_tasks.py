@@ -502,3 +502,35 @@ def test_shared_corpus_default_split_is_the_readme_one(tmp_path):
     names = sorted(p.name for p in task.files["valid"])
     assert names == ["austen_persuasion.txt", "shakespeare_hamlet.txt", "shakespeare_sonnets.txt"]
     assert len(task.files["train"]) > 40
+
+
+def test_uniform_eval_lengths_are_every_valid_test_length():
+    # issue 24: the paper's test distribution is uniform over lengths 40-256
+    assert get_task("mod_arith", eval_lengths="uniform").eval_lengths == list(range(40, 257, 2))
+    assert get_task("parity", eval_lengths="uniform").eval_lengths == list(range(40, 257))
+    brackets = get_task("mod_arith_brackets", eval_lengths="uniform", eval_max_len=60)
+    assert brackets.eval_lengths == list(range(40, 61))
+    with pytest.raises(ValueError, match="eval_lengths must be a list of lengths or 'uniform'"):
+        get_task("parity", eval_lengths="all")
+    with pytest.raises(ValueError, match="no length in"):
+        get_task("mod_arith", eval_lengths="uniform", eval_min_len=41, eval_max_len=41)
+
+
+def test_uniform_headline_is_the_mean_over_every_length_and_keeps_per_length_numbers():
+    from deltaflow.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        task="mod_arith",
+        task_kwargs={"eval_lengths": "uniform", "eval_max_len": 50},
+        model={"hidden_size": 16, "num_layers": 1, "num_heads": 2, "backend": "torch"},
+        steps=1,
+        batch_size=4,
+        eval_kwargs={"num_examples": 8, "batch_size": 8},
+        progress=False,
+        device="cpu",
+    )
+    metrics = Trainer(cfg).evaluate()
+    lengths = range(40, 51, 2)
+    per_length = [metrics[f"scaled_accuracy@{L}"] for L in lengths]
+    assert metrics["scaled_accuracy"] == pytest.approx(sum(per_length) / len(per_length))
+    assert not any(f"scaled_accuracy@{L}" in metrics for L in range(41, 51, 2))
