@@ -68,7 +68,14 @@ def test_mqar_preset_has_every_rule_three_widths_and_zoologys_training_set():
         "relaxed_kaczmarz",
         "trapezoid",
     }
-    assert {"gated_deltanet", "transformer"} <= {s.variant for s in specs}
+    assert {"gated_deltanet", "transformer", "linear_zoology"} <= {s.variant for s in specs}
+    # Zoology's linear attention: none of the short convolution, q/k norm, output gate
+    zoology = next(s for s in specs if s.variant == "linear_zoology").config.model
+    assert (zoology["use_short_conv"], zoology["qk_norm"], zoology["use_output_gate"]) == (
+        False,
+        "none",
+        False,
+    )
     assert {s.width for s in specs} == {64, 128, 256} and len({s.lr for s in specs}) >= 3
     kw = specs[0].config.task_kwargs
     assert (kw["seq_len"], kw["num_kv_pairs"], kw["vocab_size"]) == (512, 64, 8192)
@@ -147,7 +154,7 @@ def test_corpus_train_tokens_is_the_suggested_splits_size(tmp_path):
 def test_presets_dry_run_from_the_command_line(capsys):
     expected = {
         "state_tracking": "135 runs of 2000 steps",
-        "mqar_512": "81 runs of 2000 steps",
+        "mqar_512": "90 runs of 2000 steps",  # 81 + linear_zoology (issue 24)
         "mad": "180 runs of 2000 steps",
         "lm_corpus_50m": "15 runs of 3052 steps",
     }

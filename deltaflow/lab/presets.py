@@ -17,7 +17,17 @@ from typing import Any
 # Model variants: overrides of DeltaFlowConfig (see deltaflow.models.DeltaFlowConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "linear": {"rule": "linear"},
+    # Zoology's linear attention: no short convolution, no q/k normalization, no output gate
+    # (`linear` above has all three, a much stronger baseline); q, k, v keep the SiLU
+    "linear_zoology": {
+        "rule": "linear",
+        "use_short_conv": False,
+        "qk_norm": "none",
+        "use_output_gate": False,
+    },
     "deltanet": {"rule": "delta"},
+    "deltanet_rawk": {"rule": "delta", "qk_norm": ["l2", "none"]},  # claim 1 trained: raw keys
+    "deltanet_noqnorm": {"rule": "delta", "qk_norm": ["none", "l2"]},  # is L2 on q optional?
     "deltanet_neg": {"rule": "delta", "negative_eigenvalues": True},  # eigenvalues in (-1, 1]
     "gated_deltanet": {"rule": "delta", "use_decay": True},
     "gated_deltanet_neg": {"rule": "delta", "use_decay": True, "negative_eigenvalues": True},
@@ -30,6 +40,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "kaczmarz": {"rule": "kaczmarz"},
     "relaxed_kaczmarz": {"rule": "relaxed_kaczmarz"},  # rule default: L2 on q, raw k
     "relaxed_kaczmarz_noqnorm": {"rule": "relaxed_kaczmarz", "qk_norm": ["none", "none"]},
+    # the blog's relaxed Kaczmarz (its section 5): forget (decay α), then the relaxed step
+    "gated_relaxed_kaczmarz": {"rule": "relaxed_kaczmarz", "use_decay": True},
     "trapezoid": {"rule": "trapezoid"},
     "trapezoid_softplus": {"rule": "trapezoid", "beta_activation": "softplus"},
     "transformer": {"attn_every": 1},  # every layer softmax attention (SDPA + RoPE)
@@ -226,6 +238,7 @@ MQAR_512 = Preset(
     cells={"mqar_512x64": _mqar(512, 64, 8192, num_train_examples=100_000)},
     variants=[
         "linear",
+        "linear_zoology",
         "deltanet",
         "gated_deltanet",
         "efla",
