@@ -41,13 +41,25 @@ GRIDS = (
     "state_tracking_15k",
     "mqar_512_8k",
     "mqar_512_padded",
+    # issue 24 (results/issue24/README.md): new folders, so the issue-11 tables stay as they are
+    "i24_mqar_8k",
+    "i24_mqar_transformer",
+    "i24_lm_lr",
+    "i24_lm_length",
+    "i24_mod_arith_15k",
+    "i24_parity_rawk",
 )
 # a device folder trained beside its grid's own (two processes never share one runs.jsonl)
 MERGE_INTO = {"mqar_512_w128": "mqar_512", "mqar_512_w256": "mqar_512", "mad_b": "mad"}
 # what a grid's table is made of: its preset, and the arguments that narrow or change it
 REPORT_ARGS = {
     "lm_corpus_50m": "--preset lm_corpus_50m --shared shared".split(),
-    "lm_corpus_1pass": "--preset lm_corpus_1pass --shared shared".split(),
+    # issue 24 adds four variants to the one-pass grid (their rows join the same table)
+    "lm_corpus_1pass": (
+        "--preset lm_corpus_1pass --shared shared --variants deltanet,efla,gated_deltanet,"
+        "longhorn,kaczmarz,relaxed_kaczmarz,gated_efla,gated_efla_paper,relaxed_kaczmarz_noqnorm,"
+        "transformer,gated_relaxed_kaczmarz,deltanet_rawk,deltanet_noqnorm"
+    ).split(),
     "state_tracking_15k": (
         "--preset state_tracking --cells mod_arith --variants deltanet,deltanet_neg --lrs 1e-3 "
         "--seeds 3 --steps 15000"
@@ -60,6 +72,30 @@ REPORT_ARGS = {
     "mqar_512_padded": (
         "--preset mqar_512 --set task_kwargs.random_non_queries=false --widths 64,128 "
         "--variants linear,deltanet,transformer --lrs 1e-3,3e-3 --seeds 4"
+    ).split(),
+    # issue 24: Zoology's linear attention vs DeltaNet at 8000 steps, 3 seeds
+    "i24_mqar_8k": (
+        "--preset mqar_512 --widths 64,128 --variants linear_zoology,deltanet --lrs 1e-3 "
+        "--seeds 3 --steps 8000"
+    ).split(),
+    # issue 24: the Transformer at Zoology's lrs (results/issue24/README.md, item 1)
+    "i24_mqar_transformer": (
+        "--preset mqar_512 --widths 64,128 --variants transformer --lrs 1e-4,3e-4,1e-3"
+    ).split(),
+    "i24_lm_lr": (
+        "--preset lm_corpus_1pass --shared shared --variants deltanet,efla --lrs 7.5e-4,3e-3 "
+        "--seeds 2"
+    ).split(),
+    "i24_lm_length": (
+        "--preset lm_corpus_1pass --shared shared --variants deltanet,gated_deltanet,transformer "
+        "--seeds 3"
+    ).split(),
+    "i24_mod_arith_15k": (
+        "--preset state_tracking_uniform --cells mod_arith --variants deltanet,deltanet_neg "
+        "--lrs 1e-3 --seeds 6 --steps 15000"
+    ).split(),
+    "i24_parity_rawk": (
+        "--preset state_tracking_uniform --cells parity --variants deltanet,deltanet_rawk --seeds 3"
     ).split(),
 }
 NOTE = (
