@@ -44,6 +44,7 @@ GRIDS = (
     # issue 24 (results/issue24/README.md): new folders, so the issue-11 tables stay as they are
     "i24_mqar_8k",
     "i24_mqar_transformer",
+    "i24_mqar_transformer_zoology",
     "i24_lm_lr",
     "i24_lm_length",
     "i24_mod_arith_15k",
@@ -81,6 +82,12 @@ REPORT_ARGS = {
     # issue 24: the Transformer at Zoology's lrs (results/issue24/README.md, item 1)
     "i24_mqar_transformer": (
         "--preset mqar_512 --widths 64,128 --variants transformer --lrs 1e-4,3e-4,1e-3"
+    ).split(),
+    # ... and with Zoology's optimizer recipe, one head, 8000 steps
+    "i24_mqar_transformer_zoology": (
+        "--preset mqar_512 --widths 64,128 --variants transformer --lrs 1e-4,3e-4,1e-3 "
+        "--steps 8000 --set weight_decay=0.01 --set beta2=0.999 --set grad_clip=0 "
+        "--set warmup_steps=0 --set min_lr_ratio=0 --set model.attn_num_heads=1"
     ).split(),
     "i24_lm_lr": (
         "--preset lm_corpus_1pass --shared shared --variants deltanet,efla --lrs 7.5e-4,3e-3 "
