@@ -115,7 +115,9 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"time": time.ctime(), "cpus": os.cpu_count(), "results": results}, f, indent=2)
+            json.dump(
+                {"time": time.ctime(), "cpus": os.cpu_count(), "results": results}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

@@ -148,6 +148,18 @@ def split_files(data_dir: Path, valid_files: Sequence[str] | None = None) -> dic
     return split
 
 
+def read_corpus_file(path: Path) -> str:
+    """A corpus file's text; a file that is not UTF-8 (binary, another encoding) is a one-line
+    error naming it, not a decode error without a file name."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"corpus file {path} is not UTF-8 text ({err.reason} at byte {err.start}): "
+            "convert it to UTF-8 or move it out of data_dir"
+        ) from None
+
+
 def tokenize_files(files: Sequence[Path], tokenizer, cache_dir: Path, tag: str) -> np.ndarray:
     """Tokenize `files` (each followed by <|endoftext|>) into a cached .npy; memory-map it.
 
@@ -164,7 +176,7 @@ def tokenize_files(files: Sequence[Path], tokenizer, cache_dir: Path, tag: str) 
         dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
         parts = []
         for p in tqdm(files, desc=f"tokenizing {tag} ({tokenizer.name})", unit="file"):
-            parts.append(tokenizer.encode_array(p.read_text(encoding="utf-8")).astype(dtype))
+            parts.append(tokenizer.encode_array(read_corpus_file(p)).astype(dtype))
             parts.append(np.array([tokenizer.eot_id], dtype=dtype))
         tokens = np.concatenate(parts)
         fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
