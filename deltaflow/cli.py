@@ -352,7 +352,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="checkpoint dir or run dir (uses its latest checkpoint)")
-    p.add_argument("--split", default="valid", choices=["train", "valid", "test"])
+    p.add_argument(
+        "--split", default="valid", choices=["train", "valid", "test"], help="split to evaluate"
+    )
     p.add_argument(
         "--task-arg",
         dest="task_args",
@@ -485,7 +487,9 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         "also continues runs cut off by a kill or by --time-limit.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    p.add_argument(
+        "--preset", default="quick", choices=sorted(PRESETS), help="grid to run (see --list)"
+    )
     p.add_argument(
         "--out",
         help="output directory (default: runs/compare/<preset>; runs/ is git-ignored, the "

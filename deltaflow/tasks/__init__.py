@@ -11,6 +11,8 @@ selective_copy, compress, memorize; state tracking parity, mod_arith, mod_arith_
 """
 
 import inspect
+import typing
+from typing import Any
 
 from deltaflow.tasks.base import IGNORE_INDEX, Task
 from deltaflow.tasks.language import (
@@ -87,6 +89,22 @@ def task_arguments(cls: type) -> tuple[set[str], set[str]] | None:
     return None  # **kw all the way up: cannot tell
 
 
+def task_argument_types(cls: type) -> dict[str, Any]:
+    """Annotated types of a task's constructor arguments (along the ``**kw`` chain), for
+    checking a config's task_kwargs before the task is built."""
+    hints: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        init = vars(klass).get("__init__")
+        if init is None or klass is object:
+            continue
+        try:
+            found = typing.get_type_hints(init)
+        except (NameError, TypeError):  # an annotation that cannot be evaluated: skip it
+            continue
+        hints.update({k: v for k, v in found.items() if k != "return"})
+    return hints
+
+
 def check_task_kwargs(name: str, kwargs: dict) -> None:
     """Raise a one-line ``ValueError`` for an unknown task, an unknown argument of it (with a
     did-you-mean) or a missing required argument, before anything is built."""
@@ -127,6 +145,7 @@ __all__ = [
     "get_task",
     "check_task_kwargs",
     "eval_options",
+    "task_argument_types",
     "Task",
     "IGNORE_INDEX",
     "MQAR",

@@ -190,11 +190,15 @@ class TrainConfig:
     def _validate_sections(self) -> None:
         """task_kwargs / eval_kwargs against the task's signatures (for registered tasks: a
         Trainer may be given a task object of its own), model against DeltaFlowConfig."""
-        from deltaflow.tasks import TASKS, check_task_kwargs, eval_options
+        from deltaflow.tasks import TASKS, check_task_kwargs, eval_options, task_argument_types
 
         key = self.task.strip().lower().replace("-", "_")
         if key in TASKS:
             check_task_kwargs(self.task, self.task_kwargs)
+            hints = task_argument_types(TASKS[key])
+            for name, value in self.task_kwargs.items():  # checked, kept as given
+                if name in hints:
+                    _check_type(f"task_kwargs.{name}", value, hints[name])
             check_known_keys("eval_kwargs", self.eval_kwargs, eval_options(TASKS[key]))
         if "vocab_size" in self.model:
             raise ValueError("model.vocab_size is taken from the task; remove it from the config")
@@ -311,11 +315,14 @@ def field_types() -> dict[str, Any]:
 def _check_type(name: str, value: Any, hint: Any) -> Any:
     """``value`` checked against the field's annotation (and a numeric string converted for
     float fields: YAML 1.1 reads ``3e-4`` as a string)."""
-    args = typing.get_args(hint)
-    allow_none = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
-    base = next(a for a in args if a is not type(None)) if allow_none else hint
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = [a for a in typing.get_args(hint) if a is not type(None)] if is_union else [hint]
+    allow_none = is_union and type(None) in typing.get_args(hint)
     if value is None and allow_none:
         return None
+    if len(options) != 1:
+        return value  # e.g. str | os.PathLike: left to the code that uses it
+    base = options[0]
     if base is bool:
         return check_bool(name, value)
     if base is int:
