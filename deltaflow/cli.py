@@ -273,8 +273,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     main_rank = int(os.environ.get("RANK", 0)) == 0
     if device.type == "cpu" and main_rank:
         vocab = _vocab_size(config)
-        gpu_sized = warn_if_gpu_sized(config, vocab, count_parameters(config, vocab))
-        callbacks.append(CpuTimeCheck(config, vocab, gpu_sized))
+        num_params = count_parameters(config, vocab)
+        gpu_sized = warn_if_gpu_sized(config, vocab, num_params)
+        callbacks.append(CpuTimeCheck(config, vocab, num_params, gpu_sized))
     summary = train(config, callbacks=callbacks)
     if main_rank:
         print(json.dumps(summary, indent=2))

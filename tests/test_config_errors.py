@@ -410,10 +410,12 @@ def test_gpu_sized_model_on_cpu_is_said_with_the_expected_time(capsys, monkeypat
 
     clock = iter([100.0, 130.0])  # end of step 1, end of step 2: 30 s per step
     monkeypatch.setattr(cpu.time, "perf_counter", lambda: next(clock))
-    check = cpu.CpuTimeCheck(config, vocab, gpu_sized=True)
+    check = cpu.CpuTimeCheck(config, vocab, params, gpu_sized=True)
     check(None, 1)
     check(None, 2)
     err = capsys.readouterr().err
     assert "30 s/step" in err and "3000 steps take ~25.0 h" in err
     check(None, 3)  # said once
     assert capsys.readouterr().err == ""
+    # A model already CPU-sized is not told to grow into the "smaller" setting.
+    assert cpu.smaller_setting(small, 32, cpu.count_parameters(small, 32)) is None

@@ -75,21 +75,27 @@ def warn(message: str) -> None:
     tqdm.write(f"deltaflow train: warning: {message}", file=sys.stderr)
 
 
-def smaller_setting(config: Any, vocab_size: int) -> str:
-    """The CPU-sized flags and the parameter count they give with this task."""
+def smaller_setting(config: Any, vocab_size: int, num_params: int) -> str | None:
+    """The CPU-sized flags and the parameter count they give with this task, or None when
+    they would not make this model much smaller."""
     small = config.replace(model={**config.model, **CPU_SIZED_MODEL})
-    return f"{CPU_SIZED_FLAGS} ({_fmt_params(count_parameters(small, vocab_size))} parameters)"
+    small_params = count_parameters(small, vocab_size)
+    if small_params > num_params / 2:
+        return None
+    return f"{CPU_SIZED_FLAGS} ({_fmt_params(small_params)} parameters)"
 
 
 def warn_if_gpu_sized(config: Any, vocab_size: int, num_params: int) -> bool:
     """Before training: a GPU-sized model on CPU is said up front, with a smaller setting."""
     if num_params < GPU_SIZED_PARAMS:
         return False
+    small = smaller_setting(config, vocab_size, num_params)
     warn(
         f"{_fmt_params(num_params)} parameters is a GPU-sized model; on CPU a step of "
         f"{config.batch_size} sequences takes a long time (the measured time follows after "
-        f"two steps). A CPU-sized model: {smaller_setting(config, vocab_size)}; or run on a "
-        "GPU (--device cuda)"
+        "two steps). "
+        + (f"A CPU-sized model: {small}; or run" if small else "Use a smaller model, or run")
+        + " on a GPU (--device cuda)"
     )
     return True
 
@@ -98,9 +104,10 @@ class CpuTimeCheck:
     """Training callback: after the second step, project the run's time from the measured
     rate and warn when it exceeds ``WARN_MINUTES`` (on CPU a step's cost hardly varies)."""
 
-    def __init__(self, config: Any, vocab_size: int, gpu_sized: bool) -> None:
+    def __init__(self, config: Any, vocab_size: int, num_params: int, gpu_sized: bool) -> None:
         self.config = config
         self.vocab_size = vocab_size
+        self.num_params = num_params
         self.gpu_sized = gpu_sized
         self.first: tuple[int, float] | None = None
         self.done = False
@@ -117,11 +124,11 @@ class CpuTimeCheck:
         left = (self.config.steps - step) * per_step
         if left < WARN_MINUTES * 60:
             return
-        hint = (
-            "use a smaller model (see above)"
-            if self.gpu_sized
-            else f"a smaller model, e.g. {smaller_setting(self.config, self.vocab_size)}"
-        )
+        small = smaller_setting(self.config, self.vocab_size, self.num_params)
+        if self.gpu_sized:
+            hint = "a smaller model (see above)"
+        else:
+            hint = f"a smaller model, e.g. {small}" if small else "a smaller model"
         warn(
             f"measured {per_step:.2g} s/step on {torch.get_num_threads()} CPU thread(s): "
             f"{self.config.steps} steps take ~{_fmt_duration(left + step * per_step)} "
