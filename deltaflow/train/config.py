@@ -136,6 +136,13 @@ class TrainConfig:
         group="runtime",
         choices=["ddp", "fsdp"],
     )
+    compile: str = _field(
+        "auto",
+        "torch.compile every model block (fused glue, selective activation checkpointing): "
+        "auto compiles on CUDA, where it is faster (benchmarks/NOTES.md), not on CPU",
+        group="runtime",
+        choices=["auto", "blocks", "off"],
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -180,6 +187,8 @@ class TrainConfig:
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        if self.compile not in ("auto", "blocks", "off"):
+            raise ValueError(f"compile must be 'auto', 'blocks' or 'off', got {self.compile!r}")
         if self.eval_split not in SPLITS:
             raise ValueError(f"eval_split must be one of {SPLITS}, got {self.eval_split!r}")
         check_device_name(self.device)
