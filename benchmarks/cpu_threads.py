@@ -19,8 +19,8 @@ import subprocess
 import sys
 import time
 
-# name -> (TrainConfig fields). "tiny": the quick preset's models (1 layer, width 64);
-# "small": the shipped configs' models (2 layers, width 128).
+# name -> TrainConfig fields. "tiny": the quick preset's models (1 layer, width 64); "small":
+# the shipped configs' models (2 layers, width 128).
 CASES: dict[str, dict] = {
     "parity/tiny": dict(
         task="parity",
@@ -44,7 +44,11 @@ CASES: dict[str, dict] = {
         model=dict(rule="efla", use_decay=True, hidden_size=128, num_layers=2, num_heads=2),
         batch_size=64,
     ),
+    # the README's GPU command: the default model (32M parameters), at a batch of 8 to keep
+    # memory down; run alone: --cases mqar/default --warmup 1 --steps 2 --repeats 3
+    "mqar/default": dict(task="mqar", model=dict(rule="efla", use_decay=True), batch_size=8),
 }
+DEFAULT_CASES = ["parity/tiny", "parity/small", "mqar/tiny", "mqar/small"]
 
 _CHILD = """
 import json, sys, time, torch
@@ -77,7 +81,9 @@ def measure(fields: dict, threads: int, warmup: int, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    parser.add_argument(
+        "--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, of {list(CASES)}"
+    )
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per setting")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per process")

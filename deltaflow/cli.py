@@ -690,6 +690,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         mode = "resuming" if args.resume else "from scratch"
         print(f"{len(specs)} runs of {specs[0].config.steps} steps -> {out} ({mode})")
         return 0
+    if not args.report_only:  # a missing GPU is one line here, not a grid of failed runs
+        from deltaflow.train.trainer import DistInfo, resolve_device
+
+        resolve_device(args.device, DistInfo())
     command = "deltaflow " + " ".join(shlex.quote(a) for a in args.argv)
     _, table = compare(
         preset,

@@ -246,6 +246,14 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
         one_line_error(
             capsys, ["train", *TINY_MQAR, *TINY, "--device", "cuda"], "no CUDA GPU", "--device cpu"
         )
+        # compare: one line up front, not a grid of failed runs
+        argv = ["compare", "--device", "cuda", "--steps", "1", "--out", str(tmp_path / "cmp")]
+        one_line_error(capsys, argv, "no CUDA GPU", command="compare")
+    one_line_error(
+        capsys,
+        ["train", "--task", "lm", "--data-dir", str(tmp_path), "--tokenizer", "bpe"],
+        "--tokenizer-path",
+    )
     a_file = tmp_path / "file"
     a_file.write_text("x")
     one_line_error(capsys, ["train", *TINY_MQAR, *TINY, *FAST, "--out", str(a_file)], "is a file")
