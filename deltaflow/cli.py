@@ -175,10 +175,9 @@ def _config_flags() -> list[tuple[str, dataclasses.Field, dict[str, Any]]]:
             kwargs["type"] = _device
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
+        help_text = meta.get("help", "")
         default = "" if f.default in (None, dataclasses.MISSING) else f" (default: {f.default})"
-        if "default" in meta["help"]:
-            default = ""
-        kwargs["help"] = meta["help"] + default
+        kwargs["help"] = help_text + ("" if "default" in help_text else default)
         out.append((flag, f, kwargs))
     return out
 
@@ -206,7 +205,7 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     _threads_flag(p)
     groups = {name: p.add_argument_group(title) for name, title in _GROUP_TITLES.items()}
     for flag, f, kwargs in _config_flags():
-        groups[f.metadata.get("group", "runtime")].add_argument(flag, **kwargs)
+        groups.get(f.metadata.get("group"), groups["runtime"]).add_argument(flag, **kwargs)
     groups["task"].add_argument(
         "--task-arg",
         dest="task_args",

@@ -5,15 +5,17 @@ GPU; on a 2-core CPU one step of it takes most of a minute. ``deltaflow train`` 
 default (a config names the same model on every machine) and says so instead: before training
 when the parameter count alone gives it away, and after two steps with the measured time.
 
-Threads: measured with ``benchmarks/cpu_threads.py`` (docs/lab.md, "CPU threads"): for the
-lab's small models one torch thread is as fast as two or faster, and much faster when another
-process holds a core (OpenMP threads spin while they wait for each other), so ``--threads``
-defaults to 1 on CPU; larger models gain from more threads on an idle machine (pass
-``--threads N``).
+Threads: measured with ``benchmarks/cpu_threads.py`` on a 2-core machine (docs/lab.md, "CPU
+threads"): when the machine is otherwise idle, two torch threads train the lab's small models
+1.3-1.6x faster than one; when other processes hold the cores, two threads are 2-4x *slower*
+(OpenMP threads spin while they wait for each other; the issue that asked for ``--threads``
+saw 10x). One thread never loses more than the first, so ``--threads`` defaults to 1 on CPU,
+and a long run on a machine with idle cores is told that ``--threads N`` may help.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -27,8 +29,8 @@ GPU_SIZED_PARAMS = 5_000_000
 WARN_MINUTES = 10.0
 DEFAULT_CPU_THREADS = 1
 DEFAULT_THREADS_HELP = (
-    f"torch CPU threads (default on CPU: {DEFAULT_CPU_THREADS}, measured fastest for the "
-    "lab's small models, see docs/lab.md; more may help a large model on an idle machine)"
+    f"torch CPU threads (default on CPU: {DEFAULT_CPU_THREADS}: more threads are up to 1.6x "
+    "faster on an idle machine but 2-4x slower on a busy one; docs/lab.md)"
 )
 CPU_SIZED_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2}
 CPU_SIZED_FLAGS = "--hidden-size 128 --num-layers 2 --num-heads 2"
@@ -133,5 +135,23 @@ class CpuTimeCheck:
             f"measured {per_step:.2g} s/step on {torch.get_num_threads()} CPU thread(s): "
             f"{self.config.steps} steps take ~{_fmt_duration(left + step * per_step)} "
             f"(~{_fmt_duration(left)} left). For a shorter CPU run: fewer --steps, {hint}, "
-            "or a GPU"
+            "or a GPU" + idle_cores_hint()
         )
+
+
+def idle_cores_hint() -> str:
+    """``; --threads N may help ...`` when cores look idle (1-minute load average) and this
+    process uses fewer threads than the machine has cores."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return ""
+    idle = int(cores - load)  # our own busy thread is part of the load
+    threads = torch.get_num_threads()
+    if cores <= threads or idle <= 0:
+        return ""
+    return (
+        f"; this machine has ~{idle} idle core(s): --threads {threads + idle} may be faster "
+        "while it stays idle"
+    )
