@@ -334,6 +334,13 @@ def _unreadable_file(err: Exception) -> str | None:
     return None
 
 
+def _resolved_device(name: str) -> Any:
+    """The torch device ``--device`` names here (a one-line error when it is not available)."""
+    from deltaflow.train.trainer import DistInfo, resolve_device
+
+    return resolve_device(name, DistInfo())
+
+
 def _vocab_size(config: Any) -> int:
     if config.task == "lm":
         from deltaflow.tasks.language import get_tokenizer
@@ -382,7 +389,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from deltaflow.train.config import parse_value
     from deltaflow.train.cpu import set_threads
 
-    set_threads(args.threads, "cpu" if args.device == "auto" else args.device)
+    set_threads(args.threads, _resolved_device(args.device))
     config, model, ckpt = _load_trained(args.checkpoint, args.device)
     changes: dict[str, Any] = {"resume": False, "progress": False}
     task_kwargs = dict(config.task_kwargs)
@@ -442,7 +449,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from deltaflow.tasks.language import get_tokenizer
     from deltaflow.train.cpu import set_threads
 
-    set_threads(args.threads, "cpu" if args.device == "auto" else args.device)
+    set_threads(args.threads, _resolved_device(args.device))
     config, model, _ = _load_trained(args.checkpoint, args.device)
     if config.task != "lm":
         raise ValueError(
