@@ -29,7 +29,7 @@ NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
 def make(B, T, H, Dk, Dv, rule, dtype, n_states=None, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     k = torch.randn(B, T, H, Dk, device="cuda", generator=g)
-    if rule in ("delta", "linear"):  # these rules are used with L2-normalized keys
+    if RULES[rule].qk_norm[1] == "l2":  # the rules used with L2-normalized keys
         k = torch.nn.functional.normalize(k, dim=-1)
     else:  # raw keys of varied norm
         k = k * (0.1 + torch.rand(B, T, H, 1, device="cuda", generator=g))

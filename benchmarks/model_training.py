@@ -73,7 +73,10 @@ def shared_architecture(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_deltaflow(
-    arch: dict[str, Any], compiled: bool = False, no_fused: bool = False
+    arch: dict[str, Any],
+    compiled: bool = False,
+    no_fused: bool = False,
+    checkpoint: str = "mixer,mlp",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
     output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
@@ -97,7 +100,7 @@ def build_deltaflow(
             if hasattr(m, "fused_projections"):
                 m.fused_projections = False
     if compiled:
-        compile_blocks(model)
+        compile_blocks(model, selective_checkpointing=tuple(p for p in checkpoint.split(",") if p))
     return model, config.to_dict()
 
 
@@ -468,6 +471,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="torch._functorch.config.activation_memory_budget for compiled runs (1.0 = default)",
     )
     p.add_argument("--no-fused", action="store_true", help="deltaflow without fused projections")
+    p.add_argument(
+        "--checkpoint",
+        default="mixer,mlp",
+        help="parts of each compiled deltaflow block under selective checkpointing "
+        "(comma-separated: mixer, mlp; '' = none)",
+    )
     p.add_argument("--skip-deltaflow", action="store_true")
     p.add_argument(
         "--fla-linear-ce", action="store_true", help="fla with fuse_linear_cross_entropy=True"
@@ -502,7 +511,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for c in compiled:
         suffix = " (compiled)" if c else ""
         if not args.skip_deltaflow:
-            runs.append((f"deltaflow{suffix}", lambda c=c: build_deltaflow(arch, c, args.no_fused)))
+            runs.append(
+                (
+                    f"deltaflow{suffix}",
+                    lambda c=c: build_deltaflow(arch, c, args.no_fused, args.checkpoint),
+                )
+            )
         if args.llama:
             runs.append((f"llama-sdpa{suffix}", lambda c=c: build_llama(arch, c)))
     if not args.skip_fla:

@@ -20,12 +20,23 @@ autotune and allocator warm-up), from the runs' own logs; peak memory is each ra
 ``--out`` (rewritten after every run, so a cut-off benchmark keeps what it finished) and the
 run directories under ``--out/runs``. Defaults take ~4-5 minutes on 2 H200s.
 
+Context parallelism (issue 26; ``--runs cp``, or ``cp-speed`` and ``cp-search`` as two
+commands): the 400M Gated DeltaNet of ``benchmarks/model_training.py`` on one B=1 row of T
+tokens, 1 GPU vs the row split over ``--gpus`` GPUs: tokens/s and peak memory at T=32768 and
+131072, the first step's loss and gradients against 1 GPU, and the largest T each trains (see
+``benchmarks/context_parallel.py``; no corpus needed). On 2 H200s:
+
+    python3 benchmarks/multigpu.py --runs cp --timeout 600 --out benchmarks/results/context_parallel
+
 CPU smoke run (gloo, tiny model; checks the plumbing, not the speed):
 
     python3 benchmarks/multigpu.py --device cpu --corpus ../shared/corpus \\
         --tokenizer ../shared/tokenizers/gpt2.tiktoken --out /tmp/mg --hidden 32 --layers 2 \\
         --heads 2 --seq-len 64 --batch-size 4 --steps 8 --skip-steps 2 --log-every 2 \\
         --resume-steps 4
+    python3 benchmarks/multigpu.py --device cpu --runs cp --out /tmp/cp --cp-layers 2 \
+        --cp-hidden 32 --cp-heads 2 --cp-head-dim 16 --cp-vocab 256 --cp-lengths 64 \
+        --cp-steps 2 --cp-warmup 1 --cp-search-start 64 --cp-search-max 256
 """
 
 from __future__ import annotations
@@ -40,7 +51,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import context_parallel  # run as a script: benchmarks/ is on sys.path
+
 REPO = Path(__file__).resolve().parent.parent
+TRAINING_RUNS = ("1gpu", "ddp", "fsdp", "resume")
 
 
 # --------------------------------------------------------------------------------- commands
@@ -277,8 +291,8 @@ def write_report(report: dict[str, Any], out: Path) -> None:
 # --------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--corpus", type=Path, required=True, help="directory of .txt files")
-    p.add_argument("--tokenizer", type=Path, required=True, help="GPT-2 .tiktoken file")
+    p.add_argument("--corpus", type=Path, help="directory of .txt files (training runs)")
+    p.add_argument("--tokenizer", type=Path, help="GPT-2 .tiktoken file (training runs)")
     p.add_argument("--out", type=Path, required=True, help="report and run directories")
     p.add_argument("--gpus", type=int, default=2, help="GPUs of the multi-GPU runs")
     p.add_argument("--steps", type=int, default=150, help="steps of each timing run")
@@ -292,19 +306,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--rule", default="delta")
     p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--runs", default="1gpu,ddp,fsdp,resume", help="comma-separated subset")
+    p.add_argument(
+        "--runs",
+        default="1gpu,ddp,fsdp,resume",
+        help="comma-separated subset of 1gpu, ddp, fsdp, resume, cp (= cp-speed,cp-search)",
+    )
     p.add_argument("--timeout", type=int, default=240, help="seconds per training process")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    context_parallel.add_benchmark_args(p)
     args = p.parse_args(argv)
-    if not args.corpus.is_dir():
-        p.error(f"--corpus {args.corpus} is not a directory")
-    if not args.tokenizer.is_file():
-        p.error(f"--tokenizer {args.tokenizer} is not a file")
-    args.corpus, args.tokenizer = args.corpus.resolve(), args.tokenizer.resolve()
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    unknown = sorted(set(args.runs) - {"1gpu", "ddp", "fsdp", "resume"})
+    if "cp" in args.runs:
+        args.runs[args.runs.index("cp") : args.runs.index("cp") + 1] = ["cp-speed", "cp-search"]
+    unknown = sorted(set(args.runs) - set(TRAINING_RUNS) - {"cp-speed", "cp-search"})
     if unknown:
-        p.error(f"--runs: unknown {unknown}; choose from 1gpu, ddp, fsdp, resume")
+        p.error(f"--runs: unknown {unknown}; choose from {', '.join(TRAINING_RUNS)}, cp")
+    if set(args.runs) & set(TRAINING_RUNS):
+        if args.corpus is None or not args.corpus.is_dir():
+            p.error(f"--corpus {args.corpus} is not a directory (needed by the training runs)")
+        if args.tokenizer is None or not args.tokenizer.is_file():
+            p.error(f"--tokenizer {args.tokenizer} is not a file (needed by the training runs)")
+        args.corpus, args.tokenizer = args.corpus.resolve(), args.tokenizer.resolve()
     for name in ("gpus", "steps", "log_every", "resume_steps", "batch_size", "timeout"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -341,6 +363,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "setup": setup,
         "runs": [],
     }
+    cp_parts = [r.removeprefix("cp-") for r in args.runs if r.startswith("cp-")]
+    if cp_parts:
+        cp_report = context_parallel.run_benchmark(args, cp_parts)
+        if not set(args.runs) & set(TRAINING_RUNS):
+            return cp_report
     start = time.perf_counter()
     plan = {"1gpu": (1, "ddp"), "ddp": (args.gpus, "ddp"), "fsdp": (args.gpus, "fsdp")}
     for name in [r for r in args.runs if r in plan]:

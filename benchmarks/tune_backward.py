@@ -2,8 +2,8 @@
 
     python benchmarks/tune_backward.py [--out DIR] [--variants NAME,...] [--profile]
 
-For each variant (a set of ``triton_backend`` launch settings): a correctness check against
-the float64 chunked torch backend (bf16 and fp32, all six gradients, NaN-poisoned outputs),
+For each variant (a set of launch settings of ``deltaflow/ops/triton/*.py``): a correctness check
+against the float64 chunked torch backend (bf16 and fp32, all six gradients, NaN-poisoned outputs),
 then forward and forward+backward medians (``triton.testing.do_bench``) at the issue's three
 shapes, with fla timed in the same run. ``--profile`` adds a per-kernel table of one
 forward+backward at (8, 4096, 16, 128) from torch.profiler.
@@ -12,6 +12,7 @@ forward+backward at (8, 4096, 16, 128) from torch.profiler.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -21,8 +22,22 @@ from pathlib import Path
 import torch
 import triton
 
-from deltaflow import delta_rule, set_value_checks
+from deltaflow import delta_rule as _delta_rule
 from deltaflow.ops import triton_backend as tb
+from deltaflow.ops.triton import decode, gradients, outputs, prepare, states
+
+# no host sync per call: time the kernels as a training loop runs them
+delta_rule = functools.partial(_delta_rule, check_values=False)
+# each launch setting lives beside the kernel it launches (FORWARD_MODE: the backend's choice)
+STAGES = (prepare, states, outputs, gradients, decode)
+
+
+def apply_setting(name: str, value) -> None:
+    owner = next((m for m in (tb, *STAGES) if hasattr(m, name)), None)
+    if owner is None:
+        raise ValueError(f"unknown launch setting {name!r}")
+    setattr(owner, name, value)
+
 
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 32, 64)]
 SHAPES_RUN = list(SHAPES)
@@ -175,7 +190,7 @@ def profile(shape=(8, 4096, 16, 128)) -> str:
 def run_variant(name: str, fla) -> dict:
     settings = {**BASE, **VARIANTS[name]}
     for key, value in settings.items():
-        setattr(tb, key, value)
+        apply_setting(key, value)
     rec = {"settings": settings}
     rec["err_bf16"] = check(dtype=torch.bfloat16)
     rec["err_fp32"] = check(dtype=torch.float32, shape=(1, 300, 2, 128))
@@ -190,10 +205,8 @@ def run_variant(name: str, fla) -> dict:
 
 def compiled_stats() -> list:
     """Registers, spills and shared memory of every kernel compiled so far in this process."""
-    from deltaflow.ops.triton import backward, kernels
-
     stats = []
-    for module in (kernels, backward):
+    for module in STAGES:
         for name in dir(module):
             fn = getattr(module, name)
             try:
@@ -222,7 +235,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.shapes:
         SHAPES_RUN[:] = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    set_value_checks(False)
     fla = load_fla()
     device = torch.cuda.get_device_name()
     commit = (
@@ -285,7 +297,7 @@ def main() -> None:
     ]
     if args.rules:
         for key, value in BASE.items():
-            setattr(tb, key, value)
+            apply_setting(key, value)
         lines += [
             "",
             "| rule | neg | err bf16 | fwd ms | fwd+bwd ms |",
@@ -305,7 +317,7 @@ def main() -> None:
                 print(lines[-1], flush=True)
     if args.profile:
         for key, value in BASE.items():
-            setattr(tb, key, value)
+            apply_setting(key, value)
         table = profile()
         lines += [
             "",

@@ -4,6 +4,7 @@
     deltaflow train --config configs/mqar_efla.yaml --lr 3e-4 --set model.qk_norm=l2
     deltaflow eval runs/efla                       # latest checkpoint of a run directory
     deltaflow generate runs/lm --prompt "It is a truth" --max-new-tokens 100
+    deltaflow eval runs/lm --lm-eval lambada_openai   # lm-evaluation-harness tasks
     deltaflow compare                              # the main job: quick CPU preset (<= 2 min)
     deltaflow compare --preset mqar_512 --device cuda --out results/mqar_512
 
@@ -42,12 +43,23 @@ _SECTION_FLAGS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "vocab_size",
         dict(type=int, help="synthetic task vocabulary (the model's is the task's)"),
     ),
-    "--data-dir": ("task_kwargs", "data_dir", dict(help="lm: folder of UTF-8 .txt files")),
-    "--tokenizer": ("task_kwargs", "tokenizer", dict(choices=["byte", "bpe"], help="lm tokenizer")),
+    "--data-dir": (
+        "task_kwargs",
+        "data_dir",
+        dict(
+            help="lm: folder (or file) of .txt, .jsonl or .parquet documents, or a "
+            "datasets.save_to_disk folder"
+        ),
+    ),
+    "--tokenizer": (
+        "task_kwargs",
+        "tokenizer",
+        dict(help="lm: byte | bpe | hf, or a Hugging Face tokenizer folder or a .tiktoken file"),
+    ),
     "--tokenizer-path": (
         "task_kwargs",
         "tokenizer_path",
-        dict(help="lm: GPT-2 .tiktoken file for --tokenizer bpe"),
+        dict(help="lm: the .tiktoken file (--tokenizer bpe) or folder (hf)"),
     ),
     "--rule": (
         "model",
@@ -306,7 +318,7 @@ def _load_trained(path: str, device: str) -> tuple[Any, Any, Path]:
     if not (ckpt / "config.yaml").is_file():
         raise FileNotFoundError(f"{ckpt} has no config.yaml: not a deltaflow checkpoint")
     config = TrainConfig.from_yaml(ckpt / "config.yaml").replace(device=device, out_dir=None)
-    vocab = _vocab_size(config)
+    vocab = _vocab_size(config, ckpt)
     model = build_model(config, vocab).to(resolve_device(device, DistInfo()))
     try:
         load_checkpoint(ckpt, model=model, restore_rng=False)
@@ -341,11 +353,15 @@ def _resolved_device(name: str) -> Any:
     return resolve_device(name, DistInfo())
 
 
-def _vocab_size(config: Any) -> int:
+def _vocab_size(config: Any, ckpt: Path | None = None) -> int:
+    """The vocabulary of the model a config builds: from a checkpoint's saved tokenizer, the
+    config's tokenizer (language modelling, before training) or the task."""
     if config.task == "lm":
-        from deltaflow.tasks.language import get_tokenizer
+        from deltaflow.tasks.tokenizers import get_tokenizer, run_tokenizer
 
         kw = config.task_kwargs
+        if ckpt is not None:
+            return run_tokenizer(ckpt, kw).vocab_size
         return get_tokenizer(kw.get("tokenizer", "byte"), kw.get("tokenizer_path")).vocab_size
     from deltaflow.train import build_task
 
@@ -381,6 +397,21 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     _threads_flag(p)
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
+    g = p.add_argument_group("lm-evaluation-harness (pip install 'deltaflow[eval]')")
+    g.add_argument(
+        "--lm-eval",
+        metavar="TASKS",
+        help="comma-separated lm-eval tasks (e.g. lambada_openai,hellaswag) instead of the "
+        "run's own task; --batch-size is requests per forward",
+    )
+    g.add_argument(
+        "--lm-eval-include",
+        action="append",
+        metavar="DIR",
+        help="folder of task YAMLs (e.g. from deltaflow lm-eval-task); repeatable",
+    )
+    g.add_argument("--limit", type=float, help="lm-eval: examples per task (< 1: a fraction)")
+    g.add_argument("--num-fewshot", type=int, help="lm-eval: few-shot examples")
     p.set_defaults(func=cmd_eval)
 
 
@@ -390,6 +421,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from deltaflow.train.cpu import set_threads
 
     set_threads(args.threads, _resolved_device(args.device))
+    if args.lm_eval:
+        return _cmd_lm_eval(args)
+
     config, model, ckpt = _load_trained(args.checkpoint, args.device)
     changes: dict[str, Any] = {"resume": False, "progress": False}
     task_kwargs = dict(config.task_kwargs)
@@ -415,6 +449,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         width = max(len(k) for k in metrics)
         for key, value in metrics.items():
             print(f"  {key:<{width}}  {value:.6g}")
+    return 0
+
+
+def _cmd_lm_eval(args: argparse.Namespace) -> int:
+    from deltaflow.evals.harness import evaluate
+
+    results = evaluate(
+        args.checkpoint,
+        [t.strip() for t in args.lm_eval.split(",") if t.strip()],
+        include_path=args.lm_eval_include,
+        limit=int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit,
+        num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size or 8,
+        device=args.device,
+    )
+    if args.json:
+        print(json.dumps(results["results"], indent=2, default=str))
+    else:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
     return 0
 
 
@@ -446,18 +501,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from deltaflow.lab.generate import sample
-    from deltaflow.tasks.language import get_tokenizer
+    from deltaflow.tasks.tokenizers import run_tokenizer
     from deltaflow.train.cpu import set_threads
 
     set_threads(args.threads, _resolved_device(args.device))
-    config, model, _ = _load_trained(args.checkpoint, args.device)
+    config, model, ckpt = _load_trained(args.checkpoint, args.device)
     if config.task != "lm":
         raise ValueError(
             f"generate needs a language-model checkpoint (task 'lm'); {args.checkpoint} was "
             f"trained on {config.task!r}: use `deltaflow eval` for it"
         )
-    kw = config.task_kwargs
-    tokenizer = get_tokenizer(kw.get("tokenizer", "byte"), kw.get("tokenizer_path"))
+    tokenizer = run_tokenizer(ckpt, config.task_kwargs)  # the copy saved with the checkpoint
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError("--prompt encodes to no tokens; give some text")
@@ -748,6 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub)
     add_generate_parser(sub)
     add_compare_parser(sub)
+    from deltaflow.evals.local_tasks import add_lm_eval_task_parser
+
+    add_lm_eval_task_parser(sub)
     try:  # written by another module; the CLI works without it
         from deltaflow.analysis.cli import add_stability_parser
     except ImportError:
@@ -793,6 +850,13 @@ def _one_line(err: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def _close_progress_bars() -> None:
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -814,6 +878,7 @@ def main(argv: list[str] | None = None) -> int:
     except (*USER_ERRORS, DivergenceError) as err:
         if debug:
             raise
+        _close_progress_bars()  # else the error line starts after a half-drawn bar
         print(f"deltaflow {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 1 if isinstance(err, DivergenceError) else 2
 

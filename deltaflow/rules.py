@@ -1,17 +1,19 @@
 """Step rules: how one online-regression step on ``min_S ½‖Sᵀk − v‖²`` is taken.
 
 Every rule turns the raw gate ``β`` and the squared key norm ``λ = ‖k‖²`` into an erase
-strength ``a`` and a write strength ``b`` for the one recurrence (DESIGN.md §1)::
+strength ``a`` and a write strength ``b`` for the one recurrence (docs/design.md §1)::
 
     S_t = α_t (I − a_t k_t k_tᵀ) S_{t−1} + b_t k_t v_tᵀ
 
-The transition has eigenvalue 1 off ``k`` and ``μ = 1 − aλ`` along ``k`` (DESIGN.md §2). For all
-built-in rules but ``linear``, ``a = b``, so the new prediction for ``k`` interpolates between the
-old one and the target: ``kᵀS_t = μ·kᵀ(αS_{t−1}) + (1 − μ)·vᵀ``.
+The transition has eigenvalue 1 off ``k`` and ``μ = 1 − aλ`` along ``k`` (docs/design.md §2).
+For all built-in rules but ``linear``, ``a = b``, so the new prediction for ``k`` interpolates
+between the old one and the target: ``kᵀS_t = μ·kᵀ(αS_{t−1}) + (1 − μ)·vᵀ``.
 
 A user rule is any function ``fn(beta, lam, eps) -> (a, b)`` of tensors; register it with
 :func:`register_rule` (or pass a :class:`StepRule` straight to ``delta_rule``) and every backend
-that computes coefficients in PyTorch uses it unchanged.
+that computes coefficients in PyTorch uses it unchanged. A built-in rule is defined here once
+(coefficients, the q/k normalization it expects, the id of its in-kernel form) and has one entry
+in the Triton rule table, ``deltaflow/ops/triton/rules.py``; nothing else names it.
 """
 
 from __future__ import annotations
@@ -23,30 +25,68 @@ import torch
 from torch import Tensor
 
 CoefficientFn = Callable[[Tensor | None, Tensor, float], tuple[Tensor, Tensor]]
+QK_NORMS = ("l2", "none")
 
 
 @dataclass(frozen=True)
 class StepRule:
-    """A named step rule: ``coefficients(beta, lam, eps) -> (a, b)``."""
+    """A step rule, defined in one place.
+
+    Attributes:
+        name: the name ``delta_rule(rule=...)`` and the configs use.
+        coefficients: ``(beta, lam, eps) -> (a, b)`` on tensors: the rule's definition, used by
+            every PyTorch backend (and, through autograd, for its derivatives).
+        needs_beta: whether ``beta`` is read (``linear`` and ``kaczmarz`` accept ``None``).
+        qk_norm: the ``(q, k)`` normalization ``DeltaAttention`` applies by default, ``'l2'``
+            or ``'none'`` each: rules whose ``μ`` leaves ``[−1, 1]`` for large ``λ`` (``delta``,
+            ``linear``) expect unit keys; the others keep ``‖k‖`` (docs/design.md §4).
+        kernel_id: the id of the rule's in-kernel form in the Triton rule table
+            (``deltaflow/ops/triton/rules.py``); ``None`` for rules that run in PyTorch only.
+        description, source: one line each, for tables and ``--help``.
+    """
 
     name: str
     coefficients: CoefficientFn
     needs_beta: bool = True
+    qk_norm: tuple[str, str] = ("l2", "l2")
+    kernel_id: int | None = None
     description: str = ""
     source: str = ""
-    builtin: bool = False  # built-in rules have fused Triton implementations
+
+    @property
+    def builtin(self) -> bool:
+        """Built-in rules have a fused Triton form (a ``kernel_id``)."""
+        return self.kernel_id is not None
 
 
 def _beta_or_one(beta: Tensor | None, lam: Tensor) -> Tensor:
     return torch.ones_like(lam) if beta is None else beta
 
 
-def _one_minus_exp_neg_over(h: Tensor) -> Tensor:
-    """``(1 − e^{−h}) / h`` with its limit 1 at ``h → 0`` and finite gradients everywhere."""
-    small = h < 1e-4
-    h_safe = torch.where(small, torch.ones_like(h), h)
-    series = 1 - h / 2 + h * h / 6  # Taylor expansion, exact to O(h³) near 0
-    return torch.where(small, series, -torch.expm1(-h_safe) / h_safe)
+# EFLA's strength is a = β·φ(h), φ(h) = (1 − e^{−h})/h, h = βλ. The closed form is 0/0 at h = 0,
+# and its derivative φ'(h) = (e^{−h}(1 + h) − 1)/h² cancels for small h. So below one cut-off
+# φ (and φ', in the Triton table) is a Taylor series, above it the closed form. The bound that
+# fixes both numbers: for 0 ≤ h < 1 both series alternate with decreasing terms, so cutting φ
+# after 20 terms errs by less than the first dropped term, h^20/21! < 2e-20, and φ' after 19 by
+# less than 20·h^19/21! < 4e-19 (φ ≥ 0.63 and |φ'| ≥ 0.26 there): below float64's 1.1e-16.
+# Above the cut-off, -expm1 is exact to an ulp, and what cancellation is left costs at most
+# ~ε/h in φ and ~4ε/h² in φ': at h ≥ 1 a few ulp (float32: ≤ 1.2e-7 and 4.8e-7). A lower
+# cut-off would need fewer terms but leave float32's φ' up to 4ε/h² = 4.8e-5 at h = 0.1.
+EFLA_SERIES_CUTOFF = 1.0
+EFLA_SERIES_TERMS = 20
+
+
+def efla_phi(h: Tensor) -> Tensor:
+    """``φ(h) = (1 − e^{−h})/h`` with ``φ(0) = 1``, accurate (value and autograd derivative)
+    for every ``h ≥ 0``: the Taylor series below :data:`EFLA_SERIES_CUTOFF`, else the closed
+    form. ``φ = 1 − (h/2)(1 − (h/3)(1 − …))``, the ratio of term n to term n − 1 being −h/(n+1)."""
+    small = h < EFLA_SERIES_CUTOFF
+    h_series = torch.where(small, h, torch.zeros_like(h))  # finite gradients on both branches
+    h_closed = torch.where(small, torch.ones_like(h), h)
+    series = torch.ones_like(h)
+    for n in range(EFLA_SERIES_TERMS - 1, 0, -1):
+        series = 1 - h_series / (n + 1) * series
+    return torch.where(small, series, -torch.expm1(-h_closed) / h_closed)
 
 
 def _linear(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -58,8 +98,8 @@ def _delta(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Tensor, Tensor
 
 
 def _efla(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    # a = (1 − e^{−h}) / λ with h = βλ, written as β·(1 − e^{−h})/h so that λ → 0 gives β.
-    a = beta * _one_minus_exp_neg_over(beta * lam)
+    # a = (1 − e^{−h}) / λ with h = βλ, written as β·φ(h) so that λ → 0 gives β.
+    a = beta * efla_phi(beta * lam)
     return a, a
 
 
@@ -83,64 +123,98 @@ def _relaxed_kaczmarz(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Ten
     return a, a
 
 
+UNIT_KEYS = ("l2", "l2")  # q and k L2-normalized by the layer
+RAW_KEYS = ("l2", "none")  # q normalized, k's norm kept: the rule uses it
+
+# The built-in rules. Each one's in-kernel form is the entry of the same kernel_id in
+# deltaflow/ops/triton/rules.py; a new built-in rule is a line here, an entry there, and tests.
 RULES: dict[str, StepRule] = {
     r.name: r
     for r in [
         StepRule(
             "linear",
             _linear,
-            False,
-            "a = 0, b = β (1 if β is None); μ = 1",
-            "linear attention",
-            True,
+            needs_beta=False,
+            qk_norm=UNIT_KEYS,
+            kernel_id=0,
+            description="a = 0, b = β (1 if β is None); μ = 1",
+            source="linear attention",
         ),
-        StepRule("delta", _delta, True, "a = b = β; μ = 1 − h (explicit Euler)", "DeltaNet", True),
+        StepRule(
+            "delta",
+            _delta,
+            qk_norm=UNIT_KEYS,
+            kernel_id=1,
+            description="a = b = β; μ = 1 − h (explicit Euler)",
+            source="DeltaNet",
+        ),
         StepRule(
             "efla",
             _efla,
-            True,
-            "a = b = (1 − e^{−h})/λ; μ = e^{−h} (exact flow)",
-            "EFLA, arXiv 2512.12602",
-            True,
+            qk_norm=RAW_KEYS,
+            kernel_id=2,
+            description="a = b = (1 − e^{−h})/λ; μ = e^{−h} (exact flow)",
+            source="EFLA, arXiv 2512.12602",
         ),
         StepRule(
             "longhorn",
             _longhorn,
-            True,
-            "a = b = β/(1 + h); μ = 1/(1 + h) (implicit Euler)",
-            "Longhorn, arXiv 2407.14207",
-            True,
+            qk_norm=RAW_KEYS,
+            kernel_id=3,
+            description="a = b = β/(1 + h); μ = 1/(1 + h) (implicit Euler)",
+            source="Longhorn, arXiv 2407.14207",
         ),
         StepRule(
             "trapezoid",
             _trapezoid,
-            True,
-            "a = b = β/(1 + h/2); μ = (1 − h/2)/(1 + h/2) (Crank–Nicolson)",
-            "deltaflow (A-stable, reaches (−1, 1))",
-            True,
+            qk_norm=RAW_KEYS,
+            kernel_id=4,
+            description="a = b = β/(1 + h/2); μ = (1 − h/2)/(1 + h/2) (Crank–Nicolson)",
+            source="deltaflow (A-stable, reaches (−1, 1))",
         ),
         StepRule(
-            "kaczmarz", _kaczmarz, False, "a = b = 1/(λ + ε); μ ≈ 0 (projection)", "Kaczmarz", True
+            "kaczmarz",
+            _kaczmarz,
+            needs_beta=False,
+            qk_norm=RAW_KEYS,
+            kernel_id=5,
+            description="a = b = 1/(λ + ε); μ ≈ 0 (projection)",
+            source="Kaczmarz",
         ),
         StepRule(
             "relaxed_kaczmarz",
             _relaxed_kaczmarz,
-            True,
-            "a = b = β/(λ + ε); μ ≈ 1 − β",
-            "relaxed Kaczmarz (β = ρ)",
-            True,
+            qk_norm=RAW_KEYS,
+            kernel_id=6,
+            description="a = b = β/(λ + ε); μ ≈ 1 − β",
+            source="relaxed Kaczmarz (β = ρ)",
         ),
     ]
 }
 
 
 def register_rule(
-    name: str, coefficients: CoefficientFn, *, needs_beta: bool = True, description: str = ""
+    name: str,
+    coefficients: CoefficientFn,
+    *,
+    needs_beta: bool = True,
+    qk_norm: tuple[str, str] = UNIT_KEYS,
+    description: str = "",
 ) -> StepRule:
-    """Add a user rule ``coefficients(beta, lam, eps) -> (a, b)`` under ``name``."""
+    """Add a user rule ``coefficients(beta, lam, eps) -> (a, b)`` under ``name`` (it runs on the
+    PyTorch backends; ``qk_norm`` is the layer's default (q, k) normalization for it)."""
     if name in RULES and RULES[name].builtin:
         raise ValueError(f"rule name {name!r} is a built-in rule and cannot be replaced")
-    rule = StepRule(name, coefficients, needs_beta, description, "user")
+    if len(qk_norm) != 2 or any(n not in QK_NORMS for n in qk_norm):
+        raise ValueError(f"qk_norm must be a (q, k) pair of {QK_NORMS}, got {qk_norm!r}")
+    rule = StepRule(
+        name,
+        coefficients,
+        needs_beta=needs_beta,
+        qk_norm=tuple(qk_norm),
+        description=description,
+        source="user",
+    )
     RULES[name] = rule
     return rule
 
@@ -155,7 +229,7 @@ def get_rule(rule: str | StepRule | CoefficientFn) -> StepRule:
         return RULES[rule]
     if callable(rule):
         name = getattr(rule, "__name__", "custom")
-        return StepRule(name, rule, True, "user function", "user")
+        return StepRule(name, rule, description="user function", source="user")
     raise TypeError(f"rule must be a name, a StepRule or a function, got {type(rule).__name__}")
 
 

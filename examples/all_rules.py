@@ -22,8 +22,8 @@ print(
     f"{'rule':18s} {'keys':5s} {'mu(beta=0.5, |k|^2=1)':>22s} {'|o|':>10s} {'|S_T|':>10s} "
     f"{'max err vs reference':>21s}"
 )
-for name in RULES:
-    keys = k_unit if name in ("delta", "linear") else k  # DESIGN.md §4: delta needs unit keys
+for name, rule in RULES.items():
+    keys = k_unit if rule.qk_norm[1] == "l2" else k  # the keys the rule expects (its qk_norm)
     o, s = delta_rule(q, keys, v, beta, rule=name, output_final_state=True)
     o_ref, _ = delta_rule(q, keys, v, beta, rule=name, backend="reference")
     mu = eigenvalue(name, torch.tensor(0.5), torch.tensor(1.0)).item()

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
-# Rules whose transition is only contractive for ‖k‖²·β ≤ 1 (layers L2-normalize their keys):
-# test them with keys of norm in (0.3, 1); every other rule gets raw keys of very varied norm.
-NORMALIZED_KEY_RULES = {"delta", "linear"}
+from deltaflow.rules import RULES
+
+
+def normalized_keys(rule: str) -> bool:
+    """Rules whose transition is only contractive for ‖k‖²·β ≤ 1 declare L2-normalized keys
+    (``StepRule.qk_norm``): test them with keys of norm in (0.3, 1); every other rule (and an
+    unregistered name) gets raw keys of very varied norm."""
+    return rule in RULES and RULES[rule].qk_norm[1] == "l2"
 
 
 def make_inputs(
@@ -32,7 +37,7 @@ def make_inputs(
         return torch.rand(*shape, generator=g, dtype=torch.float64)
 
     k = randn(B, T, H, Dk)
-    if rule in NORMALIZED_KEY_RULES:
+    if normalized_keys(rule):
         k = k / k.norm(dim=-1, keepdim=True) * (0.3 + 0.7 * rand(B, T, H, 1))
     else:
         k = k * (0.05 + 2.0 * rand(B, T, H, 1))  # ‖k‖ from ~0.1 to ~2·√Dk

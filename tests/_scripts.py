@@ -1,4 +1,4 @@
-"""Load one of the repository's scripts (results/, benchmarks/) as a module: they are not in
+"""Load one of the repository's scripts (experiments/, benchmarks/) as a module: they are not in
 the deltaflow package, and tests call their functions directly."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def load_script(relative_path: str) -> types.ModuleType:
-    """``relative_path`` from the repository root, e.g. ``results/collect_device.py``."""
+    """``relative_path`` from the repository root, e.g. ``experiments/collect_device.py``."""
     path = REPO / relative_path
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)

@@ -16,7 +16,7 @@ from deltaflow.rules import register_rule
 
 EPS = 1e-6
 
-# mu at lam = 1, beta = h = 0.5, from the closed forms in DESIGN.md section 2.
+# mu at lam = 1, beta = h = 0.5, from the closed forms in docs/design.md §2.
 MU_AT_HALF = {
     "delta": 0.5,
     "efla": math.exp(-0.5),

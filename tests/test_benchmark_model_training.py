@@ -16,7 +16,51 @@ def test_model_training_benchmark_cpu_smoke(tmp_path):
     assert ours["tokens_per_s"] > 0 and ours["parameters"] > 0
     assert ours["profile"]["ranges"]["fwd/mixer"]["calls"] == 2
     assert "fla" not in report["results"] and report["ratio"] is None
-    saved = json.loads((tmp_path / "model_training_cpu.json").read_text())
+    saved = json.loads((tmp_path / "model_training_cpu_B2_T64.json").read_text())
     assert saved["architecture"]["num_layers"] == 2
-    assert "| deltaflow |" in (tmp_path / "model_training_cpu.md").read_text()
-    assert (tmp_path / "model_training_cpu_profile.txt").stat().st_size > 0
+    assert "| deltaflow |" in (tmp_path / "model_training_cpu_B2_T64.md").read_text()
+    assert (tmp_path / "model_training_cpu_B2_T64_profile.txt").stat().st_size > 0
+
+
+def test_training_compile_policy():
+    """compile='auto' is off; 'blocks' is refused on CUDA (wrong fp32 gradients measured)."""
+    import pytest
+    import torch
+
+    from deltaflow.models.compile import resolve_compile
+
+    assert resolve_compile("auto", torch.device("cuda")) is False
+    assert resolve_compile("blocks", torch.device("cpu")) is True
+    with pytest.raises(ValueError, match="refused on CUDA"):
+        resolve_compile("blocks", torch.device("cuda"))
+    with pytest.raises(ValueError, match="compile must be"):
+        resolve_compile("always", torch.device("cpu"))
+
+
+def test_compiled_blocks_match_eager_on_cpu():
+    """Fused projections + selective checkpointing + compiled blocks: same loss and gradients as
+    today's eager op-by-op layer (float64, CPU)."""
+    import torch
+
+    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+    from deltaflow.models.compile import compile_blocks
+
+    torch.manual_seed(0)
+    cfg = DeltaFlowConfig(
+        vocab_size=61, hidden_size=32, num_layers=2, num_heads=2, rule="delta", use_decay=True
+    )
+    ref = DeltaFlowForCausalLM(cfg).double().train()
+    fast = DeltaFlowForCausalLM(cfg).double().train()
+    fast.load_state_dict(ref.state_dict())
+    for m in fast.modules():
+        if hasattr(m, "fused_projections"):
+            m.fused_projections = True
+    compile_blocks(fast)
+    ids = torch.randint(0, 61, (2, 37))
+    grads = []
+    for model in (ref, fast):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import deltaflow.lab.grid as grid_module
+import deltaflow.lab.runner as runner
 from deltaflow.cli import build_parser, main
 from deltaflow.lab import Preset, compare, expand_grid, select_best
 from deltaflow.lab.report import results_table
@@ -182,8 +182,8 @@ def test_compare_grid_writes_table_plots_and_resumes(tmp_path, monkeypatch):
     def no_training(*a, **k):
         raise AssertionError("finished runs must not be retrained")
 
-    real_run_one = grid_module.run_one
-    monkeypatch.setattr(grid_module, "run_one", no_training)
+    real_run_one = runner.run_one
+    monkeypatch.setattr(runner, "run_one", no_training)
     rows2, table2 = compare(preset, tmp_path, device="cpu", progress=False, resume=True)
     assert table2 == table
     # without resume (the default) every run is trained again; the old log is kept aside
@@ -193,7 +193,7 @@ def test_compare_grid_writes_table_plots_and_resumes(tmp_path, monkeypatch):
         trained.append(spec.run_id)
         return real_run_one(spec, **kw)
 
-    monkeypatch.setattr(grid_module, "run_one", counting)
+    monkeypatch.setattr(runner, "run_one", counting)
     compare(preset, tmp_path, device="cpu", progress=False, jobs=1)
     assert len(trained) == 8
     assert len((tmp_path / "runs.prev.jsonl").read_text().splitlines()) == 8

@@ -1,4 +1,4 @@
-"""results/collect_device.py merges a device call's runs into the committed ones by run id: a
+"""experiments/collect_device.py merges a device call's runs into the committed ones by run id: a
 fresh machine's runs.jsonl holds only its own runs, so copying it over would lose results."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from deltaflow.cli import main as deltaflow_cli
 
 
 def collect_device():
-    return load_script("results/collect_device.py")
+    return load_script("experiments/collect_device.py")
 
 
 def write(path: Path, records: list[dict]) -> None:

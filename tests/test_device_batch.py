@@ -1,4 +1,4 @@
-"""results/device_batch.sh runs a command file's lines at once, and a `then ` line after the
+"""experiments/device_batch.sh runs a command file's lines at once, and a `then ` line after the
 line above it on the call's remaining time (checked with a stand-in for `deltaflow compare`
 and for the GPU tools, so it runs on a CPU-only machine)."""
 
@@ -23,9 +23,9 @@ echo "end $(date +%s.%N) $*" >> "$CALLS"
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_then_lines_wait_for_the_line_above_and_get_the_time_left(tmp_path):
-    (tmp_path / "results").mkdir()
+    (tmp_path / "experiments").mkdir()
     for name in ("device_batch.sh", "pack_resume.py"):
-        shutil.copy(REPO / "results" / name, tmp_path / "results" / name)
+        shutil.copy(REPO / "experiments" / name, tmp_path / "experiments" / name)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho fake GPU\n")
@@ -49,7 +49,7 @@ def test_then_lines_wait_for_the_line_above_and_get_the_time_left(tmp_path):
         "OUT": str(tmp_path / "out"),
     }
     done = subprocess.run(
-        ["bash", "results/device_batch.sh", str(commands), "0"],
+        ["bash", "experiments/device_batch.sh", str(commands), "0"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -76,7 +76,7 @@ def test_a_file_cannot_start_with_then(tmp_path):
     commands = tmp_path / "commands.txt"
     commands.write_text("then --preset x --time-limit 3 --out runs/issue11/a\n")
     done = subprocess.run(
-        ["bash", str(REPO / "results" / "device_batch.sh"), str(commands), "0"],
+        ["bash", str(REPO / "experiments" / "device_batch.sh"), str(commands), "0"],
         cwd=tmp_path,
         env={**os.environ, "OUT": str(tmp_path / "out"), "PATH": os.environ["PATH"]},
         capture_output=True,

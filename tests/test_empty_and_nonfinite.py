@@ -86,3 +86,13 @@ def test_finite_but_out_of_range_values_keep_their_messages():
         delta_rule(**{**x, "beta": x["beta"] - 2.0})
     with pytest.raises(ValueError, match="log_decay must be <= 0"):
         delta_rule(**{**x, "log_decay": x["log_decay"] + 2.0})
+
+
+def test_value_checks_are_an_argument_of_the_op():
+    x = make_inputs(1, 5, 2, 4, 3)
+    x["beta"] = x["beta"] - 2.0  # negative: refused when checked, taken as given when not
+    x["log_decay"] = x["log_decay"] + 2.0  # positive: likewise
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        delta_rule(**x)
+    o, _ = delta_rule(**x, check_values=False)
+    assert o.shape == (1, 5, 2, 3)

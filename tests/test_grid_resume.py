@@ -17,7 +17,7 @@ import torch
 from _scripts import load_script
 from safetensors.torch import load_file
 
-import deltaflow.lab.grid as grid_module
+import deltaflow.lab.runner as runner
 import deltaflow.train.trainer as trainer_module
 from deltaflow.cli import main
 from deltaflow.lab import Preset, compare, expand_grid
@@ -55,7 +55,7 @@ def specs():
 
 
 def run_dir(out: Path, spec) -> Path:
-    return out / "runs" / grid_module.run_dir_name(spec.run_id)
+    return out / "runs" / runner.run_dir_name(spec.run_id)
 
 
 def final_weights(out: Path, spec) -> dict[str, torch.Tensor]:
@@ -66,7 +66,7 @@ def final_weights(out: Path, spec) -> dict[str, torch.Tensor]:
 def straight(tmp_path_factory):
     """The uninterrupted grid: records by id, and the run directories (kept) for weights."""
     out = tmp_path_factory.mktemp("straight")
-    records = grid_module.run_grid(specs(), out, progress=False, keep_run_dirs=True)
+    records = runner.run_grid(specs(), out, progress=False, keep_run_dirs=True)
     return {r["id"]: r for r in records}, out
 
 
@@ -99,12 +99,12 @@ def test_killed_grid_resumes_each_run_from_its_checkpoint(tmp_path, monkeypatch,
 
     monkeypatch.setattr(Trainer, "train_step", killed_at_step_12)
     with pytest.raises(KeyboardInterrupt):  # checkpoint at every log step: at 5 and 10
-        grid_module.run_grid(specs(), tmp_path, progress=False, checkpoint_minutes=1e-9)
+        runner.run_grid(specs(), tmp_path, progress=False, checkpoint_minutes=1e-9)
     assert latest_checkpoint(run_dir(tmp_path, first)).name == "step_0000010"
     assert not (tmp_path / "runs.jsonl").read_text()  # nothing finished, nothing recorded
     monkeypatch.setattr(Trainer, "train_step", real_step)
 
-    records = grid_module.run_grid(specs(), tmp_path, progress=False, resume=True)
+    records = runner.run_grid(specs(), tmp_path, progress=False, resume=True)
     for spec, record in zip((first, second), records):
         same_result(record, by_id[spec.run_id])
     # finished: one record per run in runs.jsonl; run directories deleted (not kept by default)
@@ -136,7 +136,7 @@ def test_time_limit_stops_runs_cleanly_and_resume_finishes_them(tmp_path, monkey
         assert latest_checkpoint(run_dir(tmp_path, spec)).name == "step_0000010"
     monkeypatch.undo()
 
-    records = grid_module.run_grid(
+    records = runner.run_grid(
         specs(), tmp_path, progress=False, resume=True, keep_run_dirs=True
     )
     for spec, record in zip(specs(), records):
@@ -156,24 +156,24 @@ def test_time_limit_stops_runs_cleanly_and_resume_finishes_them(tmp_path, monkey
 
 def test_without_resume_old_run_dirs_are_moved_aside_not_continued(tmp_path, monkeypatch):
     stop_at_the_deadline(monkeypatch)
-    grid_module.run_grid(specs(), tmp_path, progress=False, deadline=time.time() + 3600)
+    runner.run_grid(specs(), tmp_path, progress=False, deadline=time.time() + 3600)
     monkeypatch.undo()
     first = specs()[0]
     assert latest_checkpoint(run_dir(tmp_path, first)).name == "step_0000005"
-    grid_module.run_grid(specs()[:1], tmp_path, progress=False, keep_run_dirs=True)
+    runner.run_grid(specs()[:1], tmp_path, progress=False, keep_run_dirs=True)
     events = [r["event"] for r in read_log(run_dir(tmp_path, first)) if r["kind"] == "event"]
     assert events == ["start"]  # trained from scratch: no stop, no resume
-    prev = tmp_path / "runs.prev" / grid_module.run_dir_name(first.run_id)
+    prev = tmp_path / "runs.prev" / runner.run_dir_name(first.run_id)
     assert latest_checkpoint(prev).name == "step_0000005"
 
 
 def test_runs_queued_past_the_deadline_do_not_start(tmp_path):
-    records = grid_module.run_grid(specs(), tmp_path, progress=False, deadline=time.time() - 1)
+    records = runner.run_grid(specs(), tmp_path, progress=False, deadline=time.time() - 1)
     assert [(r["status"], r["step"]) for r in records] == [("partial", None)] * 2
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-    assert grid_module.training_deadline(100.0, 9) == 100.0 + 540 - 54  # 10% reserve
-    assert grid_module.training_deadline(100.0, 100) == 100.0 + 6000 - 60  # at most 60 s
-    assert grid_module.training_deadline(100.0, 1) == 100.0 + 60 - 10  # at least 10 s
+    assert runner.training_deadline(100.0, 9) == 100.0 + 540 - 54  # 10% reserve
+    assert runner.training_deadline(100.0, 100) == 100.0 + 6000 - 60  # at most 60 s
+    assert runner.training_deadline(100.0, 1) == 100.0 + 60 - 10  # at least 10 s
 
 
 def test_compare_cli_time_limit_exits_0_and_says_how_to_continue(tmp_path, capsys):
@@ -219,7 +219,7 @@ def test_report_only_tables_the_finished_runs_and_trains_nothing(tmp_path, strai
     assert table.split("\n")[2].startswith(f"| linear | {rows[0]['value']:.3f}*")
     assert "**3 of 4 runs not trained yet**: a value marked * is the best" in table
     assert (tmp_path / "runs.jsonl").read_text() == runs_log  # not moved, not appended
-    assert not (tmp_path / "runs" / grid_module.run_dir_name(deltanet.run_id)).exists()
+    assert not (tmp_path / "runs" / runner.run_dir_name(deltanet.run_id)).exists()
     report = (tmp_path / "results.md").read_text()
     assert "report only: this invocation trained nothing" in report
     assert "cpu (" in report  # the device the finished run recorded, not a guess
@@ -246,25 +246,25 @@ def test_gpu_runs_record_their_peak_memory(tmp_path, monkeypatch):
     """Each run's record carries its own peak GPU memory (the peak is reset per run, since a
     worker trains several): what planning how many runs share one GPU needs. Simulated."""
     calls = []
-    monkeypatch.setattr(grid_module, "_uses_cuda", lambda device: True)
+    monkeypatch.setattr(runner, "_uses_cuda", lambda device: True)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
-    records = grid_module.run_grid(specs()[:1], tmp_path, progress=False)
+    records = runner.run_grid(specs()[:1], tmp_path, progress=False)
     assert calls == ["reset"] and records[0]["peak_gpu_memory_gib"] == 3.0
 
 
 # ------------------------------------------------------------------------- across machines
 def test_packed_checkpoints_continue_a_run_on_another_machine(tmp_path, monkeypatch, straight):
-    """results/pack_resume.py packs the newest checkpoint of each unfinished run; unpacked by
+    """experiments/pack_resume.py packs the newest checkpoint of each unfinished run; unpacked by
     collect_device.py into another folder (the next fresh machine's carry), the runs continue
     from there and end as the uninterrupted runs do."""
-    pack_resume = load_script("results/pack_resume.py")
-    collect = load_script("results/collect_device.py")
+    pack_resume = load_script("experiments/pack_resume.py")
+    collect = load_script("experiments/collect_device.py")
     by_id, straight_out = straight
     device = tmp_path / "device" / "issue11" / "mad"  # a folder collect_device knows
     stop_at_the_deadline(monkeypatch)
     for _ in range(2):  # two calls: checkpoints at steps 5 and 10, the newest is 10
-        grid_module.run_grid(
+        runner.run_grid(
             specs(), device, progress=False, resume=True, deadline=time.time() + 3600
         )
     monkeypatch.undo()
@@ -288,7 +288,7 @@ def test_packed_checkpoints_continue_a_run_on_another_machine(tmp_path, monkeypa
     assert len(restored) == 2 and not stale.exists()
 
     out = local / "issue11" / "mad"
-    records = grid_module.run_grid(specs(), out, progress=False, resume=True, keep_run_dirs=True)
+    records = runner.run_grid(specs(), out, progress=False, resume=True, keep_run_dirs=True)
     for spec, record in zip(specs(), records):
         same_result(record, by_id[spec.run_id])
         for name, tensor in final_weights(straight_out, spec).items():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import deltaflow.lab.grid as grid_module
+import deltaflow.lab.runner as runner
 from deltaflow.cli import main
 from deltaflow.lab import Preset, expand_grid, get_preset, select_best
 from deltaflow.lab.presets import CORPUS_TRAIN_TOKENS, VARIANTS
@@ -260,7 +260,7 @@ def test_workers_are_spread_round_robin_over_the_gpus(monkeypatch):
     counter = mp.get_context("spawn").Value("i", 0)
     seen = []
     for _ in range(5):
-        grid_module._init_worker(1, counter, num_gpus=2)
+        runner._init_worker(1, counter, num_gpus=2)
         seen.append(os.environ["CUDA_VISIBLE_DEVICES"])
         del os.environ["CUDA_VISIBLE_DEVICES"]
     assert seen == ["0", "1", "0", "1", "0"]
@@ -268,11 +268,11 @@ def test_workers_are_spread_round_robin_over_the_gpus(monkeypatch):
     counter.value = 0
     for expected in ("2", "3", "2"):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-        grid_module._init_worker(1, counter, num_gpus=2)
+        runner._init_worker(1, counter, num_gpus=2)
         assert os.environ["CUDA_VISIBLE_DEVICES"] == expected
     # one GPU (or none): the environment is left alone
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
-    grid_module._init_worker(1, counter, num_gpus=1)
+    runner._init_worker(1, counter, num_gpus=1)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"
 
 
@@ -282,9 +282,9 @@ def test_run_grid_on_two_gpus_hands_each_worker_the_next_gpu(monkeypatch, tmp_pa
     preset = Preset("p", "", {"steps": 1}, {"c": {"task": "mqar"}}, ["linear"], [1e-3, 2e-3])
     preset.seeds = [0, 1]
     specs = expand_grid(preset, device="cuda")
-    assert grid_module.gpus_to_spread_over(specs) == 2
-    assert grid_module.gpus_to_spread_over(expand_grid(preset, device="cuda:1")) == 0
-    assert grid_module.gpus_to_spread_over(expand_grid(preset, device="cpu")) == 0
+    assert runner.gpus_to_spread_over(specs) == 2
+    assert runner.gpus_to_spread_over(expand_grid(preset, device="cuda:1")) == 0
+    assert runner.gpus_to_spread_over(expand_grid(preset, device="cpu")) == 0
 
     made = {}
 
@@ -312,7 +312,7 @@ def test_run_grid_on_two_gpus_hands_each_worker_the_next_gpu(monkeypatch, tmp_pa
 
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", InlinePool)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    records = grid_module.run_grid(specs, tmp_path, progress=False, jobs=4)
+    records = runner.run_grid(specs, tmp_path, progress=False, jobs=4)
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     assert made["max_workers"] == 4 and made["initargs"][2] == 2
     assert sorted(r["gpu"] for r in records) == ["0", "0", "1", "1"]

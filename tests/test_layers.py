@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -155,7 +156,8 @@ def test_decode_state_contents():
 
 
 def test_delta_attention_matches_explicit_parametrization():
-    """Rebuild q, k, v, β, α by hand from DESIGN.md §4 and compare with the layer (efla: raw k)."""
+    """Rebuild q, k, v, β, α by hand from docs/design.md §4 and compare with the layer
+    (efla: raw k)."""
     layer = DeltaAttention(
         24, num_heads=2, head_dim=6, expand_v=2.0, num_v_heads=4, rule="efla", use_decay=True,
         beta_activation="softplus", backend="torch",
@@ -187,6 +189,22 @@ def test_default_qk_norm_per_rule():
     assert not hasattr(DeltaAttention(16, 2, rule="kaczmarz"), "b_proj")
     assert hasattr(DeltaAttention(16, 2, rule="delta"), "b_proj")
     assert set(RULES) >= set(ALL_RULES)
+
+
+def test_layer_lets_the_op_choose_the_chunk_size(monkeypatch):
+    # DeltaAttention(chunk_size=None) must not override the op's measured CPU default (32).
+    op = importlib.import_module("deltaflow.ops.delta_rule")  # the module, not the function
+    seen = []
+    real = op.chunk_delta_rule
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["chunk_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(op, "chunk_delta_rule", spy)
+    DeltaAttention(32, num_heads=2, backend="torch")(torch.randn(1, 9, 32))
+    DeltaAttention(32, num_heads=2, backend="torch", chunk_size=8)(torch.randn(1, 9, 32))
+    assert seen == [op.CPU_CHUNK_SIZE, 8]
 
 
 def test_decay_init_ranges():

@@ -59,7 +59,7 @@ def _run(variant, seed, lr, ppl, status="ok"):
 
 
 def test_claims_script_pairs_at_each_variants_best_lr(tmp_path, monkeypatch):
-    script = load_script("results/paired_claims.py")
+    script = load_script("experiments/paired_claims.py")
     runs = [
         *[_run("efla", s, 1e-3, 120.0 + s) for s in range(3)],
         *[_run("efla", s, 3e-3, 150.0) for s in range(3)],  # a worse lr: not the one paired
@@ -69,7 +69,7 @@ def test_claims_script_pairs_at_each_variants_best_lr(tmp_path, monkeypatch):
     folder = tmp_path / "lm_corpus_1pass"
     folder.mkdir()
     (folder / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
-    monkeypatch.setattr(script, "HERE", tmp_path)
+    monkeypatch.setattr(script, "RESULTS", tmp_path)
     claim = script.Claim("4-GPU", "efla", "deltanet", **script.ONE_PASS)
     monkeypatch.setattr(script, "CLAIMS", [claim])
     d = script.measure(claim)

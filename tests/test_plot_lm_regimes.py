@@ -1,4 +1,5 @@
-"""results/plot_lm_regimes.py draws both regimes from runs.jsonl files, skipping unfinished runs."""
+"""experiments/plot_lm_regimes.py draws both regimes from runs.jsonl files, skipping unfinished
+runs."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ def _write_runs(folder, runs):
 
 
 def test_plot_lm_regimes(tmp_path, monkeypatch):
-    script = load_script("results/plot_lm_regimes.py")
+    script = load_script("experiments/plot_lm_regimes.py")
     ok = {"status": "ok"}
     _write_runs(
         tmp_path / "lm_corpus_1pass",
@@ -28,7 +29,7 @@ def test_plot_lm_regimes(tmp_path, monkeypatch):
     _write_runs(
         tmp_path / "lm_corpus_50m", [{**ok, "variant": "deltanet", "eval": {"ppl@512": 105.0}}]
     )
-    monkeypatch.setattr(script, "HERE", tmp_path)
+    monkeypatch.setattr(script, "RESULTS", tmp_path)
     assert script.load("lm_corpus_1pass") == {"deltanet": [133.0, 134.0], "gated_deltanet": [121.0]}
     script.main()
     png = tmp_path / "lm_regimes.png"

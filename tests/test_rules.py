@@ -1,4 +1,4 @@
-"""Each rule's defining property, checked on the op's output (DESIGN.md §2)."""
+"""Each rule's defining property, checked on the op's output (docs/design.md §2)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ EPS = 1e-6
 
 
 def mu_closed_form(rule: str, beta: float, lam: float) -> float:
-    """μ along k, written from the DESIGN.md table independently of deltaflow.rules."""
+    """μ along k, written from the docs/design.md table independently of deltaflow.rules."""
     h = beta * lam
     return {
         "linear": 1.0,
@@ -159,7 +159,8 @@ def test_rule_lookup_errors():
 
 
 def test_all_rules_keep_mu_in_range_for_any_key_norm():
-    # The claim of DESIGN.md §2: efla, longhorn, trapezoid, kaczmarz keep μ in [−1, 1] for any λ.
+    # The claim of docs/design.md §2: efla, longhorn, trapezoid, kaczmarz keep μ in [−1, 1] for
+    # any λ.
     lam = torch.logspace(-4, 4, 200, dtype=torch.float64)
     beta = torch.full_like(lam, 0.9)
     for rule in ("efla", "longhorn", "trapezoid", "kaczmarz", "relaxed_kaczmarz"):

@@ -201,3 +201,16 @@ def test_custom_op_registration():
     torch.library.opcheck(
         triton_backend.chunk_fwd_op, args, test_utils=("test_schema", "test_faketensor")
     )
+
+
+def test_chunk_size_is_refused_not_ignored():
+    # The kernels compute in chunks of 64 tokens: another chunk_size is an error, never ignored.
+    inputs = on_device(make_inputs(1, 20, 2, 16, 16, rule="delta", dtype=torch.float32))
+    with pytest.raises(ValueError, match="chunks of 64 tokens, got chunk_size=32"):
+        delta_rule(**inputs, backend="triton", chunk_size=32)
+    o, _ = delta_rule(**inputs, backend="triton", chunk_size=64)
+    o_ref, _ = delta_rule(**inputs, backend="reference")
+    assert rel_err(o, o_ref) <= 1e-4
+    args = [inputs[n] for n in NAMES] + [None, 1, False, 1e-6, 0.25, 16]
+    with pytest.raises(ValueError, match="chunk_size=16"):
+        triton_backend.chunk_fwd_op(*args)

@@ -231,7 +231,7 @@ def _mad(task: str) -> dict[str, Any]:
 # over lr {1e-4, 5e-4, 1e-3} x weight decay {0, 0.1}, the best test accuracy per task. MAD
 # trains 200 epochs of batch 128: 20,000 steps on 12,800 examples, but 400 on memorize's 256;
 # this preset trains 2000 steps for every task (20 epochs; memorize 1000 epochs, 5x MAD's
-# steps). The DeltaNet paper's MAD numbers (DESIGN.md section 6) are MAD scores: the mean over
+# steps). The DeltaNet paper's MAD numbers (docs/design.md §6) are MAD scores: the mean over
 # each task's baseline and its harder variants (longer sequences, larger vocabularies, fewer
 # examples, more noise); this preset runs the baseline setting only, and its compress is an
 # easier causal-LM form (docs/tasks.md lists every difference from mad-lab's protocol).
@@ -363,7 +363,7 @@ LM_CORPUS_50M = Preset(
     higher_is_better=False,
     contrast=("efla", "deltanet"),  # the EFLA paper's claim, per seed
     expect=(
-        "compare ranks, not values (DESIGN.md section 6): EFLA below DeltaNet, gated EFLA "
+        "compare ranks, not values (docs/design.md §6): EFLA below DeltaNet, gated EFLA "
         "below Gated DeltaNet; Kaczmarz > Longhorn > relaxed Kaczmarz ~ Gated DeltaNet; "
         "relaxed Kaczmarz with q-norm <= without; recurrent models hold perplexity at 2x "
         "length, the Transformer (RoPE) degrades."

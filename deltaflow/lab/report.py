@@ -1,12 +1,17 @@
-"""Markdown results tables from the rows of :func:`deltaflow.lab.compare.select_best`."""
+"""The report of a comparison: markdown tables from the rows of
+:func:`deltaflow.lab.select.select_best`, the per-seed margin line, the lines that say what ran,
+and the note on unfinished runs."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
+from deltaflow.lab.grid import RunSpec
 from deltaflow.lab.paired import paired_difference
-from deltaflow.lab.presets import Preset
+from deltaflow.lab.presets import VARIANTS, Preset
 
 
 def _fmt(value: float | None, std: float = 0.0) -> str:
@@ -172,3 +177,91 @@ def markdown_report(
     lines += [f"![{p}]({p})" for p in plots]
     lines += ["", "Reproduce:", "", "```", command, "```", ""]
     return "\n".join(lines)
+
+
+def run_details(
+    preset: Preset,
+    specs: list[RunSpec],
+    records: list[dict[str, Any]],
+    finished: list[dict[str, Any]],
+    *,
+    train: bool,
+    seconds: float,
+) -> list[str]:
+    """The report's lines on what ran: each cell's task (after --set overrides), the shared
+    model and training settings, the runs and minutes, train vs validation loss, peak GPU
+    memory, and the unfinished runs' ids (up to 20)."""
+    details = []
+    for cell in preset.cells:  # what actually ran (after --set overrides), self-describing
+        cfg = next(s.config for s in specs if s.cell == cell)
+        kwargs = {k: v for k, v in cfg.task_kwargs.items() if k != "seed"}
+        details.append(f"cell `{cell}`: task `{cfg.task}` {json.dumps(kwargs)}")
+    if specs:
+        cfg = specs[0].config
+        skip = set(VARIANTS[specs[0].variant]) | ({"hidden_size"} if preset.widths else set())
+        model = {k: v for k, v in cfg.model.items() if k not in skip}
+        details.append(
+            f"shared model args {json.dumps(model)}; batch {cfg.batch_size}, warmup "
+            f"{cfg.resolved_warmup_steps}, weight decay "
+            f"{preset.weight_decays if preset.weight_decays else cfg.weight_decay}, "
+            f"grad clip {cfg.grad_clip}"
+        )
+    unfinished = [r for r in records if r["status"] == "partial"]
+    run_seconds = sum(r.get("seconds", 0.0) for r in records if r["status"] != "partial")
+    details.append(
+        f"{len(records) - len(unfinished)} finished runs, {run_seconds / 60:.1f} run-minutes "
+        + (
+            f"in total; this invocation took {seconds / 60:.1f} min wall"
+            if train
+            else "in total (report only: this invocation trained nothing)"
+        )
+    )
+    # a large gap between the two says the models memorise their training data
+    pairs = [
+        (r["train_loss"], r["eval"]["loss"])
+        for r in finished
+        if r["status"] == "ok" and r.get("train_loss") is not None and "loss" in r.get("eval", {})
+    ]
+    if pairs:
+        train_losses, valid_losses = zip(*pairs)
+        details.append(
+            f"last logged training loss {min(train_losses):.3f}-{max(train_losses):.3f} vs "
+            f"validation loss {min(valid_losses):.3f}-{max(valid_losses):.3f} (all finished runs)"
+        )
+    peaks = [r["peak_gpu_memory_gib"] for r in records if r.get("peak_gpu_memory_gib")]
+    if peaks:
+        details.append(f"peak GPU memory per run {min(peaks):.2f}-{max(peaks):.2f} GiB")
+    if unfinished and len(unfinished) <= 20:
+        details.append("unfinished: " + ", ".join(r["id"] for r in unfinished))
+    return details
+
+
+def pending_note(
+    records: list[dict[str, Any]],
+    incomplete: set[tuple],
+    *,
+    train: bool,
+    command: str,
+    runs_dir: Path,
+) -> str:
+    """What the report says about unfinished runs and the command that continues them ("" when
+    every run finished). ``incomplete``: the (variant, cell, width) keys missing runs."""
+    unfinished = [r for r in records if r["status"] == "partial"]
+    if not unfinished:
+        return ""
+    again = command if " --resume" in f"{command} " else f"{command} --resume"
+    if train:
+        return (
+            f"**{len(unfinished)} of {len(records)} runs unfinished** (time limit reached; "
+            f"{len(incomplete)} cells left out of the table; runs stopped in flight have "
+            f"checkpoints in {runs_dir}). To continue, run the same command with --resume"
+            + (f":\n\n    {again}" if command else ".")
+        )
+    # a report of a grid that is still being trained, command by command
+    return (
+        f"**{len(unfinished)} of {len(records)} runs not trained yet**: a value marked "
+        "* is the best of its cell's runs finished so far, not of the whole sweep "
+        f"({len(incomplete)} cells incomplete; `runs_finished` in summary.json). To "
+        "train the rest, run the command without --report-only, with --resume"
+        + (f":\n\n    {again.replace(' --report-only', '')}" if command else ".")
+    )

@@ -155,6 +155,24 @@ def causal_conv_silu(
     cu_seqlens: torch.Tensor | None = None,
     activation: str | None = "silu",
 ) -> torch.Tensor:
+    """Causal depthwise conv + activation over x ``[B, T, C]``, weight ``[C, W]``: the tap sum
+    below under ``torch.compile`` (it fuses there), aten's ``conv1d`` in eager mode (one
+    kernel instead of W products in float32)."""
+    if cu_seqlens is not None or torch.compiler.is_compiling():
+        return causal_conv_taps(x, weight, cu_seqlens, activation)
+    W = weight.shape[-1]
+    xt = F.pad(x.transpose(1, 2), (W - 1, 0))  # [B, C, W-1+T], zeros before the sequence
+    y = F.conv1d(xt, weight.to(x.dtype)[:, None], None, groups=x.shape[-1])
+    y = F.silu(y) if activation == "silu" else y
+    return y.transpose(1, 2)
+
+
+def causal_conv_taps(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> torch.Tensor:
     """``act(sum_j w[:, j] x_{t-W+1+j})`` over x ``[B, T, C]`` with weight ``[C, W]``, as a sum
     of W shifted products accumulated in float32 (float64 for float64 inputs).
 

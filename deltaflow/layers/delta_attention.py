@@ -1,6 +1,6 @@
 """DeltaAttention: the token mixer of DeltaNet, Gated DeltaNet, EFLA, Longhorn, Kaczmarz, ...
 
-One layer for every step rule (DESIGN.md §4):
+One layer for every step rule (docs/design.md §4):
 
     q, k, v = SiLU(ShortConv(W_q x)), SiLU(ShortConv(W_k x)), SiLU(ShortConv(W_v x))
     q, k    = L2-normalized where the rule asks (per-rule defaults below)
@@ -20,9 +20,7 @@ incremental decoding with a state dict holding the recurrent state and conv wind
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -32,23 +30,19 @@ from deltaflow.layers.conv import ShortConvolution, causal_conv_silu
 from deltaflow.layers.heads import resolve_head_dim
 from deltaflow.layers.mask import padding_as_identity_steps, prepare_mixer_inputs, zero_padding
 from deltaflow.layers.norm import RMSNorm, l2_normalize
-from deltaflow.ops import checks as op_checks
 from deltaflow.ops import delta_rule, delta_rule_step
-from deltaflow.rules import get_rule
+from deltaflow.rules import QK_NORMS, StepRule, get_rule
 
-QK_NORMS = ("l2", "none")
 BETA_ACTIVATIONS = ("sigmoid", "softplus")
-# DESIGN.md §4: delta/linear normalize k; the other rules keep ‖k‖ (q is L2-normalized by default).
-_RAW_K_RULES = ("efla", "longhorn", "trapezoid", "kaczmarz", "relaxed_kaczmarz")
 
 
-def default_qk_norm(rule: str) -> tuple[str, str]:
-    """Per-rule default (q_norm, k_norm)."""
-    return ("l2", "none") if rule in _RAW_K_RULES else ("l2", "l2")
+def default_qk_norm(rule: str | StepRule) -> tuple[str, str]:
+    """Per-rule default (q_norm, k_norm): what the rule declares (``StepRule.qk_norm``)."""
+    return get_rule(rule).qk_norm
 
 
 def resolve_qk_norm(
-    rule: str, qk_norm: str | tuple[str, str] | list[str] | None
+    rule: str | StepRule, qk_norm: str | tuple[str, str] | list[str] | None
 ) -> tuple[str, str]:
     """``None`` -> the rule's default; a string applies to both q and k; a pair is (q, k)."""
     if qk_norm is None:
@@ -60,21 +54,6 @@ def resolve_qk_norm(
             f"got {qk_norm!r}"
         )
     return pair  # type: ignore[return-value]
-
-
-@contextlib.contextmanager
-def _trusted_values() -> Iterator[None]:
-    """Skip delta_rule's host-side value checks (β >= 0, log α <= 0) for inputs that satisfy
-    them by construction; restores the global setting afterwards."""
-    previous = op_checks._VALUE_CHECKS
-    if torch.compiler.is_compiling():  # the checks are already off while compiling
-        yield
-        return
-    op_checks.set_value_checks(False)
-    try:
-        yield
-    finally:
-        op_checks.set_value_checks(previous)
 
 
 class DeltaAttention(nn.Module):
@@ -96,13 +75,18 @@ class DeltaAttention(nn.Module):
         use_short_conv, conv_size: causal depthwise conv (SiLU) on q, k, v.
         use_output_gate: ``RMSNorm(o) ⊙ SiLU(W_g x)`` before the output projection.
         norm_eps: RMSNorm epsilon. eps: Kaczmarz regularizer ``1/(λ + eps)``.
-        chunk_size, backend: forwarded to :func:`deltaflow.delta_rule`.
+        chunk_size, backend: forwarded to :func:`deltaflow.delta_rule` (``chunk_size=None``
+            lets the op choose: 32 on CPU, the Triton kernels' 64 on GPU).
         layer_idx: index in a model (only used in messages).
         fused_projections: compute all input projections as one GEMM and the q/k/v short
             convolutions as one tap-sum over their concatenated channels (same parameters,
             same math; fuses under ``torch.compile``). ``None``: on CUDA inputs only, so the
             CPU path stays the op-by-op one.
     """
+
+    # Set by deltaflow.parallel.enable_context_parallel: the layer then runs on one segment of
+    # each sequence (conv halos and recurrent state exchanged with the other ranks).
+    context_parallel = None
 
     def __init__(
         self,
@@ -122,7 +106,7 @@ class DeltaAttention(nn.Module):
         use_output_gate: bool = True,
         norm_eps: float = 1e-5,
         eps: float = 1e-6,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         backend: str = "auto",
         layer_idx: int | None = None,
         fused_projections: bool | None = None,
@@ -152,7 +136,7 @@ class DeltaAttention(nn.Module):
             )
         if use_short_conv and conv_size < 1:
             raise ValueError(f"conv_size must be >= 1, got {conv_size}")
-        if chunk_size <= 0 or chunk_size & (chunk_size - 1):
+        if chunk_size is not None and (chunk_size <= 0 or chunk_size & (chunk_size - 1)):
             raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size}")
         if backend not in ("auto", "reference", "torch", "triton"):
             raise ValueError(
@@ -171,7 +155,7 @@ class DeltaAttention(nn.Module):
         self.use_decay = use_decay
         self.negative_eigenvalues = negative_eigenvalues
         self.beta_activation = beta_activation
-        self.q_norm, self.k_norm = resolve_qk_norm(self.rule, qk_norm)
+        self.q_norm, self.k_norm = resolve_qk_norm(self.step_rule, qk_norm)
         self.use_short_conv = use_short_conv
         self.conv_size = conv_size
         self.use_output_gate = use_output_gate
@@ -225,6 +209,11 @@ class DeltaAttention(nn.Module):
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
         return A_log, dt_bias
 
+    def _active_context_parallel(self):
+        """The :class:`deltaflow.parallel.ContextParallel` this layer runs under, or None."""
+        cp = self.context_parallel
+        return cp if cp is not None and cp.enabled else None
+
     def _fused_inputs(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
@@ -244,7 +233,8 @@ class DeltaAttention(nn.Module):
         head = out[..., :qkv_dim]  # q|k|v lead the output: convolve them as one tensor
         if self.use_short_conv:
             w = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])[:, 0]
-            head = causal_conv_silu(head, w, cu_seqlens)
+            cp = self._active_context_parallel()
+            head = causal_conv_silu(head, w, cu_seqlens) if cp is None else cp.conv_silu(head, w)
         else:
             head = F.silu(head)
         q, k, v = head.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -359,6 +349,9 @@ class DeltaAttention(nn.Module):
         )
         x = zero_padding(x, mask)  # a nan at a padded position must not reach real tokens
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
+        cp = self._active_context_parallel()
+        if cp is not None:
+            cp.check_call(mask, state, use_cache, cu_seqlens)
 
         fused = self.fused_projections
         if fused is None:
@@ -370,7 +363,9 @@ class DeltaAttention(nn.Module):
         else:
             g = None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-            if self.use_short_conv:
+            if self.use_short_conv and cp is not None:
+                q, k, v = cp.short_convs((self.q_conv, self.k_conv, self.v_conv), (q, k, v))
+            elif self.use_short_conv:
                 cu = cu_seqlens
                 q, new_state["conv_q"] = self.q_conv(q, mask, state.get("conv_q"), use_cache, cu)
                 k, new_state["conv_k"] = self.k_conv(k, mask, state.get("conv_k"), use_cache, cu)
@@ -399,24 +394,24 @@ class DeltaAttention(nn.Module):
                 eps=self.eps,
             )
         else:
-            # β >= 0 and log α <= 0 hold by construction: skip the op's host-side value
-            # checks (one GPU sync each, per layer and training step).
-            with _trusted_values():
-                o, S = delta_rule(
-                    q,
-                    k,
-                    v,
-                    beta,
-                    rule=self.step_rule,
-                    log_decay=log_decay,
-                    negative_eigenvalues=self.negative_eigenvalues,
-                    eps=self.eps,
-                    initial_state=S0,
-                    output_final_state=use_cache,
-                    cu_seqlens=cu_seqlens,
-                    chunk_size=self.chunk_size,
-                    backend=self.backend,
-                )
+            o, S = (delta_rule if cp is None else cp.delta_rule)(
+                q,
+                k,
+                v,
+                beta,
+                rule=self.step_rule,
+                log_decay=log_decay,
+                negative_eigenvalues=self.negative_eigenvalues,
+                eps=self.eps,
+                initial_state=S0,
+                output_final_state=use_cache,
+                cu_seqlens=cu_seqlens,
+                chunk_size=self.chunk_size,
+                backend=self.backend,
+                # β >= 0 and log α <= 0 hold by construction: skip the op's host-side value
+                # checks (one GPU sync each, per layer and training step).
+                check_values=False,
+            )
         if use_cache:
             new_state["recurrent_state"] = S
 

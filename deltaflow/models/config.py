@@ -26,7 +26,7 @@ class DeltaFlowConfig(PretrainedConfig):
     (key dim, default hidden_size // num_heads), ``expand_v`` / ``head_v_dim``, ``num_v_heads``,
     ``rule``, ``use_decay``, ``negative_eigenvalues``, ``beta_activation``, ``qk_norm`` (None =
     rule default, 'l2' | 'none', or [q, k]), ``use_short_conv``, ``conv_size``,
-    ``use_output_gate``, ``eps``, ``chunk_size``, ``backend``.
+    ``use_output_gate``, ``eps``, ``chunk_size`` (None: the op chooses), ``backend``.
 
     Mixer per layer: ``mixer_types`` (list of 'delta' | 'attention' | 'sliding_attention'; the
     argument ``layer_types`` is an alias, stored as ``mixer_types`` because transformers 5
@@ -71,7 +71,7 @@ class DeltaFlowConfig(PretrainedConfig):
         conv_size: int = 4,
         use_output_gate: bool = True,
         eps: float = 1e-6,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
         backend: str = "auto",
         mixer_types: list[str] | None = None,
         layer_types: list[str] | None = None,
@@ -206,9 +206,9 @@ class DeltaFlowConfig(PretrainedConfig):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "chunk_size"):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
             positive_int(name)
-        for name in ("head_dim", "head_v_dim", "num_v_heads", "intermediate_size"):
+        for name in ("head_dim", "head_v_dim", "num_v_heads", "intermediate_size", "chunk_size"):
             positive_int(name, allow_none=True)
         for name in ("attn_num_heads", "attn_num_kv_heads", "attn_head_dim", "sliding_window"):
             positive_int(name, allow_none=True)
@@ -238,7 +238,7 @@ class DeltaFlowConfig(PretrainedConfig):
             )
         if self.use_short_conv:
             positive_int("conv_size")
-        if self.chunk_size & (self.chunk_size - 1):
+        if self.chunk_size is not None and self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
         if self.backend not in ("auto", "reference", "torch", "triton"):
             raise ValueError(

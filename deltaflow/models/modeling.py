@@ -34,6 +34,7 @@ from deltaflow.layers.norm import RMSNorm
 from deltaflow.layers.softmax_attention import SoftmaxAttention
 from deltaflow.models.config import DeltaFlowConfig
 from deltaflow.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from deltaflow.ops.delta_rule import TRITON_CHUNK_SIZE
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
@@ -147,12 +148,12 @@ def _selective(fn: Any, *args: Any) -> Any:
 class DeltaFlowBlock(nn.Module):
     """Pre-norm residual block: mixer then SwiGLU MLP.
 
-    ``selective_checkpointing`` (set by :func:`deltaflow.models.compile.compile_blocks`):
-    the mixer and the MLP each keep only their matmul and sequence-mixer outputs for backward
-    and recompute the elementwise glue, which under ``torch.compile`` fuses into the backward
-    kernels (benchmarks/NOTES.md: bytes saved per token per layer)."""
+    ``selective_checkpointing`` (set by :func:`deltaflow.models.compile.compile_blocks`): the
+    parts named there ('mixer', 'mlp') keep only their matmul and sequence-mixer outputs for
+    backward and recompute the elementwise glue, which under ``torch.compile`` fuses into the
+    backward kernels (benchmarks/NOTES.md: bytes saved per token per layer)."""
 
-    selective_checkpointing: bool = False
+    selective_checkpointing: tuple[str, ...] = ()
 
     def __init__(self, config: DeltaFlowConfig, layer_idx: int) -> None:
         super().__init__()
@@ -170,11 +171,14 @@ class DeltaFlowBlock(nn.Module):
         use_cache: bool = False,
         cu_seqlens: torch.Tensor | None = None,  # checked offsets from prepare_cu_seqlens
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        if self.selective_checkpointing and self.training and torch.is_grad_enabled():
-            if state is not None or use_cache:
-                raise ValueError("selective checkpointing is for training: no state or cache")
-            h = h + _selective(self._mix, h, attention_mask, cu_seqlens)
-            return h + _selective(self._mlp, h), None
+        parts = self.selective_checkpointing
+        if parts and self.training and torch.is_grad_enabled() and not use_cache:
+            if state is not None:
+                raise ValueError("selective checkpointing is for training: no recurrent state")
+            mix = _selective if "mixer" in parts else (lambda fn, *args: fn(*args))
+            mlp = _selective if "mlp" in parts else (lambda fn, *args: fn(*args))
+            h = h + mix(self._mix, h, attention_mask, cu_seqlens)
+            return h + mlp(self._mlp, h), None
         o, state = self.mixer(
             self.mixer_norm(h),
             attention_mask,
@@ -695,7 +699,7 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             elif isinstance(m, ShortConvolution):
                 flops += 2 * m.channels * m.kernel_size
             elif isinstance(m, DeltaAttention):
-                C = min(m.chunk_size, seq_len)
+                C = min(m.chunk_size or TRITON_CHUNK_SIZE, seq_len)  # None: the op's choice
                 Dk, Dv = m.head_dim, m.head_v_dim
                 flops += m.num_v_heads * (6 * Dk * Dv + 3 * C * Dk + 2 * C * Dv + C * C / 3)
             elif isinstance(m, SoftmaxAttention):

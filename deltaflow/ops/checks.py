@@ -24,22 +24,12 @@ def _check_tensor(name: str, t: object, rank: int, layout: str) -> Tensor:
     return t
 
 
-# Value checks (beta finite and >= 0, log_decay finite and <= 0, cu_seqlens offsets) read
-# tensors on the host: on a GPU that is one synchronization per checked tensor. They are on by
-# default; training loops that have validated their inputs can switch them off with
-# set_value_checks(False).
-_VALUE_CHECKS = True
-
-
-def set_value_checks(enabled: bool) -> None:
-    """Turn the host-side value checks of ``delta_rule`` on or off (shape checks always run)."""
-    global _VALUE_CHECKS
-    _VALUE_CHECKS = bool(enabled)
-
-
-def _values_checkable(t: Tensor) -> bool:
-    """Value checks read the tensor on the host; skip them where a sync is not allowed."""
-    if not _VALUE_CHECKS or torch.compiler.is_compiling():
+def _values_checkable(t: Tensor, check_values: bool) -> bool:
+    """Value checks (beta finite and >= 0, log_decay finite and <= 0, cu_seqlens offsets) read
+    the tensor on the host: on a GPU one synchronization per checked tensor. They run unless
+    the caller says its inputs satisfy them (``check_values=False``) or a sync is not allowed
+    (compiling, CUDA-graph capture)."""
+    if not check_values or torch.compiler.is_compiling():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
@@ -60,14 +50,16 @@ def check_inputs(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    *,
     beta: Tensor | None,
     rule: StepRule,
     log_decay: Tensor | None,
     initial_state: Tensor | None,
     cu_seqlens: Tensor | None,
-    chunk_size: int,
+    chunk_size: int | None,
     backend: str,
     eps: float,
+    check_values: bool = True,
 ) -> None:
     """Raise ``ValueError``/``TypeError`` naming the argument for any malformed input."""
     _check_tensor("q", q, 4, "[B, T, H, Dk]")
@@ -103,7 +95,9 @@ def check_inputs(
                 f"beta must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(beta)}"
             )
         # one host sync on the happy path; `beta >= 0` alone would let NaN (and +inf) through
-        if _values_checkable(beta) and not bool((torch.isfinite(beta) & (beta >= 0)).all()):
+        if _values_checkable(beta, check_values) and not bool(
+            (torch.isfinite(beta) & (beta >= 0)).all()
+        ):
             _raise_not_finite("beta", beta)
             raise ValueError(f"beta must be >= 0 (a step size), got min {beta.min().item():.4g}")
 
@@ -113,7 +107,7 @@ def check_inputs(
             raise ValueError(
                 f"log_decay must have shape [B, T, H] = [{B}, {T}, {H}], got {_shape(log_decay)}"
             )
-        if _values_checkable(log_decay) and not bool(
+        if _values_checkable(log_decay, check_values) and not bool(
             (torch.isfinite(log_decay) & (log_decay <= 0)).all()
         ):
             _raise_not_finite(
@@ -134,7 +128,7 @@ def check_inputs(
             raise ValueError(f"cu_seqlens requires B == 1 (sequences packed along T), got B={B}")
         if cu_seqlens.numel() < 2:
             raise ValueError("cu_seqlens must hold at least 2 offsets [0, ..., T]")
-        if _values_checkable(cu_seqlens):
+        if _values_checkable(cu_seqlens, check_values):
             offsets = cu_seqlens.tolist()
             if offsets[0] != 0:
                 raise ValueError(f"cu_seqlens must start at 0, got {offsets[0]}")
@@ -152,7 +146,7 @@ def check_inputs(
         if tuple(initial_state.shape) != (n_states, H, Dk, Dv):
             raise ValueError(f"initial_state must have shape {layout}, got {_shape(initial_state)}")
 
-    if (
+    if chunk_size is not None and (
         isinstance(chunk_size, bool)
         or not isinstance(chunk_size, int)
         or chunk_size <= 0

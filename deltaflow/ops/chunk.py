@@ -1,4 +1,5 @@
-"""The chunked PyTorch backend: DESIGN.md §3 (UT transform with separate erase/write strengths).
+"""The chunked PyTorch backend: docs/design.md §3 (the UT transform with separate erase and write
+strengths) and §7 (its backward, written out by hand).
 
 Inside a chunk of ``C`` tokens every token writes ``S_i = α_i S_{i−1} + k_i u_iᵀ``; solving for all
 ``u_i`` at once is one unit-lower-triangular system, so the only sequential work left is one
@@ -6,6 +7,15 @@ state update per chunk. Everything else is batched over batch, heads and chunks.
 
 Inputs arrive with the rule already applied (``a``, ``b``) and padded tokens made identity
 steps (``k = v = 0``, ``a = b = 0``, ``log_decay = 0``), so this file knows nothing of rules.
+
+Non-finite inputs stay causal. Every product over a chunk's tokens (``T X``, ``P U``) multiplies
+the masked-out future by exact zeros, and ``0 · NaN = NaN``: one NaN in ``k`` or ``v`` at token 20
+of a chunk would make tokens 0–19 NaN although the recurrence never lets them see it. So the
+chunked algorithm runs on finite copies (non-finite entries zeroed, fused into the copies that
+chunking makes anyway), and a per-token *poison*, 0 before a sequence's first non-finite
+``k``, ``v``, ``a``, ``b`` or ``log α`` and NaN from there on, is added to the outputs' row scale
+and to the final state. Outputs before that token are exactly those of finite inputs; from it on,
+every output and the final state are NaN (the reference may keep some value columns finite).
 """
 
 from __future__ import annotations
@@ -20,6 +30,11 @@ def _to_chunks(x: Tensor, n_chunks: int, chunk_size: int) -> Tensor:
     B, _, H = x.shape[:3]
     x = x.reshape(B, n_chunks, chunk_size, H, *x.shape[3:])
     return x.movedim(3, 1).contiguous()  # one copy here instead of one per matmul
+
+
+def _finite(x: Tensor) -> Tensor:
+    """``x`` with NaN and ±inf entries replaced by 0."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def unit_lower_inverse(A: Tensor) -> Tensor:
@@ -48,6 +63,7 @@ def chunk_delta_rule(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    *,
     a: Tensor,
     b: Tensor,
     log_decay: Tensor | None,
@@ -61,8 +77,9 @@ def chunk_delta_rule(
     C = chunk_size
     if initial_state is None:
         initial_state = q.new_zeros(B, H, Dk, Dv)
+    poison = non_finite_poison(k, v, a, b, log_decay)
     if not _needs_grad(q, k, v, a, b, log_decay, initial_state):
-        return _forward_only(q, k, v, a, b, log_decay, initial_state, scale, C)
+        return _forward_only(q, k, v, a, b, log_decay, initial_state, scale, C, poison)
     if log_decay is None:
         log_decay = torch.zeros_like(a)
     pad = (-T) % C
@@ -72,7 +89,24 @@ def chunk_delta_rule(
     N = (T + pad) // C
     chunks = [_to_chunks(x, N, C) for x in (q, k, v, a, b, log_decay)]  # [B, H, N, C, ...]
     o, state, *_ = ChunkedRecurrence.apply(*chunks, initial_state, scale)
-    return o.movedim(1, 3).reshape(B, N * C, H, Dv)[:, :T], state
+    o = o.movedim(1, 3).reshape(B, N * C, H, Dv)[:, :T] + poison[..., None]
+    return o, state + poison[:, -1, :, None, None]
+
+
+def non_finite_poison(
+    k: Tensor, v: Tensor, a: Tensor, b: Tensor, log_decay: Tensor | None
+) -> Tensor:
+    """``[B, T, H]``: 0 before the first token whose ``k``, ``v``, ``a``, ``b`` or ``log α`` holds a
+    NaN or ±inf, NaN from that token on (per batch row and head).
+
+    ``x · 0`` is 0 for finite ``x`` and NaN otherwise; a row sum is non-finite when any entry is
+    (or when it overflows, where the chunked products would overflow too). The cumulative sum
+    then carries the NaN forward in time, never backward."""
+    with torch.no_grad():
+        flags = k.sum(-1) + v.sum(-1) + a + b
+        if log_decay is not None:
+            flags = flags + log_decay
+        return (flags * 0).cumsum(1)
 
 
 def _needs_grad(*tensors: Tensor | None) -> bool:
@@ -82,14 +116,15 @@ def _needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _forward_only(q, k, v, a, b, log_decay, S, scale, C):
+def _forward_only(q, k, v, a, b, log_decay, S, scale, C, poison):
     """The forward of :func:`_forward` when no gradient is needed (inference, evaluation).
 
     Same equations, arranged for speed on CPU (benchmarks/NOTES.md, issue 10): chunk-major
     layout ``[N, B·H, C, D]`` so each step of the sequential loop reads contiguous blocks;
     nothing is kept for a backward; the states entering each chunk and the chunk's U are written
     side by side into one buffer, so the output is the single product ``[Γq | P]·[S₀; U]``;
-    without decay the decay matrix is just the causal mask.
+    without decay the decay matrix is just the causal mask. ``poison`` (see
+    :func:`non_finite_poison`) rides on the output's row scale and the final state.
     """
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
@@ -97,14 +132,24 @@ def _forward_only(q, k, v, a, b, log_decay, S, scale, C):
     pad = N * C - T
     BH = B * H
 
-    def chunks(x: Tensor) -> Tensor:  # [B, T, H, ...] -> [N, B·H, C, ...], zero-padded
+    def chunks(x: Tensor, finite: bool = True) -> Tensor:
+        """[B, T, H, ...] -> [N, B·H, C, ...], zero-padded; ``finite``: NaN, ±inf -> 0."""
         if pad:  # identity steps at the end: k = v = 0, a = b = 0, α = 1
             x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
         x = x.reshape(B, N, C, H, *x.shape[3:]).movedim(2, 3).transpose(0, 1)
-        # the one copy of each input (contiguous also when B == 1 would allow a strided view)
-        return x.reshape(N, BH, C, *x.shape[4:]).contiguous()
+        # the one copy of each input (contiguous also when B == 1 would allow a strided view);
+        # zeroing non-finite entries rides on that copy
+        out = x.new_empty(x.shape)
+        if finite:
+            torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=out)  # as _finite
+        else:
+            out.copy_(x)
+        return out.view(N, BH, C, *x.shape[4:])
 
-    q, k, v, a, b = (chunks(x) for x in (q, k, v, a, b))
+    q = chunks(q, finite=False)  # q is never summed over tokens: it needs no finite copy
+    k, v, a, b = (chunks(x) for x in (k, v, a, b))
+    state_poison = poison[:, -1].reshape(B, H, 1, 1)
+    poison = chunks(poison, finite=False)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     if log_decay is None:
         decay = causal.to(q.dtype)  # e^{γ_i − γ_j} = 1 for j ≤ i
@@ -143,13 +188,15 @@ def _forward_only(q, k, v, a, b, log_decay, S, scale, C):
             torch.mul(states[n], Gamma_C[n], out=states[n + 1])
             states[n + 1].baddbmm_(k_to_end[n].mT, U[n])
 
-    # (5) O = scale [diag(Γ) Q S_0 + ((Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}) U]: one GEMM, one GEMM-add
-    qG = q * scale if Gamma is None else q * (scale * Gamma[..., None])
+    # (5) O = scale [diag(Γ) Q S_0 + ((Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}) U]: one GEMM, one GEMM-add.
+    # The row scale carries the poison: + 0 before a non-finite input, + NaN from it on.
+    row_scale = scale + poison if Gamma is None else scale * Gamma + poison
+    qG = q * row_scale[..., None]
     P = (q @ k.mT).mul_(decay).mul_(scale)
     o = torch.bmm(qG.view(N * BH, C, Dk), states[:N].view(N * BH, Dk, Dv))
     o.baddbmm_(P.view(N * BH, C, C), U.view(N * BH, C, Dv))
     o = o.view(N, B, H, C, Dv).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, Dv)
-    return o[:, :T], states[N].reshape(B, H, Dk, Dv)
+    return o[:, :T], states[N].reshape(B, H, Dk, Dv) + state_poison
 
 
 def _unit_lower_inverse_inplace(A: Tensor) -> Tensor:
@@ -175,19 +222,24 @@ class ChunkedRecurrence(torch.autograd.Function):
 
     New-style (``setup_context``) so that torch.func transforms work through it; the saved
     intermediates leave ``forward`` as extra, non-differentiable outputs.
+
+    ``k, v, a, b, log α`` are used with their non-finite entries zeroed (the module docstring
+    says why); the backward treats that replacement as the identity, so it costs one cheap pass
+    per input in the forward and nothing in the backward.
     """
 
     @staticmethod
     def forward(q, k, v, a, b, log_decay, initial_state, scale):
+        k, v, a, b, log_decay = (_finite(x) for x in (k, v, a, b, log_decay))
         o, state, saved = _forward(q, k, v, a, b, log_decay, initial_state, scale)
-        return (o, state, *saved)
+        return (o, state, k, v, a, b, *saved)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, a, b, _, _, scale = inputs
-        _, _, *saved = output
+        q, *_, scale = inputs
+        _, _, *saved = output  # the finite k, v, a, b, then _forward's intermediates
         ctx.mark_non_differentiable(*saved)
-        ctx.save_for_backward(q, k, v, a, b, *saved)
+        ctx.save_for_backward(q, *saved)
         ctx.scale = scale
 
     @staticmethod

@@ -12,9 +12,11 @@ from deltaflow.ops.chunk import chunk_delta_rule
 from deltaflow.ops.naive import recurrent_delta_rule
 from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_coefficients
 
-# The CPU default chunk: with the forward-only path, 32-token chunks beat 64 by ~15% at
-# B=1, T=4096, H=4, D=64 (less C×C work per token; the loop's extra steps are cheap on CPU).
+# The torch backend's default chunk on CPU: with the forward-only path, 32-token chunks beat 64
+# by ~15% at B=1, T=4096, H=4, D=64 (less C×C work per token; the loop's extra steps are cheap
+# on CPU). Elsewhere 64, the Triton kernels' one chunk length (ops/triton/common.py CHUNK).
 CPU_CHUNK_SIZE = 32
+TRITON_CHUNK_SIZE = 64
 
 
 def _triton_backend():
@@ -26,11 +28,13 @@ def _triton_backend():
     return triton_backend if triton_backend.available() else None
 
 
-def resolve_backend(backend: str, q: Tensor, rule: StepRule) -> str:
-    """'auto' picks the fastest correct backend for the device."""
+def resolve_backend(backend: str, q: Tensor, rule: StepRule, chunk_size: int | None = None) -> str:
+    """'auto' picks the fastest correct backend for the device: Triton on CUDA for built-in
+    rules, unless ``chunk_size`` asks for a chunk length its kernels do not have."""
     if backend != "auto":
         return backend
-    if q.is_cuda and rule.builtin and _triton_backend() is not None:
+    triton_chunk = chunk_size is None or chunk_size == TRITON_CHUNK_SIZE
+    if q.is_cuda and rule.builtin and triton_chunk and _triton_backend() is not None:
         return "triton"
     return "torch"
 
@@ -51,8 +55,9 @@ def delta_rule(
     cu_seqlens: Tensor | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
+    check_values: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Delta-rule linear attention with a pluggable step rule (DESIGN.md §1–§3).
+    """Delta-rule linear attention with a pluggable step rule (docs/design.md §1–§3).
 
     ``S_t = α_t (I − a_t k_t k_tᵀ) S_{t−1} + b_t k_t v_tᵀ``, ``o_t = scale · S_tᵀ q_t``, where
     ``(a_t, b_t)`` come from ``rule`` applied to ``beta_t`` and ``λ_t = ‖k_t‖²`` (k is used as
@@ -70,20 +75,34 @@ def delta_rule(
         initial_state: ``[B, H, Dk, Dv]`` (``[N, H, Dk, Dv]`` with ``cu_seqlens``).
         output_final_state: also return the final state (float32, float64 for float64 inputs).
         cu_seqlens: int ``[N + 1]`` offsets of ``N`` sequences packed along T; requires B == 1.
-        chunk_size: tokens per chunk of the torch backend (positive power of two); it changes
-            speed, not the result. None: 32 on CPU (fastest there, benchmarks/NOTES.md), 64
-            elsewhere. The Triton kernels always use chunks of 64.
+        chunk_size: tokens per chunk (positive power of two); it changes speed, not the result.
+            None lets the backend choose: the torch backend takes 32 on CPU (fastest there,
+            benchmarks/NOTES.md) and 64 elsewhere; the Triton kernels compute in chunks of 64
+            only, so backend='triton' refuses any other value and 'auto' then picks 'torch'.
         backend: 'auto' | 'reference' | 'torch' | 'triton'.
+        check_values: check on the host that beta >= 0, log_decay <= 0 (both finite) and the
+            cu_seqlens offsets (one GPU sync per checked tensor). Callers whose inputs satisfy
+            them by construction (the layers: sigmoid/softplus gates) pass False; shape checks
+            always run.
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, H, Dv]`` in v's dtype; ``final_state`` is None
         unless ``output_final_state``.
     """
     step_rule = get_rule(rule)
-    if chunk_size is None:
-        chunk_size = CPU_CHUNK_SIZE if isinstance(q, Tensor) and q.device.type == "cpu" else 64
     check_inputs(
-        q, k, v, beta, step_rule, log_decay, initial_state, cu_seqlens, chunk_size, backend, eps
+        q,
+        k,
+        v,
+        beta=beta,
+        rule=step_rule,
+        log_decay=log_decay,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+        backend=backend,
+        eps=eps,
+        check_values=check_values,
     )
     if negative_eigenvalues and step_rule.name == "trapezoid":
         warnings.warn(
@@ -93,7 +112,7 @@ def delta_rule(
             stacklevel=2,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    backend = resolve_backend(backend, q, step_rule)
+    backend = resolve_backend(backend, q, step_rule, chunk_size)
     dtype = compute_dtype(q, k, v, beta, initial_state)
     if backend == "triton" and not step_rule.builtin:
         raise ValueError(
@@ -115,7 +134,7 @@ def delta_rule(
             k,
             v,
             beta,
-            rule=step_rule.name,
+            rule=step_rule,
             log_decay=log_decay,
             negative_eigenvalues=negative_eigenvalues,
             eps=eps,
@@ -126,37 +145,23 @@ def delta_rule(
             chunk_size=chunk_size,
         )
         return o, state
+    options = dict(
+        beta=beta,
+        rule=step_rule,
+        log_decay=log_decay,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        dtype=dtype,
+    )
     if backend == "reference":
-        o, state = _reference(
-            q,
-            k,
-            v,
-            beta,
-            step_rule,
-            log_decay,
-            negative_eigenvalues,
-            eps,
-            scale,
-            initial_state,
-            cu_seqlens,
-            dtype,
-        )
+        o, state = _reference(q, k, v, **options)
     else:
-        o, state = _torch_chunked(
-            q,
-            k,
-            v,
-            beta,
-            step_rule,
-            log_decay,
-            negative_eigenvalues,
-            eps,
-            scale,
-            initial_state,
-            cu_seqlens,
-            chunk_size,
-            dtype,
-        )
+        if chunk_size is None:
+            chunk_size = CPU_CHUNK_SIZE if q.device.type == "cpu" else TRITON_CHUNK_SIZE
+        o, state = _torch_chunked(q, k, v, chunk_size=chunk_size, **options)
     return o.to(v.dtype), (state if output_final_state else None)
 
 
@@ -181,18 +186,19 @@ def _empty(
 
 
 def _reference(
-    q,
-    k,
-    v,
-    beta,
-    rule,
-    log_decay,
-    negative_eigenvalues,
-    eps,
-    scale,
-    initial_state,
-    cu_seqlens,
-    dtype,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None,
+    rule: StepRule,
+    log_decay: Tensor | None,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     def run(sl: slice, s0: Tensor | None) -> tuple[Tensor, Tensor]:
         def pick(x: Tensor | None) -> Tensor | None:
@@ -226,19 +232,20 @@ def _reference(
 
 
 def _torch_chunked(
-    q,
-    k,
-    v,
-    beta,
-    rule,
-    log_decay,
-    negative_eigenvalues,
-    eps,
-    scale,
-    initial_state,
-    cu_seqlens,
-    chunk_size,
-    dtype,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None,
+    rule: StepRule,
+    log_decay: Tensor | None,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    chunk_size: int,
+    dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     lam = (k * k).sum(-1)  # λ = ‖k‖²
@@ -252,7 +259,9 @@ def _torch_chunked(
     g = None if log_decay is None else log_decay.to(dtype)
     s0 = None if initial_state is None else initial_state.to(dtype)
     if cu_seqlens is None:
-        return chunk_delta_rule(q, k, v, a, b, g, scale, s0, chunk_size)
+        return chunk_delta_rule(
+            q, k, v, a=a, b=b, log_decay=g, scale=scale, initial_state=s0, chunk_size=chunk_size
+        )
 
     # Varlen: pack the N sequences into a zero-padded [N, T_max] batch. Padding is appended at
     # each sequence's end as identity steps (k = v = 0, a = b = 0, log α = 0), so the final
@@ -273,6 +282,14 @@ def _torch_chunked(
         return torch.where(mask, x[0][index], torch.zeros((), dtype=x.dtype, device=x.device))
 
     o, state = chunk_delta_rule(
-        pack(q), pack(k), pack(v), pack(a), pack(b), pack(g), scale, s0, chunk_size
+        pack(q),
+        pack(k),
+        pack(v),
+        a=pack(a),
+        b=pack(b),
+        log_decay=pack(g),
+        scale=scale,
+        initial_state=s0,
+        chunk_size=chunk_size,
     )
     return o[valid].unsqueeze(0), state

@@ -1,4 +1,4 @@
-"""The reference backend: the recurrence of DESIGN.md §1, one token at a time.
+"""The reference backend: the recurrence of docs/design.md §1, one token at a time.
 
 This is the ground truth every other backend is tested against. It is slow on purpose: each
 line is one equation.
@@ -40,7 +40,7 @@ def recurrent_delta_rule(
         k_t, v_t, q_t = k[:, t], v[:, t], q[:, t]  # [B, H, D]
         a_t, b_t, alpha_t = a[:, t, :, None], b[:, t, :, None], alpha[:, t, :, None, None]
         kS = torch.einsum("bhk,bhkv->bhv", k_t, S)  # prediction for k_t: kᵀS
-        # S_t = α_t (I − a_t k kᵀ) S_{t−1} + b_t k vᵀ    (DESIGN.md §1)
+        # S_t = α_t (I − a_t k kᵀ) S_{t−1} + b_t k vᵀ    (docs/design.md §1)
         S = alpha_t * (S - torch.einsum("bhk,bhv->bhkv", k_t, a_t * kS)) + torch.einsum(
             "bhk,bhv->bhkv", k_t, b_t * v_t
         )

@@ -48,7 +48,7 @@ def delta_rule_step(
                 v,
                 beta,
                 state,
-                rule=step_rule.name,
+                rule=step_rule,
                 log_decay=log_decay,
                 negative_eigenvalues=negative_eigenvalues,
                 eps=eps,

@@ -1,10 +1,19 @@
-"""The Triton backend: launches the kernels of ``ops/triton/kernels.py`` behind ``torch.library``
-custom ops (with fake implementations and autograd), so ``torch.compile(fullgraph=True)`` traces
-through ``delta_rule`` without graph breaks.
+"""The Triton backend: the kernels of ``deltaflow/ops/triton/`` assembled into a forward, a
+fused backward and a decode step, behind ``torch.library`` custom ops (with fake
+implementations and autograd), so ``torch.compile(fullgraph=True)`` traces through
+``delta_rule`` without graph breaks. The algorithm and its equations: docs/design.md §3, §7.
 
-Backward: an opaque custom op recomputes the chunked PyTorch algorithm (``ops/chunk.py``) from
-the saved inputs and applies its hand-derived chunked backward through ``torch.func.vjp``. It is
-exact but not fused; a fused Triton backward is the next step (benchmarks/NOTES.md).
+Forward (two or three launches, chunks of ``CHUNK`` = 64 tokens):
+  prepare (``triton/prepare.py``) → the fused state pass with outputs (``triton/states.py``),
+  or, with fewer sequences × heads than the GPU has multiprocessors, a state pass with narrower
+  value blocks, then the per-chunk outputs (``triton/outputs.py``).
+Backward (five launches), recomputing rather than storing: prepare again (also storing T), the
+state pass, the reverse state-gradient pass (``triton/states.py``), then the per-chunk
+gradients (``triton/gradients.py``).
+Decode (one launch): ``triton/decode.py``.
+
+This module owns the buffers (so a checking script can NaN-poison every kernel output, see
+``POISON_OUTPUTS``); the launchers beside their kernels own grids and launch settings.
 """
 
 from __future__ import annotations
@@ -14,31 +23,30 @@ import os
 import torch
 from torch import Tensor
 
+from deltaflow.rules import StepRule, get_rule
+
 try:
     import triton
 
-    from deltaflow.ops.triton import backward, kernels
+    from deltaflow.ops.triton import rules as rule_table
+    from deltaflow.ops.triton import states  # launch settings read at call time (sweepable)
+    from deltaflow.ops.triton.common import CHUNK, ChunkTables, chunk_tables
+    from deltaflow.ops.triton.decode import launch_decode
+    from deltaflow.ops.triton.gradients import launch_gradients
+    from deltaflow.ops.triton.outputs import launch_outputs
+    from deltaflow.ops.triton.prepare import launch_prepare
+    from deltaflow.ops.triton.states import launch_dstates, launch_forward, launch_states
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
-    kernels = backward = None
-
-RULE_CODES = {
-    "linear": 0,
-    "delta": 1,
-    "efla": 2,
-    "longhorn": 3,
-    "trapezoid": 4,
-    "kaczmarz": 5,
-    "relaxed_kaczmarz": 6,
-}
-RULE_NAMES = {code: name for name, code in RULE_CODES.items()}
 
 # Checking scripts set this to fill outputs with NaN before each launch, so that any element a
 # kernel fails to write shows up as NaN instead of stale memory.
 POISON_OUTPUTS = False
+# "auto" | "fused" | "two_pass": which forward (see _use_two_pass); tests and sweeps pin it.
+FORWARD_MODE = "auto"
 
 
-def _output(*shape, like: Tensor, dtype: torch.dtype) -> Tensor:
+def _output(*shape: int, like: Tensor, dtype: torch.dtype) -> Tensor:
     if POISON_OUTPUTS:
         return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
     return torch.empty(shape, device=like.device, dtype=dtype)
@@ -53,106 +61,19 @@ def available() -> bool:
     return triton is not None and (torch.cuda.is_available() or interpreting())
 
 
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+def kernel_id_of(rule: str | StepRule) -> int:
+    """The Triton rule table's id for ``rule``, or a ValueError naming the rule."""
+    step_rule = get_rule(rule)
+    return rule_table.check_kernel_id(step_rule.kernel_id, step_rule.name)
 
 
-def _sequences(cu_seqlens: Tensor | None, B: int, T: int, C: int, device) -> tuple:
-    """Offsets of the sequences in the flattened [B·T] token axis, and their chunk tables."""
-    if cu_seqlens is None:
-        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
-        per_seq = torch.full((B,), triton.cdiv(T, C), device=device, dtype=torch.int32)
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int32)
-        per_seq = (cu[1:] - cu[:-1] + C - 1) // C
-    chunk_offsets = torch.zeros(per_seq.numel() + 1, device=device, dtype=torch.int32)
-    chunk_offsets[1:] = per_seq.cumsum(0)
-    # (sequence, chunk-in-sequence) for every chunk: the prepare kernel's grid.
-    n_chunks = B * triton.cdiv(T, C) if cu_seqlens is None else int(chunk_offsets[-1])
-    seq_of_chunk = torch.repeat_interleave(
-        torch.arange(per_seq.numel(), device=device, dtype=torch.int32),
-        per_seq.long(),
-        output_size=n_chunks,
-    )
-    chunk_in_seq = torch.arange(n_chunks, device=device, dtype=torch.int32) - chunk_offsets[
-        :-1
-    ].long()[seq_of_chunk.long()].to(torch.int32)
-    chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1).contiguous()
-    return cu, chunk_offsets, chunk_indices, n_chunks
-
-
-def _launch_prepare(k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, neg, eps, store_t):
-    """(3)–(4): W and Ũ laid out like k and v, and T = (I + A)^{-1} per chunk when asked."""
-    B, T, H, Dk = k.shape
-    Dv = v.shape[-1]
-    dot_dtype = k.dtype
-    # W = T diag(aΓ) K and Ũ = T diag(b) V (rows past a sequence's end are never written nor read)
-    w = _output(B, T, H, Dk, like=k, dtype=dot_dtype)
-    u = _output(B, T, H, Dv, like=k, dtype=dot_dtype)
-    t = _output(max(n_chunks, 1) if store_t else 1, H, 64, 64, like=k, dtype=torch.float32)
-    if n_chunks > 0:
-        kernels.chunk_prepare_kernel[(n_chunks, H)](
-            k,
-            v,
-            k if beta is None else beta,  # absent pointers are never read: the flags say so
-            k if log_decay is None else log_decay,
-            w,
-            u,
-            t,
-            cu,
-            chunk_indices,
-            eps,
-            H=H,
-            Dk=Dk,
-            Dv=Dv,
-            BK=_block(Dk),
-            BV=_block(Dv),
-            RULE=rule,
-            NEG=bool(neg),
-            HAS_BETA=beta is not None,
-            HAS_DECAY=log_decay is not None,
-            PREC=_precision(dot_dtype),
-            LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32,
-            STORE_T=store_t,
-            num_warps=PREPARE_WARPS,
+def _check_chunk_size(chunk_size: int | None) -> None:
+    if chunk_size is not None and chunk_size != CHUNK.value:
+        raise ValueError(
+            f"the Triton kernels compute in chunks of {CHUNK.value} tokens, got chunk_size="
+            f"{chunk_size}; pass chunk_size=None (or {CHUNK.value}), or backend='torch' for "
+            "another chunk length"
         )
-    return w, u, t
-
-
-def _precision(dot_dtype) -> str:
-    return "ieee" if dot_dtype == torch.float32 else "tf32"
-
-
-def _launch_states(k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, BV):
-    """(4), (6) sequentially per sequence: S_0 of every chunk (h), U = Ũ − W S_0, final state."""
-    B, T, H, Dk = k.shape
-    Dv = u.shape[-1]
-    h = _output(max(n_chunks, 1), H, Dk, Dv, like=k, dtype=k.dtype)
-    v_new = _output(B, T, H, Dv, like=k, dtype=k.dtype)
-    final_state = _output(N, H, Dk, Dv, like=k, dtype=torch.float32)
-    backward.chunk_states_kernel[(triton.cdiv(Dv, BV), N * H)](
-        k,
-        w,
-        u,
-        k if log_decay is None else log_decay,
-        k if s0 is None else s0,
-        h,
-        v_new,
-        final_state,
-        cu,
-        chunk_offsets,
-        H=H,
-        Dk=Dk,
-        Dv=Dv,
-        BK=_block(Dk),
-        BV=BV,
-        HAS_DECAY=log_decay is not None,
-        HAS_S0=s0 is not None,
-        PREC=_precision(k.dtype),
-        num_warps=STATES_WARPS,
-        num_stages=STATES_STAGES,
-    )
-    return h, v_new, final_state
 
 
 def _inputs(q, k, v, beta, log_decay, initial_state):
@@ -165,239 +86,264 @@ def _inputs(q, k, v, beta, log_decay, initial_state):
     return q, k, v, beta, log_decay, s0
 
 
-def _use_two_pass(N: int, H: int, Dv: int, device) -> bool:
-    """The fused sequential kernel runs N·H·(Dv/64) programs; with fewer than the GPU has
-    multiprocessors, split the state pass (more, narrower programs) from the output."""
+def _use_two_pass(N: int, H: int, Dv: int, device: torch.device) -> bool:
+    """The fused forward runs N·H·(Dv / its value block) programs; with fewer than the GPU has
+    multiprocessors, split the state pass (more, narrower programs) from the outputs."""
     if FORWARD_MODE != "auto":
         return FORWARD_MODE == "two_pass"
     if interpreting():
         return False
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return N * H * triton.cdiv(Dv, 64) < sms
+    return N * H * triton.cdiv(Dv, states.FUSED_BV) < sms
+
+
+def _prepare(
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    tables: ChunkTables,
+    kernel_id: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    store_t: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """(3)–(4): W and Ũ laid out like k and v, T per chunk when asked, and each chunk's first
+    non-finite token."""
+    B, T, H, Dk = k.shape
+    n = max(tables.n_chunks, 1)
+    w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
+    u = _output(B, T, H, v.shape[-1], like=k, dtype=k.dtype)
+    t = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=torch.float32) if store_t else None
+    first_bad = _output(n, H, like=k, dtype=torch.int32)
+    launch_prepare(
+        k,
+        v,
+        beta=beta,
+        log_decay=log_decay,
+        tables=tables,
+        kernel_id=kernel_id,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        w=w,
+        u=u,
+        t=t,
+        first_bad=first_bad,
+    )
+    return w, u, t, first_bad
+
+
+def _state_pass(
+    k: Tensor,
+    *,
+    w: Tensor,
+    u: Tensor,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    first_bad: Tensor,
+    tables: ChunkTables,
+    block_v: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(4), (6): the state entering every chunk (h), U (v_new) and the final state."""
+    B, T, H, Dk = k.shape
+    Dv = u.shape[-1]
+    N = tables.cu_seqlens.numel() - 1
+    h = _output(max(tables.n_chunks, 1), H, Dk, Dv, like=k, dtype=k.dtype)
+    v_new = _output(B, T, H, Dv, like=k, dtype=k.dtype)
+    final_state = _output(N, H, Dk, Dv, like=k, dtype=torch.float32)
+    launch_states(
+        k,
+        w=w,
+        u=u,
+        log_decay=log_decay,
+        initial_state=initial_state,
+        first_bad=first_bad,
+        tables=tables,
+        block_v=block_v,
+        h=h,
+        v_new=v_new,
+        final_state=final_state,
+    )
+    return h, v_new, final_state
 
 
 def _forward(
-    q,
-    k,
-    v,
-    beta,
-    log_decay,
-    initial_state,
-    cu_seqlens,
-    rule,
-    negative_eigenvalues,
-    eps,
-    scale,
-    chunk_size,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    kernel_id: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
 ) -> tuple[Tensor, Tensor]:
-    # The kernels use chunks of 64 tokens whatever `chunk_size` says: the result is the same
-    # function, and 64 is what the 16-row block substitution of the prepare kernel is built for.
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     v_dtype = v.dtype
     q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
-    cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, 64, q.device)
-    N = cu.numel() - 1
-    BK = _block(Dk)
-    w, u, _ = _launch_prepare(
-        k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, negative_eigenvalues, eps, False
+    tables = chunk_tables(cu_seqlens, B, T, q.device)
+    N = tables.cu_seqlens.numel() - 1
+    w, u, _, first_bad = _prepare(
+        k,
+        v,
+        beta=beta,
+        log_decay=log_decay,
+        tables=tables,
+        kernel_id=kernel_id,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        store_t=False,
     )
     o = _output(B, T, H, Dv, like=q, dtype=v_dtype)
     if _use_two_pass(N, H, Dv, q.device):
-        BV = min(_block(Dv), TWO_PASS_BV)
-        h, v_new, final_state = _launch_states(
-            k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, BV
+        h, v_new, final_state = _state_pass(
+            k,
+            w=w,
+            u=u,
+            log_decay=log_decay,
+            initial_state=s0,
+            first_bad=first_bad,
+            tables=tables,
+            block_v=states.TWO_PASS_BV,
         )
-        if n_chunks > 0:
-            BVo = min(_block(Dv), 64)
-            backward.chunk_output_kernel[(triton.cdiv(Dv, BVo), n_chunks, H)](
-                q,
-                k,
-                h,
-                v_new,
-                q if log_decay is None else log_decay,
-                o,
-                cu,
-                chunk_indices,
-                scale,
-                H=H,
-                Dk=Dk,
-                Dv=Dv,
-                BK=BK,
-                BV=BVo,
-                HAS_DECAY=log_decay is not None,
-                PREC=_precision(q.dtype),
-                num_warps=4,
-            )
+        launch_outputs(
+            q,
+            k,
+            h=h,
+            v_new=v_new,
+            log_decay=log_decay,
+            first_bad=first_bad,
+            tables=tables,
+            scale=scale,
+            o=o,
+        )
         return o, final_state
 
     final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
-    # 64 value columns, 4 warps (benchmarks/NOTES.md). Triton 3.6 on Hopper miscompiles this
-    # kernel with 16/32 columns in bf16 (compute-sanitizer: invalid __shared__ read).
-    BV = min(_block(Dv), 32 if q.dtype == torch.float32 else 64)
-    kernels.chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
+    launch_forward(
         q,
         k,
-        w,
-        u,
-        q if log_decay is None else log_decay,
-        q if s0 is None else s0,
-        o,
-        final_state,
-        cu,
-        scale,
-        H=H,
-        Dk=Dk,
-        Dv=Dv,
-        BK=BK,
-        BV=BV,
-        HAS_DECAY=log_decay is not None,
-        HAS_S0=s0 is not None,
-        PREC=_precision(q.dtype),
-        num_warps=4,
-        num_stages=1,
+        w=w,
+        u=u,
+        log_decay=log_decay,
+        initial_state=s0,
+        first_bad=first_bad,
+        tables=tables,
+        scale=scale,
+        o=o,
+        final_state=final_state,
     )
     return o, final_state
 
 
-def _backward_fused(
-    q, k, v, beta, log_decay, initial_state, cu_seqlens, grad_o, grad_state, rule, neg, eps, scale
+def _backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    grad_o: Tensor,
+    grad_state: Tensor,
+    kernel_id: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
 ) -> list[Tensor | None]:
-    """The fused backward: prepare (W, Ũ, T) and state pass recomputed from the inputs, then the
-    reverse state-gradient pass and the parallel per-chunk gradients. Four launches."""
+    """The fused backward: prepare (W, Ũ, T) and the state pass recomputed from the inputs,
+    then the reverse state-gradient pass and the per-chunk gradients. Five launches."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     dtypes = [None if x is None else x.dtype for x in (q, k, v, beta, log_decay, initial_state)]
     q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
     do = grad_o.to(q.dtype).contiguous()
     dsT = grad_state.to(torch.float32).contiguous()
-    cu, chunk_offsets, chunk_indices, n_chunks = _sequences(cu_seqlens, B, T, 64, q.device)
-    N = cu.numel() - 1
-    BK = _block(Dk)
-    w, u, t = _launch_prepare(
-        k, v, beta, log_decay, cu, chunk_indices, n_chunks, rule, neg, eps, True
+    tables = chunk_tables(cu_seqlens, B, T, q.device)
+    N = tables.cu_seqlens.numel() - 1
+    n = max(tables.n_chunks, 1)
+    w, u, t, first_bad = _prepare(
+        k,
+        v,
+        beta=beta,
+        log_decay=log_decay,
+        tables=tables,
+        kernel_id=kernel_id,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        store_t=True,
     )
-    h, v_new, _ = _launch_states(
-        k, w, u, log_decay, s0, cu, chunk_offsets, n_chunks, N, min(_block(Dv), BWD_STATES_BV)
+    h, v_new, _ = _state_pass(
+        k,
+        w=w,
+        u=u,
+        log_decay=log_decay,
+        initial_state=s0,
+        first_bad=first_bad,
+        tables=tables,
+        block_v=states.BWD_STATES_BV,
     )
-    dummy = q
-    dh = _output(max(n_chunks, 1), H, Dk, Dv, like=q, dtype=q.dtype)
+    dh = _output(n, H, Dk, Dv, like=q, dtype=q.dtype)
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
-    BVd = min(_block(Dv), DSTATES_BV)
-    backward.chunk_dstates_kernel[(triton.cdiv(Dv, BVd), N * H)](
+    launch_dstates(
         q,
         k,
-        w,
-        dummy if log_decay is None else log_decay,
-        do,
-        dsT,
-        dh,
-        du,
-        ds0,
-        cu,
-        chunk_offsets,
-        scale,
-        H=H,
-        Dk=Dk,
-        Dv=Dv,
-        BK=BK,
-        BV=BVd,
-        HAS_DECAY=log_decay is not None,
-        HAS_DST=True,
-        PREC=_precision(q.dtype),
-        num_warps=DSTATES_WARPS,
-        num_stages=DSTATES_STAGES,
+        w=w,
+        log_decay=log_decay,
+        grad_o=do,
+        grad_final_state=dsT,
+        tables=tables,
+        scale=scale,
+        dh=dh,
+        du=du,
+        d_initial_state=ds0,
     )
     dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)
     dk = _output(B, T, H, Dk, like=q, dtype=q.dtype)
     dv = _output(B, T, H, Dv, like=q, dtype=q.dtype)
     dbeta = None if beta is None else _output(*beta.shape, like=q, dtype=torch.float32)
     dg = None if log_decay is None else _output(*log_decay.shape, like=q, dtype=torch.float32)
-    if n_chunks > 0:
-        common = dict(
-            H=H,
-            Dk=Dk,
-            Dv=Dv,
-            BK=BK,
-            # fp32 operands take twice the shared memory: 32 value columns there
-            BV=min(_block(Dv), GRADS_BV if q.dtype != torch.float32 else 32),
-            RULE=rule,
-            NEG=bool(neg),
-            HAS_BETA=beta is not None,
-            HAS_DECAY=log_decay is not None,
-            PREC=_precision(q.dtype),
-            num_warps=GRADS_WARPS,
-        )
-        beta_arg = dummy if beta is None else beta
-        g_arg = dummy if log_decay is None else log_decay
-        # Value side → M_P, M_A (C×C per chunk, dot dtype) and three row vectors (fp32).
-        m = _output(n_chunks, H, 2, 64, 64, like=q, dtype=q.dtype)
-        r = _output(n_chunks, H, 3, 64, like=q, dtype=torch.float32)
-        backward.chunk_grads_v_kernel[(n_chunks, H)](
-            q,
-            k,
-            v,
-            beta_arg,
-            g_arg,
-            t,
-            v_new,
-            du,
-            do,
-            dv,
-            m,
-            r,
-            cu,
-            chunk_indices,
-            scale,
-            eps,
-            **common,
-        )
-        backward.chunk_grads_k_kernel[(n_chunks, H)](
-            q,
-            k,
-            beta_arg,
-            g_arg,
-            t,
-            h,
-            dh,
-            v_new,
-            du,
-            do,
-            m,
-            r,
-            dq,
-            dk,
-            dummy if dbeta is None else dbeta,
-            dummy if dg is None else dg,
-            cu,
-            chunk_indices,
-            scale,
-            eps,
-            **common,
-        )
+    C = CHUNK.value
+    launch_gradients(
+        q,
+        k,
+        v,
+        beta=beta,
+        log_decay=log_decay,
+        t=t,
+        h=h,
+        v_new=v_new,
+        dh=dh,
+        du=du,
+        grad_o=do,
+        tables=tables,
+        kernel_id=kernel_id,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
+        # value side → M_P, M_A (C×C per chunk, dot dtype) and three row vectors (fp32)
+        scratch_m=_output(n, H, 2, C, C, like=q, dtype=q.dtype),
+        scratch_r=_output(n, H, 3, C, like=q, dtype=torch.float32),
+        dq=dq,
+        dk=dk,
+        dv=dv,
+        dbeta=dbeta,
+        dlog_decay=dg,
+    )
     grads = [dq, dk, dv, dbeta, dg, ds0 if initial_state is not None else None]
     return [None if g is None else g.to(d) for g, d in zip(grads, dtypes)]
 
 
-# Launch settings (benchmarks/NOTES.md). Low-precision dots: the prepare kernel's small products
-# take bf16/fp16 operands (as fla does) instead of tf32; accumulation stays fp32.
-PREPARE_LOW_PRECISION_DOTS = True
-PREPARE_WARPS = 2
-FORWARD_MODE = "auto"  # "auto" | "fused" | "two_pass"
-TWO_PASS_BV = 64  # 32 crashes in bf16 on Hopper with Triton 3.6 (illegal memory access)
-STATES_WARPS = 4
-STATES_STAGES = 1
-BWD_STATES_BV = 64
-DSTATES_BV = 64
-DSTATES_WARPS = 4
-DSTATES_STAGES = 1
-GRADS_BV = 64
-GRADS_WARPS = 8
-
-
 # ---------------------------------------------------------------------------------------------
-# Custom ops. Optional tensors travel as `Tensor?`; the rule as its integer code.
+# Custom ops. Optional tensors travel as `Tensor?`; the rule as its kernel id. `chunk_size` is
+# part of the schema so that a caller cannot ask for another chunk length and be ignored.
 
 
 @torch.library.custom_op("deltaflow::chunk_fwd", mutates_args=())
@@ -415,19 +361,19 @@ def chunk_fwd_op(
     scale: float,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor]:
+    _check_chunk_size(chunk_size)
     return _forward(
         q,
         k,
         v,
-        beta,
-        log_decay,
-        initial_state,
-        cu_seqlens,
-        rule,
-        negative_eigenvalues,
-        eps,
-        scale,
-        chunk_size,
+        beta=beta,
+        log_decay=log_decay,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        kernel_id=rule,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
     )
 
 
@@ -471,20 +417,21 @@ def chunk_bwd_op(
     scale: float,
     chunk_size: int,
 ) -> list[Tensor]:
-    grads = _backward_fused(
+    _check_chunk_size(chunk_size)
+    grads = _backward(
         q,
         k,
         v,
-        beta,
-        log_decay,
-        initial_state,
-        cu_seqlens,
-        grad_o,
-        grad_state,
-        rule,
-        negative_eigenvalues,
-        eps,
-        scale,
+        beta=beta,
+        log_decay=log_decay,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        grad_o=grad_o,
+        grad_state=grad_state,
+        kernel_id=rule,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
     )
     return [q.new_empty(0) if g is None else g for g in grads]
 
@@ -506,8 +453,10 @@ def _(
     scale,
     chunk_size,
 ):
+    # Contiguous, as the kernels write them: empty_like would copy a permuted input's strides,
+    # and torch.compile would then read the real (contiguous) gradients through wrong strides.
     return [
-        q.new_empty(0) if x is None else torch.empty_like(x)
+        q.new_empty(0) if x is None else x.new_empty(x.shape)
         for x in (q, k, v, beta, log_decay, initial_state)
     ]
 
@@ -518,7 +467,7 @@ def _setup_context(ctx, inputs, output):
     ctx.options = options
 
 
-def _backward(ctx, grad_o, grad_state):
+def _chunk_fwd_backward(ctx, grad_o, grad_state):
     q, k, v, beta, log_decay, initial_state, cu_seqlens = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros_like(v)
@@ -534,7 +483,7 @@ def _backward(ctx, grad_o, grad_state):
     return (*grads, None, None, None, None, None, None)
 
 
-chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+chunk_fwd_op.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
 
 
 @torch.library.custom_op("deltaflow::decode_step", mutates_args=("state",))
@@ -551,31 +500,19 @@ def decode_step_op(
     scale: float,
 ) -> Tensor:
     B, T, H, Dk = q.shape
-    Dv = v.shape[-1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = _output(B, T, H, Dv, like=q, dtype=v.dtype)
-    BK, BV = _block(Dk), min(_block(Dv), 32)
-    kernels.decode_kernel[(triton.cdiv(Dv, BV), B * H)](
-        q,
-        k,
-        v,
-        q if beta is None else beta.contiguous(),
-        q if log_decay is None else log_decay.contiguous(),
-        state,
-        o,
-        scale,
-        eps,
-        T,
-        H=H,
-        Dk=Dk,
-        Dv=Dv,
-        BK=BK,
-        BV=BV,
-        RULE=rule,
-        NEG=negative_eigenvalues,
-        HAS_BETA=beta is not None,
-        HAS_DECAY=log_decay is not None,
-        num_warps=4,
+    o = _output(B, T, H, v.shape[-1], like=q, dtype=v.dtype)
+    launch_decode(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        beta=None if beta is None else beta.contiguous(),
+        log_decay=None if log_decay is None else log_decay.contiguous(),
+        state=state,
+        kernel_id=rule,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
+        o=o,
     )
     return o
 
@@ -590,21 +527,23 @@ def _(q, k, v, beta, log_decay, state, rule, negative_eigenvalues, eps, scale):
 
 
 def delta_rule(
-    q,
-    k,
-    v,
-    beta,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
     *,
-    rule: str,
-    log_decay,
+    rule: str | StepRule,
+    log_decay: Tensor | None,
     negative_eigenvalues: bool,
     eps: float,
     scale: float,
-    initial_state,
+    initial_state: Tensor | None,
     output_final_state: bool,
-    cu_seqlens,
-    chunk_size: int,
+    cu_seqlens: Tensor | None,
+    chunk_size: int | None,
 ) -> tuple[Tensor, Tensor | None]:
+    """``chunk_size``: None or CHUNK (64); anything else is refused, not ignored."""
+    _check_chunk_size(chunk_size)
     o, state = chunk_fwd_op(
         q,
         k,
@@ -613,24 +552,24 @@ def delta_rule(
         log_decay,
         initial_state,
         cu_seqlens,
-        RULE_CODES[rule],
+        kernel_id_of(rule),
         negative_eigenvalues,
         eps,
         scale,
-        chunk_size,
+        CHUNK.value,
     )
     return o, (state if output_final_state else None)
 
 
 def delta_rule_step(
-    q,
-    k,
-    v,
-    beta,
-    state,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
+    state: Tensor,
     *,
-    rule: str,
-    log_decay,
+    rule: str | StepRule,
+    log_decay: Tensor | None,
     negative_eigenvalues: bool,
     eps: float,
     scale: float,
@@ -638,5 +577,5 @@ def delta_rule_step(
     if not state.is_contiguous() or state.dtype != torch.float32:
         raise ValueError("the Triton decode step needs a contiguous float32 state")
     return decode_step_op(
-        q, k, v, beta, log_decay, state, RULE_CODES[rule], negative_eigenvalues, eps, scale
+        q, k, v, beta, log_decay, state, kernel_id_of(rule), negative_eigenvalues, eps, scale
     )

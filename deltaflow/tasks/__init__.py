@@ -7,7 +7,8 @@
 
 Tasks: mqar (Zoology); the six MAD tasks in_context_recall, fuzzy_recall, noisy_recall,
 selective_copy, compress, memorize; state tracking parity, mod_arith, mod_arith_brackets, s5
-(arXiv 2411.12537); lm (language modelling on local .txt files). See docs/tasks.md.
+(arXiv 2411.12537); lm (language modelling on local documents: .txt, .jsonl, .parquet or a saved
+`datasets` folder; byte, GPT-2 or Hugging Face tokenizers). See docs/tasks.md.
 """
 
 import inspect
@@ -18,6 +19,7 @@ from deltaflow.tasks.base import IGNORE_INDEX, Task
 from deltaflow.tasks.language import (
     BPETokenizer,
     ByteTokenizer,
+    HFTokenizer,
     LanguageModeling,
     get_tokenizer,
 )
@@ -162,5 +164,6 @@ __all__ = [
     "LanguageModeling",
     "ByteTokenizer",
     "BPETokenizer",
+    "HFTokenizer",
     "get_tokenizer",
 ]

@@ -1,208 +1,73 @@
-"""Language modelling on local text: tokenizers, a tokenized-corpus cache, and the LM task.
+"""Language modelling on local documents: the LM task over a tokenized-corpus cache.
 
-- `ByteTokenizer`: UTF-8 bytes are ids 0..255, `<|endoftext|>` is 256 (vocab 257).
-- `BPETokenizer`: GPT-2 BPE from a local `.tiktoken` file (base64 token + rank per line) with
-  the GPT-2 split regex; `<|endoftext|>` gets the id after the last rank (50256 for GPT-2).
-- `LanguageModeling`: documents are the `.txt` files under a directory, split into train and
-  validation by whole file; each split is tokenized once into a `.npy` cache (documents
-  joined with `<|endoftext|>`) and memory-mapped. Training batches are random windows;
-  evaluation uses consecutive non-overlapping windows at any length, so perplexity and bits
-  per byte can be compared at the training length and at 2x and 4x it.
+- Tokenizers (`deltaflow.tasks.tokenizers`): bytes, GPT-2 BPE from a `.tiktoken` file, or any
+  local Hugging Face tokenizer folder.
+- Documents (`deltaflow.tasks.corpus`): `.txt` files, `.jsonl`, `.parquet` or a
+  `datasets.save_to_disk` folder, split into train and validation by whole document; each split
+  is tokenized once into a `.npy` cache (documents joined with the separator) and memory-mapped.
+- `LanguageModeling`: training batches are either random windows of the token stream (the
+  default for `.txt` folders) or rows *packed* from whole documents (the default for record
+  data): each row carries ``doc_starts`` and the trainer runs it with ``cu_seqlens``, so no
+  token sees another document. Evaluation uses consecutive non-overlapping rows at any length,
+  so perplexity and bits per byte can be compared at the training length and at 2x and 4x it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from deltaflow.tasks.base import IGNORE_INDEX, Batch, Task, check_int, check_split
-
-EOT_TEXT = "<|endoftext|>"
-# The GPT-2 pre-tokenization pattern (contractions, letters, numbers, other, whitespace).
-GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# Validation files suggested by the offline corpus README (relative to the corpus root).
-DEFAULT_VALID_FILES = (
-    "english/austen_persuasion.txt",
-    "english/shakespeare_hamlet.txt",
-    "english/shakespeare_sonnets.txt",
+from deltaflow.tasks.base import IGNORE_INDEX, Batch, Task, check_int, check_split, derive_seed
+from deltaflow.tasks.corpus import DEFAULT_VALID_FILES, Corpus, tokenize_corpus
+from deltaflow.tasks.tokenizers import (
+    EOT_TEXT,
+    GPT2_PATTERN,
+    BPETokenizer,
+    ByteTokenizer,
+    HFTokenizer,
+    get_tokenizer,
 )
 
-
-class ByteTokenizer:
-    """UTF-8 bytes; no merges, nothing unknown, exact round trip for any text."""
-
-    name = "byte"
-
-    def __init__(self) -> None:
-        self.vocab_size = 257
-        self.eot_id = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
-
-    def token_bytes(self) -> np.ndarray:
-        """UTF-8 bytes of each id (0 for special tokens), for bits per byte."""
-        out = np.ones(self.vocab_size, dtype=np.int64)
-        out[self.eot_id] = 0
-        return out
-
-
-class BPETokenizer:
-    """GPT-2 byte-level BPE from a local `.tiktoken` file; never touches the network."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {self.path}")
-        data = self.path.read_bytes()
-        # tiktoken caches files by path; passing the content hash makes a stale cache refetch
-        digest = hashlib.sha256(data).hexdigest()
-        ranks = load_tiktoken_bpe(str(self.path.resolve()), expected_hash=digest)
-        self.eot_id = len(ranks)
-        self.vocab_size = len(ranks) + 1
-        self.name = f"bpe-{self.path.stem}-{digest[:12]}"
-        self.enc = tiktoken.Encoding(
-            name=self.path.stem,
-            pat_str=GPT2_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens={EOT_TEXT: self.eot_id},
-        )
-
-    def encode(self, text: str) -> list[int]:
-        # ordinary: "<|endoftext|>" inside a document is text, not the separator
-        return self.enc.encode_ordinary(text)
-
-    def encode_array(self, text: str) -> np.ndarray:
-        dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
-        return np.asarray(self.enc.encode_ordinary(text), dtype=dtype)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.enc.decode([int(i) for i in ids])
-
-    def token_bytes(self) -> np.ndarray:
-        out = np.array(
-            [len(self.enc.decode_single_token_bytes(i)) for i in range(self.eot_id)] + [0],
-            dtype=np.int64,
-        )
-        return out
-
-
-def get_tokenizer(tokenizer: str = "byte", path: str | os.PathLike | None = None):
-    """`"byte"`, `"gpt2"` (needs `path` to a .tiktoken file), or a path to a .tiktoken file."""
-    if tokenizer == "byte":
-        return ByteTokenizer()
-    if tokenizer in ("gpt2", "bpe"):
-        if path is None:
-            raise ValueError(
-                f"tokenizer={tokenizer!r} needs tokenizer_path, a GPT-2 .tiktoken file "
-                "(deltaflow train: --tokenizer-path FILE)"
-            )
-        return BPETokenizer(path)
-    if str(tokenizer).endswith(".tiktoken"):
-        return BPETokenizer(tokenizer)
-    raise ValueError(f"tokenizer must be 'byte', 'gpt2' or a .tiktoken path, got {tokenizer!r}")
+__all__ = [
+    "EOT_TEXT",
+    "GPT2_PATTERN",
+    "DEFAULT_VALID_FILES",
+    "BPETokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "get_tokenizer",
+    "default_cache_dir",
+    "LanguageModeling",
+]
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("DELTAFLOW_CACHE", Path.home() / ".cache" / "deltaflow"))
 
 
-def split_files(data_dir: Path, valid_files: Sequence[str] | None = None) -> dict[str, list[Path]]:
-    """Train/valid split by whole file. Default validation files: the corpus README's
-    suggestion if all present, else every 10th file in sorted order (at least one)."""
-    files = sorted(p for p in data_dir.rglob("*.txt") if p.is_file())
-    if len(files) < 2:
-        raise ValueError(f"data_dir {data_dir} needs at least 2 .txt files, found {len(files)}")
-    rel = [p.relative_to(data_dir).as_posix() for p in files]
-    if valid_files is None:
-        if all(v in rel for v in DEFAULT_VALID_FILES):
-            valid_files = DEFAULT_VALID_FILES
-        else:
-            k = max(len(rel) // 10, 1)
-            valid_files = rel[:: len(rel) // k][:k]
-    missing = [v for v in valid_files if v not in rel]
-    if missing:
-        raise ValueError(f"valid_files not found under {data_dir}: {missing}")
-    valid = set(valid_files)
-    split = {
-        "train": [p for p, r in zip(files, rel) if r not in valid],
-        "valid": [p for p, r in zip(files, rel) if r in valid],
-    }
-    if not split["train"]:
-        raise ValueError("every file is a validation file; nothing left to train on")
-    return split
-
-
-def read_corpus_file(path: Path) -> str:
-    """A corpus file's text; a file that is not UTF-8 (binary, another encoding) is a one-line
-    error naming it, not a decode error without a file name."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"corpus file {path} is not UTF-8 text ({err.reason} at byte {err.start}): "
-            "convert it to UTF-8 or move it out of data_dir"
-        ) from None
-
-
-def tokenize_files(files: Sequence[Path], tokenizer, cache_dir: Path, tag: str) -> np.ndarray:
-    """Tokenize `files` (each followed by <|endoftext|>) into a cached .npy; memory-map it.
-
-    The cache key covers the tokenizer and every file's path, size and mtime, so an edited
-    corpus is re-tokenized and an unchanged one never is. Written atomically (temp + rename).
-    """
-    key = hashlib.sha256(tokenizer.name.encode())
-    for p in files:
-        st = p.stat()
-        key.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    path = cache_dir / f"{tag}-{tokenizer.name}-{key.hexdigest()[:16]}.npy"
-    if not path.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-        parts = []
-        for p in tqdm(files, desc=f"tokenizing {tag} ({tokenizer.name})", unit="file"):
-            parts.append(tokenizer.encode_array(read_corpus_file(p)).astype(dtype))
-            parts.append(np.array([tokenizer.eot_id], dtype=dtype))
-        tokens = np.concatenate(parts)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, tokens)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shareable
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return np.load(path, mmap_mode="r")
-
-
 class LanguageModeling(Task):
-    """Next-token prediction on a directory of .txt files.
+    """Next-token prediction on local documents (see the module doc for formats and splits).
 
-    `get_batch(B, split, step)`: B random windows of `seq_len + 1` tokens from the split's
-    stream (input = window[:-1], labels = window[1:]). `eval_batches(split, length=L)`:
-    consecutive non-overlapping windows of L tokens over the same span of the validation
-    stream for L = seq_len, 2*seq_len and 4*seq_len (the span is a multiple of 4*seq_len), so
-    the three lengths score the same tokens. The corpus has one held-out split: "valid" and
-    "test" are the same validation files.
+    `get_batch(B, split, step)`, unpacked: B random windows of `seq_len + 1` tokens from the
+    split's stream (input = window[:-1], labels = window[1:]). Packed (``pack=True``, the
+    default for JSONL/Parquet/datasets): every epoch the split's documents are shuffled
+    (seeded by epoch), laid end to end as units ``input = [sep] + doc``, ``labels = doc +
+    [sep]``, and cut into rows of `seq_len`; row ``step * B + b`` is the batch's row ``b``. A
+    document that crosses a row's end continues in the next row as its own piece.
+    ``doc_starts`` [B, T] marks where each document (or piece) begins; the trainer turns it
+    into ``cu_seqlens`` so that no token attends to, or carries state or convolution from,
+    another document, and no label is another document's token.
+
+    `eval_batches(split, length=L)`: consecutive non-overlapping rows of L tokens over the same
+    span of the validation split (in document order) for L = seq_len, 2*seq_len and 4*seq_len
+    (the span is a multiple of 4*seq_len), so the three lengths score the same tokens. The
+    corpus has one held-out split: "valid" and "test" are the same documents.
     """
 
     name = "lm"
@@ -217,59 +82,154 @@ class LanguageModeling(Task):
         valid_files: Sequence[str] | None = None,
         cache_dir: str | os.PathLike | None = None,
         seed: int = 0,
+        text_field: str = "text",
+        valid_fraction: float = 0.01,
+        skip_empty: bool = False,
+        pack: bool | None = None,
     ) -> None:
         super().__init__(seed)
         self.data_dir = Path(data_dir)
-        if not self.data_dir.is_dir():
-            raise FileNotFoundError(f"data_dir is not a directory: {self.data_dir}")
+        if not self.data_dir.exists():
+            raise FileNotFoundError(f"data_dir not found: {self.data_dir}")
         self.seq_len = check_int("seq_len", seq_len, 1)
         self.tokenizer = get_tokenizer(tokenizer, tokenizer_path)
         self.vocab_size = self.tokenizer.vocab_size
         self.chance = 1.0 / self.vocab_size
-        self.files = split_files(self.data_dir, valid_files)
+        self.corpus = Corpus(
+            self.data_dir,
+            text_field=text_field,
+            valid_files=valid_files,
+            valid_fraction=valid_fraction,
+            skip_empty=skip_empty,
+        )
+        self.files = {"train": self.corpus.files("train"), "valid": self.corpus.files("valid")}
+        if pack is None:
+            pack = self.corpus.packs_by_default
+        if not isinstance(pack, bool):
+            raise TypeError(f"pack must be true, false or None (auto), got {pack!r}")
+        self.pack = pack
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self._streams: dict[str, np.ndarray] = {}
+        self._data: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+        self._epochs: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._token_bytes = torch.from_numpy(self.tokenizer.token_bytes())
         # length extrapolation: evaluate with eval_batches(split, length=L) for each of these
         self.extrapolation_lengths = [seq_len, 2 * seq_len, 4 * seq_len]
 
-    def stream(self, split: str) -> np.ndarray:
-        """The split's token ids (memory-mapped), documents separated by <|endoftext|>."""
+    # ---------------------------------------------------------------- the cached splits
+    def _split(self, split: str) -> tuple[np.ndarray, np.ndarray]:
         part = "train" if check_split(split) == "train" else "valid"
-        if part not in self._streams:
-            self._streams[part] = tokenize_files(
-                self.files[part], self.tokenizer, self.cache_dir / "tokens", part
-            )
-        return self._streams[part]
+        if self._data is None:
+            self._data = tokenize_corpus(self.corpus, self.tokenizer, self.cache_dir / "tokens")
+        return self._data[part]
 
+    def stream(self, split: str) -> np.ndarray:
+        """The split's token ids (memory-mapped), each document followed by the separator."""
+        return self._split(split)[0]
+
+    def doc_offsets(self, split: str) -> np.ndarray:
+        """int64 ``[D + 1]``: document ``i`` is ``stream[o[i] : o[i + 1]]`` (separator last)."""
+        return self._split(split)[1]
+
+    def _too_small(self, split: str, n: int, need: int, what: str) -> ValueError:
+        return ValueError(
+            f"data {self.data_dir}: the {split} split has {n} tokens, fewer than {what}; "
+            + (
+                "add documents, or lower --batch-size / --seq-len"
+                if split == "train"
+                else "hold out more documents (valid_files, valid_fraction) or lower --seq-len"
+            )
+        )
+
+    # ---------------------------------------------------------------- random windows
     def _windows(self, stream: np.ndarray, starts: Sequence[int], length: int) -> Batch:
         w = torch.from_numpy(np.stack([np.asarray(stream[s : s + length + 1]) for s in starts]))
         w = w.long()
         return {"input_ids": w[:, :-1].contiguous(), "labels": w[:, 1:].contiguous()}
 
+    # ---------------------------------------------------------------- packed documents
+    def _epoch(self, split: str, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order, end of each unit in the packed stream) of one epoch."""
+        key = (split, epoch)
+        if key not in self._epochs:
+            lengths = np.diff(self.doc_offsets(split))  # unit = [sep] + doc: as long as doc+sep
+            rng = np.random.default_rng(derive_seed(self.name, self.seed, split, "epoch", epoch))
+            order = rng.permutation(len(lengths))
+            if len(self._epochs) >= 4:  # a batch spans at most two epochs; keep a few
+                self._epochs.pop(next(iter(self._epochs)))
+            self._epochs[key] = (order, np.cumsum(lengths[order]))
+        return self._epochs[key]
+
+    def _packed(
+        self, split: str, order: np.ndarray, ends: np.ndarray, starts: Sequence[int], length: int
+    ) -> Batch:
+        """Rows ``[lo, lo + length)`` of the packed stream that ``order`` lays out."""
+        stream, offsets = self._split(split)
+        sep = self.tokenizer.eot_id
+        B = len(starts)
+        inputs = np.empty((B, length), dtype=np.int64)
+        labels = np.empty((B, length), dtype=np.int64)
+        doc_starts = np.zeros((B, length), dtype=bool)
+        for row, lo in enumerate(starts):
+            pos, hi = lo, lo + length
+            j = int(np.searchsorted(ends, lo, side="right"))  # the unit holding position lo
+            while pos < hi:
+                unit_lo = int(ends[j - 1]) if j else 0
+                a = pos - unit_lo  # offset inside the unit
+                b = min(int(ends[j]) - unit_lo, a + hi - pos)
+                s = int(offsets[order[j]])  # the document's first token in the stream
+                at = pos - lo
+                labels[row, at : at + b - a] = stream[s + a : s + b]
+                if a == 0:  # the unit's first input is the separator (a BOS)
+                    inputs[row, at] = sep
+                    inputs[row, at + 1 : at + b - a] = stream[s : s + b - 1]
+                else:
+                    inputs[row, at : at + b - a] = stream[s + a - 1 : s + b - 1]
+                doc_starts[row, at] = True
+                pos += b - a
+                j += 1
+        return {
+            "input_ids": torch.from_numpy(inputs),
+            "labels": torch.from_numpy(labels),
+            "doc_starts": torch.from_numpy(doc_starts),
+        }
+
+    # ---------------------------------------------------------------- batches
     def get_batch(self, batch_size: int, split: str = "train", step: int = 0) -> Batch:
         check_int("batch_size", batch_size, 1)
         check_int("step", step, 0)
         stream = self.stream(split)
-        n_start = len(stream) - self.seq_len
-        if n_start < 1:
-            raise ValueError(f"{split} stream has {len(stream)} tokens, fewer than seq_len + 1")
+        T = self.seq_len
+        need = batch_size * T + (0 if self.pack else 1)
+        if len(stream) < need:
+            raise self._too_small(
+                split, len(stream), need, f"one batch of {batch_size} x {T} = {batch_size * T}"
+            )
+        if self.pack:
+            rows_per_epoch = len(stream) // T
+            rows = range(step * batch_size, (step + 1) * batch_size)
+            parts = []
+            for epoch in sorted({g // rows_per_epoch for g in rows}):
+                order, ends = self._epoch(split, epoch)
+                starts = [(g % rows_per_epoch) * T for g in rows if g // rows_per_epoch == epoch]
+                parts.append(self._packed(split, order, ends, starts, T))
+            return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         g = self._generator(split, "batch", step)
-        starts = torch.randint(0, n_start, (batch_size,), generator=g).tolist()
-        return self._windows(stream, starts, self.seq_len)
+        starts = torch.randint(0, len(stream) - T, (batch_size,), generator=g).tolist()
+        return self._windows(stream, starts, T)
 
     def train_passes(self, steps: int, batch_size: int) -> float:
-        """How many times ``steps`` batches of ``batch_size`` windows read the training split
-        (in expectation: windows start at random); above 1 a model can memorise the split."""
+        """How many times ``steps`` batches of ``batch_size`` rows read the training split
+        (random windows: in expectation); above 1 a model can memorise the split."""
         return steps * batch_size * self.seq_len / len(self.stream("train"))
 
     def eval_starts(self, split: str = "valid", length: int | None = None) -> list[int]:
         length = self.seq_len if length is None else check_int("length", length, 1)
-        n = len(self.stream(split)) - 1
+        # windows need one token past the end for the last label; packed units carry their own
+        n = len(self.stream(split)) - (0 if self.pack else 1)
         span = (n // (4 * self.seq_len)) * 4 * self.seq_len or n
         count = span // length
         if count == 0:
-            raise ValueError(f"{split} stream has {n + 1} tokens, too few for length {length}")
+            raise self._too_small(split, n, length, f"one evaluation row of {length}")
         return list(range(0, count * length, length))
 
     def eval_set(self, split: str = "valid", num_examples: int | None = None, **kw) -> Batch:
@@ -282,16 +242,21 @@ class LanguageModeling(Task):
         batch_size: int = 8,
         length: int | None = None,
     ) -> Iterator[Batch]:
-        """Consecutive windows of `length` tokens (default seq_len); `num_examples` caps the
-        number of windows (the first ones)."""
+        """Consecutive rows of `length` tokens (default seq_len); `num_examples` caps the
+        number of rows (the first ones). Packed: documents in order, with ``doc_starts``."""
         check_int("batch_size", batch_size, 1)
         starts = self.eval_starts(split, length)
         if num_examples is not None:
             starts = starts[: check_int("num_examples", num_examples, 1)]
         length = self.seq_len if length is None else length
-        stream = self.stream(split)
+        stream, offsets = self._split(split)
         for i in range(0, len(starts), batch_size):
-            yield self._windows(stream, starts[i : i + batch_size], length)
+            chunk = starts[i : i + batch_size]
+            if self.pack:
+                order = np.arange(len(offsets) - 1)
+                yield self._packed(split, order, offsets[1:], chunk, length)
+            else:
+                yield self._windows(stream, chunk, length)
 
     def metric_sums(self, logits: torch.Tensor, batch: Batch) -> dict[str, float]:
         labels = batch["labels"].to(logits.device)

@@ -7,6 +7,8 @@ Layout under ``<out_dir>/checkpoints/``::
         trainer_state.pt     optimizer state, step, RNG states (loaded with weights_only=True)
         config.yaml          the full TrainConfig, enough to rebuild model and task
         state.json           step, tokens seen, last metrics (human-readable)
+        tokenizer/           language models: the run's tokenizer (Hugging Face files + a
+                             deltaflow_tokenizer.json; see deltaflow.tasks.tokenizers)
     latest                   text file naming the newest complete checkpoint directory
 
 A checkpoint is written into a temporary directory and renamed into place with
@@ -93,10 +95,12 @@ def save_checkpoint(
     info: dict[str, Any] | None = None,
     keep: int = 2,
     rng_per_rank: list[dict[str, Any]] | None = None,
+    tokenizer: Any | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep``.
 
     ``rng_per_rank``: every data-parallel rank's RNG states (else this process's are saved).
+    ``tokenizer``: saved into ``tokenizer/`` (language models).
     """
     root = checkpoint_dir(out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -110,14 +114,20 @@ def save_checkpoint(
     if optimizer is not None:
         trainer_state["optimizer"] = optimizer.state_dict()
     torch.save(trainer_state, tmp / "trainer_state.pt")
-    _write_metadata(tmp, step, config, info)
+    _write_metadata(tmp, step, config, info, tokenizer)
     _commit(tmp, final, keep)
     return final
 
 
-def _write_metadata(tmp: Path, step: int, config: dict[str, Any], info: dict | None) -> None:
+def _write_metadata(
+    tmp: Path, step: int, config: dict[str, Any], info: dict | None, tokenizer: Any | None
+) -> None:
     (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     (tmp / "state.json").write_text(json.dumps({"step": step, **(info or {})}, indent=2))
+    if tokenizer is not None:
+        from deltaflow.tasks.tokenizers import save_tokenizer
+
+        save_tokenizer(tokenizer, tmp / "tokenizer")
 
 
 def _commit(tmp: Path, final: Path, keep: int) -> None:
@@ -174,6 +184,7 @@ def save_sharded_checkpoint(
     config: dict[str, Any],
     info: dict[str, Any] | None = None,
     keep: int = 2,
+    tokenizer: Any | None = None,
 ) -> Path:
     """Sharded (FSDP) checkpoint; every rank must call it. Same atomic layout as
     :func:`save_checkpoint`, with ``dcp/`` holding each rank's shards of weights + optimizer.
@@ -201,7 +212,7 @@ def save_sharded_checkpoint(
     if _rank() == 0:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         torch.save({"step": step, "rng": rng}, tmp / "trainer_state.pt")
-        _write_metadata(tmp, step, config, info)
+        _write_metadata(tmp, step, config, info, tokenizer)
         _commit(tmp, final, keep)
     _barrier()  # nobody moves on (or exits) before the checkpoint is in place
     return final

@@ -129,6 +129,16 @@ class TrainConfig:
         choices=["auto", "bf16", "fp32"],
     )
     progress: bool = _field(True, "progress bar with rate and ETA (rank 0)", group="runtime")
+    tensorboard: bool = _field(
+        False,
+        "also log to TensorBoard (<out>/tensorboard; needs the tensorboard package)",
+        group="runtime",
+    )
+    wandb: bool = _field(
+        False,
+        "also log to Weights & Biases (<out>/wandb), offline unless WANDB_MODE is set",
+        group="runtime",
+    )
     parallel: str = _field(
         "ddp",
         "under torchrun: ddp (replicated model) or fsdp (FSDP2: sharded model and sharded "
@@ -136,10 +146,17 @@ class TrainConfig:
         group="runtime",
         choices=["ddp", "fsdp"],
     )
+    context_parallel: int = _field(
+        1,
+        "under torchrun: groups of N ranks split every sequence along T (long sequences; "
+        "delta-rule models only); world = data-parallel ranks x N",
+        group="runtime",
+        metavar="N",
+    )
     compile: str = _field(
         "auto",
-        "torch.compile every model block (fused glue, selective activation checkpointing): "
-        "auto compiles on CUDA, where it is faster (benchmarks/NOTES.md), not on CPU",
+        "torch.compile every model block (fused glue, selective activation checkpointing); "
+        "auto is off for now and blocks is CPU-only: see benchmarks/NOTES.md",
         group="runtime",
         choices=["auto", "blocks", "off"],
     )
@@ -159,7 +176,14 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
 
-        for name in ("steps", "batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+        for name in (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "log_every",
+            "keep_checkpoints",
+            "context_parallel",
+        ):
             positive(name)
         for name in ("eval_every", "ckpt_every"):
             if getattr(self, name) < 0:

@@ -22,6 +22,8 @@ Design choices a user should know:
   sharded with FSDP2 instead (each rank holds 1/world_size of weights, gradients and optimizer
   state); every rank then takes part in evaluation (the forward all-gathers weights) and in
   the sharded checkpoint, and rank 0 still does all the logging.
+- ``context_parallel = N`` splits every sequence along T over groups of N ranks (delta-rule
+  models; ``deltaflow/train/context_parallel.py``): the world is data-parallel groups x N.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ from deltaflow.train.checkpoint import (
     save_sharded_checkpoint,
 )
 from deltaflow.train.config import TrainConfig
+from deltaflow.train.context_parallel import DataLayout
 from deltaflow.train.logging import RunLogger
+from deltaflow.train.packing import packed_forward
 from deltaflow.train.parallel import shard_model
 from deltaflow.train.schedule import lr_at
 
@@ -107,13 +111,19 @@ def make_optimizer(
     )
 
 
-def model_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits [B, T, V] from a plain module or a transformers model (no labels, no cache)."""
+def model_logits(
+    model: nn.Module, input_ids: torch.Tensor, doc_starts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Logits [B, T, V] from a plain module or a transformers model (no labels, no cache).
+    ``doc_starts`` [B, T] (packed documents): run the rows with ``cu_seqlens`` (packing.py)."""
     kwargs: dict[str, Any] = {}
     forward = model.module.forward if hasattr(model, "module") else model.forward
     if "use_cache" in inspect.signature(forward).parameters:
         kwargs["use_cache"] = False  # training/eval never need the recurrent cache
-    out = model(input_ids=input_ids, **kwargs)
+    if doc_starts is not None:
+        out = packed_forward(model, input_ids, doc_starts, **kwargs)
+    else:
+        out = model(input_ids=input_ids, **kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
     if logits.ndim != 3 or logits.shape[:2] != input_ids.shape:
         raise ValueError(
@@ -219,11 +229,17 @@ class Trainer:
         self.device = resolve_device(config.device, self.dist)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        per_rank, rem = divmod(config.batch_size, self.dist.world_size * config.grad_accum)
+        # context_parallel > 1: cp ranks share rows and split their tokens (context_parallel.py)
+        self.layout = DataLayout.create(
+            config.context_parallel, self.dist.rank, self.dist.world_size
+        )
+        dp = self.layout.dp_size
+        per_rank, rem = divmod(config.batch_size, dp * config.grad_accum)
         if rem or per_rank == 0:
             raise ValueError(
                 f"batch_size={config.batch_size} must be a positive multiple of "
-                f"world_size ({self.dist.world_size}) x grad_accum ({config.grad_accum})"
+                f"world_size ({self.dist.world_size}) / context_parallel "
+                f"({config.context_parallel}) x grad_accum ({config.grad_accum})"
             )
         self.micro_batch = per_rank
         use_bf16 = config.precision == "bf16" or (
@@ -238,12 +254,15 @@ class Trainer:
         torch.manual_seed(config.seed)  # identical init on every rank (DDP also broadcasts)
         self.task = task if task is not None else build_task(config)
         base = model if model is not None else build_model(config, self.task.vocab_size)
+        _check_tokenizer_fits(base, self.task)
+        self.layout.attach(base)
         if self.sharded:
             bf16_weights = use_bf16 and self.device.type == "cuda"
             self.raw_model = shard_model(base, self.device, bf16=bf16_weights)
         else:
             self.raw_model = base.to(self.device)
         self.compiled = resolve_compile(config.compile, self.device)
+        self.compiled = self.compiled and self.layout.allows_compile(config.compile)
         if self.compiled:
             compile_blocks(self.raw_model)  # in place: parameter names are unchanged
         # After sharding: the optimizer must hold the sharded (DTensor) parameters.
@@ -256,7 +275,13 @@ class Trainer:
         if resume_from is not None:
             self._resume(resume_from)
         log_dir = config.out_dir if self.dist.is_main else None
-        self.logger = RunLogger(log_dir, resume_step=self.step if resume_from is not None else None)
+        self.logger = RunLogger(
+            log_dir,
+            resume_step=self.step if resume_from is not None else None,
+            tensorboard=config.tensorboard,
+            wandb=config.wandb,
+            run_config=config.to_dict(),
+        )
 
         self.model: nn.Module = self.raw_model  # FSDP2 shards in place: no wrapper
         if self.dist.world_size > 1 and not self.fsdp:
@@ -298,6 +323,8 @@ class Trainer:
             return None
         info = {**(info or {}), "seconds": round(self.seconds(), 3)}  # read back on resume
         common = dict(step=self.step, config=cfg.to_dict(), info=info, keep=cfg.keep_checkpoints)
+        # a language model's checkpoints carry its tokenizer (generate, from_pretrained users)
+        common["tokenizer"] = getattr(self.task, "tokenizer", None)
         if self.fsdp:
             return save_sharded_checkpoint(
                 cfg.out_dir, model=self.raw_model, optimizer=self.optimizer, **common
@@ -336,6 +363,12 @@ class Trainer:
         batch = self.task.get_batch(cfg.batch_size, split="train", step=step)
         check_batch(batch, cfg.batch_size)
         ids, labels = batch["input_ids"], batch["labels"]
+        doc_starts = batch.get("doc_starts")  # packed documents (a CPU tensor, like ids)
+        if doc_starts is not None and self.layout.cp_size > 1:
+            raise ValueError(
+                "context_parallel > 1 does not support packed documents yet: set the task's "
+                "pack=false (the rows then run as plain sequences)"
+            )
         n_scored = max(1, int((labels != IGNORE_INDEX).sum()))  # over the GLOBAL batch
         lr = lr_at(
             step,
@@ -348,16 +381,21 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
-        rank_rows = cfg.batch_size // self.dist.world_size
-        start = self.dist.rank * rank_rows
+        rank_rows = cfg.batch_size // self.layout.dp_size
+        start = self.layout.dp_rank * rank_rows
         for micro in range(cfg.grad_accum):
             lo = start + micro * self.micro_batch
-            x = ids[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
-            y = labels[lo : lo + self.micro_batch].to(self.device, non_blocking=True)
+            x = self.layout.tokens(ids[lo : lo + self.micro_batch]).to(
+                self.device, non_blocking=True
+            )
+            y = self.layout.tokens(labels[lo : lo + self.micro_batch]).to(
+                self.device, non_blocking=True
+            )
+            starts = None if doc_starts is None else doc_starts[lo : lo + self.micro_batch]
             sync = micro == cfg.grad_accum - 1 or self.dist.world_size == 1
             with self._grad_sync(sync):
                 with self._autocast():
-                    logits = model_logits(self.model, x)
+                    logits = model_logits(self.model, x, starts)
                 part = F.cross_entropy(
                     logits.float().flatten(0, 1),
                     y.flatten(),
@@ -427,7 +465,8 @@ class Trainer:
             check_batch(batch)
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with self._autocast():
-                logits = model_logits(model, batch["input_ids"]).float()
+                logits = model_logits(model, batch["input_ids"], batch.get("doc_starts"))
+                logits = logits.float()
             if pooled:
                 stats, weight = self.task.metric_sums(logits, batch), 1
             else:
@@ -590,10 +629,11 @@ class Trainer:
 
     def _eval_and_log(self) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        if self.sharded:  # every rank runs the forward passes (they all-gather the weights)
-            metrics = self.evaluate()
-        elif self.dist.is_main:
-            metrics = self.evaluate()
+        with self.layout.whole_sequences():  # context parallel: each process evaluates alone
+            if self.sharded:  # every rank runs the forward passes (they all-gather the weights)
+                metrics = self.evaluate()
+            elif self.dist.is_main:
+                metrics = self.evaluate()
         if self.dist.is_main:
             self.logger.log("eval", self.step, split=self.config.eval_split, **metrics)
             self.logger.flush()
@@ -604,6 +644,18 @@ class Trainer:
     def close(self) -> None:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_tokenizer_fits(model: nn.Module, task: Any) -> None:
+    """A language task's tokenizer must not produce ids past the model's embedding."""
+    tokenizer = getattr(task, "tokenizer", None)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if tokenizer is None or not isinstance(embedding, nn.Embedding):
+        return
+    from deltaflow.tasks.tokenizers import check_vocab_fits
+
+    desc = str(getattr(tokenizer, "path", tokenizer.name))
+    check_vocab_fits(task.vocab_size, embedding.num_embeddings, desc)
 
 
 @contextlib.contextmanager

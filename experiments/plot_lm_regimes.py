@@ -1,6 +1,6 @@
 """Issue 11, item 4: validation perplexity per rule at one pass over the corpus vs ~7 passes.
 
-    python3 results/plot_lm_regimes.py   # writes results/issue11/lm_regimes.png
+    python3 experiments/plot_lm_regimes.py   # writes results/issue11/lm_regimes.png
 
 Reads the committed `runs.jsonl` of `issue11/lm_corpus_1pass` (7.06M tokens a run) and
 `issue11/lm_corpus_50m` (50M tokens: ~7 passes over the 7.07M-token training split) and draws
@@ -18,7 +18,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-HERE = Path(__file__).resolve().parent / "issue11"
+# the committed issue-11 results, whatever the working directory
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "issue11"
 REGIMES = {
     "lm_corpus_1pass": "one pass (7.06M tokens)",
     "lm_corpus_50m": "50M tokens (~7 passes, memorised)",
@@ -39,7 +40,7 @@ ORDER = [  # the claims' variants first, in the order the claims name them
 def load(grid: str) -> dict[str, list[float]]:
     """variant -> ppl@512 of each finished seed."""
     ppl: dict[str, list[float]] = {}
-    for line in (HERE / grid / "runs.jsonl").read_text().splitlines():
+    for line in (RESULTS / grid / "runs.jsonl").read_text().splitlines():
         run = json.loads(line)
         if run.get("status") == "ok":
             ppl.setdefault(run["variant"], []).append(run["eval"]["ppl@512"])
@@ -65,7 +66,7 @@ def main() -> None:
         "31M-parameter models on the offline corpus (a dot per seed, a bar per mean; red: gated)"
     )
     fig.tight_layout()
-    out = HERE / "lm_regimes.png"
+    out = RESULTS / "lm_regimes.png"
     fig.savefig(out, dpi=120)
     print(f"wrote {out}")
 

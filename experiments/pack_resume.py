@@ -1,6 +1,6 @@
 """Pack the newest checkpoints of small unfinished runs, so that they outlive the device machine.
 
-    python3 results/pack_resume.py runs/issue11 $OUT/resume.tgz [--max-mib 15]
+    python3 experiments/pack_resume.py runs/issue11 $OUT/resume.tgz [--max-mib 15]
 
 A device machine goes back 30 s after a call and takes the unfinished runs' checkpoints with
 it: in session 6 two 15,000-step state-tracking runs stopped at steps 14,125 and 14,350 and
@@ -21,7 +21,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from deltaflow.lab.grid import finished_run_dirs
+from deltaflow.lab.runner import finished_run_dirs
 from deltaflow.train.checkpoint import LATEST, checkpoint_dir, latest_checkpoint
 
 MIB = 2**20

@@ -3,7 +3,7 @@
 # leave the GPU mostly idle, so concurrent processes are where the throughput is), then pack their
 # result folders into $OUT. Usage, from the repo root on the device:
 #
-#   bash results/device_batch.sh COMMANDS_FILE [SOLO_PROBE=1] [TIME_LIMIT]
+#   bash experiments/device_batch.sh COMMANDS_FILE [SOLO_PROBE=1] [TIME_LIMIT]
 #
 # COMMANDS_FILE: one `deltaflow compare` argument list per line ('#' lines skipped); every line
 # should carry --resume and a --time-limit that ends before the call's 10-minute kill.
@@ -114,5 +114,5 @@ for log in runs/issue11/logs/cmd*.log; do echo "== $log"; tail -n 4 "$log"; done
 # finished runs live in runs.jsonl; the per-run checkpoint folders stay here (too big for $OUT)
 tar czf "$out/issue11.tgz" -C runs --exclude='issue11/*/runs' --exclude='issue11/*/runs.prev' issue11
 # except small unfinished runs' newest checkpoints: they fit $OUT and the next machine's carry
-python3 results/pack_resume.py runs/issue11 "$out/resume.tgz"
+python3 experiments/pack_resume.py runs/issue11 "$out/resume.tgz"
 ls -la "$out"

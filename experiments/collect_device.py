@@ -1,12 +1,12 @@
-"""Bring one device call's issue-11 results into the repository (after results/device_batch.sh).
+"""Bring one device call's issue-11 results into the repository (after experiments/device_batch.sh).
 
-    python3 results/collect_device.py /work/.device/N/issue11.tgz --call s5c1
+    python3 experiments/collect_device.py /work/.device/N/issue11.tgz --call s5c1
 
 1. unpacks the archive into runs/ (so the next call to a fresh machine can carry runs/issue11);
 2. merges each grid's runs.jsonl into results/issue11/<grid>/runs.jsonl by run id (a fresh
    machine's runs.jsonl holds only that machine's runs: never overwrite, always merge), and
    back into every folder of runs/issue11 that trains that grid (side folders included);
-   With resume.tgz beside the archive (results/pack_resume.py: the newest checkpoints of small
+   With resume.tgz beside the archive (experiments/pack_resume.py: the newest checkpoints of small
    unfinished runs), unpacks it into runs/ too, so those runs continue on the next fresh
    machine instead of starting over; run directories of runs finished since are deleted;
 3. copies the call's logs to results/issue11/logs/<call>_*.log (tokenizer progress dropped);
@@ -14,7 +14,7 @@
    full preset grid (a cell whose sweep is unfinished shows its best so far, marked *).
 Then commit results/issue11.
 
-    python3 results/collect_device.py --prepare-carry
+    python3 experiments/collect_device.py --prepare-carry
 
 builds runs/issue11 from the committed results alone (a fresh checkout has no runs/): every
 device folder gets its grid's finished runs, so the first call's carry skips them.
@@ -30,7 +30,7 @@ import tarfile
 from pathlib import Path
 
 from deltaflow.cli import main as deltaflow_cli
-from deltaflow.lab.grid import finished_run_dirs
+from deltaflow.lab.runner import finished_run_dirs
 
 GRIDS = (
     "state_tracking",

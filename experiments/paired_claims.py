@@ -1,6 +1,6 @@
 """Issue 11: every ordered claim of results/CLAIMS.md as a paired comparison over seeds.
 
-    python3 results/paired_claims.py   # writes results/issue11/paired.md and paired.png
+    python3 experiments/paired_claims.py   # writes results/issue11/paired.md and paired.png
 
 For each claim "A beats B" it reads the committed runs of the grid that measures it, takes
 each variant's best learning rate (as the grid's table does), pairs the two variants' runs by
@@ -21,11 +21,13 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from deltaflow.lab.grid import FINISHED, load_runs, select_best  # noqa: E402
 from deltaflow.lab.paired import PairedDifference, paired_difference  # noqa: E402
 from deltaflow.lab.presets import get_preset  # noqa: E402
+from deltaflow.lab.runner import FINISHED, load_runs  # noqa: E402
+from deltaflow.lab.select import select_best  # noqa: E402
 
-HERE = Path(__file__).resolve().parent / "issue11"
+# the committed issue-11 results, whatever the working directory
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "issue11"
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def measure(claim: Claim) -> PairedDifference:
         preset = replace(preset, metric=claim.metric)
     records = [
         r
-        for r in load_runs(HERE / claim.grid / "runs.jsonl").values()
+        for r in load_runs(RESULTS / claim.grid / "runs.jsonl").values()
         if r.get("status") in FINISHED  # an unfinished run is no result
         and r["variant"] in (claim.a, claim.b)
         and r["cell"] == claim.cell
@@ -102,7 +104,7 @@ def measure(claim: Claim) -> PairedDifference:
 def length_ratios(grid: str) -> dict[str, list[float]]:
     """variant -> ppl@1024 / ppl@512 of each finished run (extrapolation to 2x length)."""
     ratios: dict[str, list[float]] = {}
-    for run in load_runs(HERE / grid / "runs.jsonl").values():
+    for run in load_runs(RESULTS / grid / "runs.jsonl").values():
         if run.get("status") == "ok":
             e = run["eval"]
             ratios.setdefault(run["variant"], []).append(e["ppl@1024"] / e["ppl@512"])
@@ -178,7 +180,7 @@ def main() -> None:
     )
     text = f"""# Issue 11's claims, paired by seed
 
-Made by `python3 results/paired_claims.py` from the committed `runs.jsonl` of each grid
+Made by `python3 experiments/paired_claims.py` from the committed `runs.jsonl` of each grid
 (`deltaflow.lab.paired`). For each claim "A ahead of B": each variant's best learning rate
 (as in the grid's table), the runs paired by seed (same seed: same data and initialisation
 streams), A's lead on every seed in the metric's good direction (ppl: B − A; accuracy:
@@ -196,9 +198,9 @@ t = 12.7, so a two-seed interval rarely excludes zero: that is what two seeds ca
 | --- | --- | --- | --- |
 {length_rows}
 """
-    (HERE / "paired.md").write_text(text)
-    plot(results, HERE / "paired.png")
-    print(f"wrote {HERE / 'paired.md'} and paired.png")
+    (RESULTS / "paired.md").write_text(text)
+    plot(results, RESULTS / "paired.png")
+    print(f"wrote {RESULTS / 'paired.md'} and paired.png")
 
 
 if __name__ == "__main__":

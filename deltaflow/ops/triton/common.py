@@ -1,0 +1,122 @@
+"""What every stage's kernels share: the chunk length, the chunk tables of a (varlen) batch,
+and the small loads and products the kernels are written with. Equations: docs/design.md."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Tokens per chunk, C of docs/design.md §3. The prepare kernel's block substitution is built
+# for it (four sub-blocks of SUB tokens), so it is a constant, not a tunable; the torch backend's
+# chunk_size is free. Block widths (BK, BV: head-dimension columns a program holds) are not
+# chunk lengths: they are derived from the head dims and the launch settings.
+CHUNK = tl.constexpr(64)
+SUB = tl.constexpr(16)  # tokens per sub-block of the prepare kernel (CHUNK = 4 · SUB)
+
+
+def head_block(n: int) -> int:
+    """Register block covering a head dim of ``n`` columns: a power of two, at least 16
+    (the smallest tl.dot operand)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def dot_precision(dot_dtype: torch.dtype) -> str:
+    """fp32 operands multiply exactly ("ieee"); bf16/fp16 ones with the tensor cores."""
+    return "ieee" if dot_dtype == torch.float32 else "tf32"
+
+
+class ChunkTables(NamedTuple):
+    """Where the sequences and chunks of a batch lie in the flattened [B·T] token axis."""
+
+    cu_seqlens: Tensor  # int32 [N + 1]: first token of each sequence
+    chunk_offsets: Tensor  # int32 [N + 1]: first chunk of each sequence
+    chunk_indices: Tensor  # int32 [n_chunks, 2]: (sequence, chunk in sequence) of every chunk
+    n_chunks: int
+
+
+def chunk_tables(cu_seqlens: Tensor | None, B: int, T: int, device: torch.device) -> ChunkTables:
+    """The chunk tables of ``B`` sequences of ``T`` tokens, or of the packed ``cu_seqlens``."""
+    C = CHUNK.value
+    if cu_seqlens is None:
+        cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
+        per_seq = torch.full((B,), triton.cdiv(T, C), device=device, dtype=torch.int32)
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
+        per_seq = (cu[1:] - cu[:-1] + C - 1) // C
+    chunk_offsets = torch.zeros(per_seq.numel() + 1, device=device, dtype=torch.int32)
+    chunk_offsets[1:] = per_seq.cumsum(0)
+    # (sequence, chunk-in-sequence) for every chunk: the grid of the per-chunk kernels
+    n_chunks = B * triton.cdiv(T, C) if cu_seqlens is None else int(chunk_offsets[-1])
+    seq_of_chunk = torch.repeat_interleave(
+        torch.arange(per_seq.numel(), device=device, dtype=torch.int32),
+        per_seq.long(),
+        output_size=n_chunks,
+    )
+    chunk_in_seq = torch.arange(n_chunks, device=device, dtype=torch.int32) - chunk_offsets[
+        :-1
+    ].long()[seq_of_chunk.long()].to(torch.int32)
+    chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1).contiguous()
+    return ChunkTables(cu, chunk_offsets, chunk_indices, n_chunks)
+
+
+@triton.jit
+def chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c):
+    """First token of chunk ``i_c`` and the end of its sequence, from the chunk table."""
+    i_n = tl.load(chunk_indices_ptr + 2 * i_c)
+    i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
+    return tl.load(cu_seqlens_ptr + i_n) + i_j * CHUNK, tl.load(cu_seqlens_ptr + i_n + 1)
+
+
+@triton.jit
+def load_rows(ptr, offs_t, mask_t, i_h, offs_d, mask_d, H: tl.constexpr, D: tl.constexpr):
+    """Rows ``offs_t`` of head ``i_h`` of a [.., T, H, D] tensor (zeros where masked)."""
+    return tl.load(
+        ptr + (offs_t[:, None] * H + i_h) * D + offs_d[None, :],
+        mask=mask_t[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def load_gates(
+    beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr
+):
+    """β (1 where there is none) and log α (0 where there is no decay) of tokens ``offs_t``."""
+    if HAS_BETA:
+        b_beta = tl.load(beta_ptr + offs_t * H + i_h, mask=mask_t, other=0.0).to(tl.float32)
+    else:
+        b_beta = tl.where(mask_t, 1.0, 0.0)
+    if HAS_DECAY:
+        b_g = tl.load(g_ptr + offs_t * H + i_h, mask=mask_t, other=0.0).to(tl.float32)
+    else:
+        b_g = tl.zeros_like(b_beta)
+    return b_beta, b_g
+
+
+@triton.jit
+def chunk_gamma(g_ptr, offs_t, mask_t, i_h, H: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """γ_i = Σ_{j≤i} log α_j inside the chunk (0 without decay; padding adds 0)."""
+    if HAS_DECAY:
+        b_g = tl.load(g_ptr + offs_t * H + i_h, mask=mask_t, other=0.0).to(tl.float32)
+    else:
+        b_g = tl.zeros([CHUNK], dtype=tl.float32)
+    return tl.cumsum(b_g, axis=0)
+
+
+@triton.jit
+def decay_matrix(gamma):
+    """e^{γ_i − γ_j} for j ≤ i, 0 above the diagonal: always from the difference, never as
+    Γ_i / Γ_j (which underflows), and masked before the exp (no overflow to mask)."""
+    rows = tl.arange(0, CHUNK)
+    causal = rows[:, None] >= rows[None, :]
+    return tl.exp(tl.where(causal, gamma[:, None] - gamma[None, :], -float("inf")))
+
+
+@triton.jit
+def mm(x, y, PREC: tl.constexpr, DT: tl.constexpr):
+    """x @ y with operands in DT, accumulated in fp32."""
+    return tl.dot(x.to(DT), y.to(DT), input_precision=PREC)

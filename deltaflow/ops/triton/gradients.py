@@ -1,0 +1,351 @@
+"""Stage 3 of the backward, parallel over every chunk: every gradient but the state's,
+(9)–(12) of docs/design.md §7, from what the backward's prepare (T), state pass (S_0, U) and
+reverse pass (G, dU) stored.
+
+Two kernels rather than one (one spilled registers): ``chunk_grads_v_kernel``, the value side
+(dv, and two C×C matrices and three row vectors for the key side), then
+``chunk_grads_k_kernel``: dq, dk, dβ and dλ through the rule table's derivatives, and d log α
+by a reverse cumulative sum in the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from deltaflow.ops.triton import rules as rule_table
+from deltaflow.ops.triton.common import (
+    CHUNK,
+    ChunkTables,
+    chunk_bounds,
+    decay_matrix,
+    dot_precision,
+    head_block,
+    load_gates,
+    load_rows,
+)
+
+# Launch settings (benchmarks/NOTES.md; benchmarks/tune_backward.py sweeps them). fp32 operands
+# take twice the shared memory: GRADS_BV_FP32 value columns there.
+GRADS_BV = 64
+GRADS_BV_FP32 = 32
+GRADS_WARPS = 8
+
+
+@triton.jit
+def _load_t_transposed(t_ptr, c, i_h, H):
+    """Tᵀ of chunk c and head i_h, as the prepare kernel stored it (fp32)."""
+    rows = tl.arange(0, CHUNK)
+    T = tl.load(t_ptr + (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :])
+    return tl.trans(T)
+
+
+@triton.jit
+def _chunk_keys(
+    q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+):
+    """What both gradient kernels load for a chunk: q, k, β, λ = ‖k‖², a, b (0 past eos), γ."""
+    rows = tl.arange(0, CHUNK)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
+    offs_k = tl.arange(0, BK)
+    b_q = load_rows(q_ptr, offs_t, mask_t, i_h, offs_k, offs_k < Dk, H, Dk)
+    b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, offs_k < Dk, H, Dk)
+    b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
+    k32 = b_k.to(tl.float32)
+    lam = tl.sum(k32 * k32, axis=1)
+    a, b = rule_table.strengths(b_beta, lam, eps, RULE, NEG)
+    a = tl.where(mask_t, a, 0.0)
+    b = tl.where(mask_t, b, 0.0)
+    return b_q, b_k, b_beta, lam, a, b, tl.cumsum(b_g, axis=0)
+
+
+@triton.jit
+def chunk_grads_v_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    t_ptr,
+    v_new_ptr,
+    du_ptr,
+    do_ptr,
+    dv_ptr,
+    m_ptr,
+    r_ptr,
+    cu_seqlens_ptr,
+    chunk_indices_ptr,
+    scale,
+    eps,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    RULE: tl.constexpr,
+    NEG: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """(9), (11) for one chunk and head, the value side: over value blocks dP = dO Uᵀ and
+    dY = Tᵀ dU (so dv = b·dY, db = Σ dY ⊙ V) with dY Uᵀ; then the two C×C matrices the key side
+    needs, M_P = scale·dP ⊙ e^{γ_i − γ_j} (j ≤ i) and M_A = dA ⊙ a_i e^{γ_i − γ_j} with
+    dA = −dY Uᵀ on j < i, and three row vectors: da from A, dγ from the decay matrix, db."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    DT = v_new_ptr.dtype.element_ty
+    c = i_c.to(tl.int64)
+    rows = tl.arange(0, CHUNK)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
+    # The write strength b first; q, k and the rest are loaded again after the loop (from L2)
+    # rather than kept in registers across it.
+    _, _, _, _, _, b, _ = _chunk_keys(
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+    )
+    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
+
+    dP = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO Uᵀ
+    dYU = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dY Uᵀ
+    db = tl.zeros([CHUNK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(Dv, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < Dv
+        b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_u = load_rows(v_new_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_du = load_rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_v = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
+        dP += tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
+        # dY = Tᵀ dU: the gradient of Ũ = T diag(b) V, through (4)
+        dY = tl.dot(T_t, b_du, input_precision=PREC)
+        dYU += tl.dot(dY.to(DT), tl.trans(b_u), input_precision=PREC)
+        db += tl.sum(dY * b_v, axis=1)
+        tl.store(
+            dv_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
+            (b[:, None] * dY).to(dv_ptr.dtype.element_ty),
+            mask=mask_t[:, None] & mask_v[None, :],
+        )
+
+    b_q, b_k, _, _, a, _, gamma = _chunk_keys(
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+    )
+    decay = decay_matrix(gamma)
+    QK = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    KK = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    dP = scale * dP
+    # (11) dA = −(Tᵀ dU)(Ũ − W S_0)ᵀ = −dY Uᵀ on j < i, with A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j
+    dA = tl.where(rows[:, None] > rows[None, :], -dYU, 0.0)
+    da = tl.sum(dA * decay * KK, axis=1)
+    # (12) the decay matrix e^{γ_i − γ_j} enters P (5) and A (3)
+    dE = (dP * QK + dA * a[:, None] * KK) * decay
+    dgamma = tl.sum(dE, axis=1) - tl.sum(dE, axis=0)
+    m_offs = (c * H + i_h) * (2 * CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
+    tl.store(m_ptr + m_offs, (dP * decay).to(m_ptr.dtype.element_ty))
+    tl.store(m_ptr + CHUNK * CHUNK + m_offs, (dA * a[:, None] * decay).to(m_ptr.dtype.element_ty))
+    r_offs = (c * H + i_h) * (3 * CHUNK) + rows
+    tl.store(r_ptr + r_offs, da)
+    tl.store(r_ptr + CHUNK + r_offs, dgamma)
+    tl.store(r_ptr + 2 * CHUNK + r_offs, db)
+
+
+@triton.jit
+def chunk_grads_k_kernel(
+    q_ptr,
+    k_ptr,
+    beta_ptr,
+    g_ptr,
+    t_ptr,
+    h_ptr,
+    dh_ptr,
+    v_new_ptr,
+    du_ptr,
+    do_ptr,
+    m_ptr,
+    r_ptr,
+    dq_ptr,
+    dk_ptr,
+    dbeta_ptr,
+    dg_ptr,
+    cu_seqlens_ptr,
+    chunk_indices_ptr,
+    scale,
+    eps,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    RULE: tl.constexpr,
+    NEG: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """(9)–(12) for one chunk and head, the key side. Over value blocks: dO S_0ᵀ (q's part
+    through diag(Γ) Q S_0), U Gᵀ (the surviving keys' part of (6)) and dX = −dY S_0ᵀ (the
+    gradient of X = diag(aΓ) K in W = T X). Then dq, dk, the rule's dβ and dλ (dk += 2 dλ k),
+    and d log α as a reverse cumulative sum of dγ inside the chunk."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    DT = v_new_ptr.dtype.element_ty
+    c = i_c.to(tl.int64)
+    rows = tl.arange(0, CHUNK)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < Dk
+    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
+
+    dQS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO S_0ᵀ
+    dKte = tl.zeros([CHUNK, BK], dtype=tl.float32)  # U Gᵀ
+    dX = tl.zeros([CHUNK, BK], dtype=tl.float32)  # −dY S_0ᵀ
+    gs = tl.zeros([BK, BV], dtype=tl.float32)  # G ⊙ S_0, summed at the end
+    for i_v in range(0, tl.cdiv(Dv, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < Dv
+        b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_u = load_rows(v_new_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_du = load_rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        state_offs = (c * H + i_h) * Dk * Dv + offs_k[:, None] * Dv + offs_v[None, :]
+        state_mask = mask_k[:, None] & mask_v[None, :]
+        S0 = tl.load(h_ptr + state_offs, mask=state_mask, other=0.0)
+        G = tl.load(dh_ptr + state_offs, mask=state_mask, other=0.0)
+        dQS += tl.dot(b_do, tl.trans(S0), input_precision=PREC)
+        dKte += tl.dot(b_u, tl.trans(G), input_precision=PREC)
+        dY = tl.dot(T_t, b_du, input_precision=PREC)
+        dX -= tl.dot(dY.to(DT), tl.trans(S0), input_precision=PREC)
+        gs += G.to(tl.float32) * S0.to(tl.float32)
+
+    b_q, b_k, b_beta, lam, a, b, gamma = _chunk_keys(
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+    )
+    Gamma = tl.exp(gamma)
+    gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
+    to_end = tl.exp(gamma_last - gamma)
+    k32 = b_k.to(tl.float32)
+    r_offs = (c * H + i_h) * (3 * CHUNK) + rows
+    m_offs = (c * H + i_h) * (2 * CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
+    M_P = tl.load(m_ptr + m_offs)
+    # (9) the output (5): diag(Γ) Q S_0 and P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}
+    dq = scale * Gamma[:, None] * dQS + tl.dot(M_P, b_k, input_precision=PREC)
+    dk = tl.dot(tl.trans(M_P), b_q, input_precision=PREC)
+    d_Gamma = scale * tl.sum(b_q.to(tl.float32) * dQS, axis=1)
+    # (10) the state update (6) through K̃ = diag(e^{γ_C − γ}) K
+    dk += to_end[:, None] * dKte
+    t = tl.sum(dKte * k32 * to_end[:, None], axis=1)
+    # (11) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j (both keys), and X = diag(aΓ) K
+    M_A = tl.load(m_ptr + CHUNK * CHUNK + m_offs)
+    dk += tl.dot(M_A, b_k, input_precision=PREC)
+    dk += tl.dot(tl.trans(M_A), b_k, input_precision=PREC)
+    xk = tl.sum(dX * k32, axis=1)
+    da = tl.load(r_ptr + r_offs) + Gamma * xk
+    db = tl.load(r_ptr + 2 * CHUNK + r_offs)
+    dk += (a * Gamma)[:, None] * dX
+    # (12) dγ: the decay matrix (from the value side), Γ_i, and γ_C through (6)
+    d_gamma = tl.load(r_ptr + CHUNK + r_offs) - t + (d_Gamma + a * xk) * Gamma
+    d_gamma_last = tl.sum(t, axis=0) + tl.exp(gamma_last) * tl.sum(tl.sum(gs, axis=1), axis=0)
+    d_gamma += tl.where(rows == CHUNK - 1, d_gamma_last, 0.0)
+    d_log_alpha = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
+
+    # The rule: a(β, λ), b(β, λ) with λ = ‖k‖², so dk += 2 dλ k
+    da_dbeta, da_dlam, db_dbeta, db_dlam = rule_table.derivatives(b_beta, lam, eps, RULE, NEG)
+    dk += (2.0 * (da * da_dlam + db * db_dlam))[:, None] * k32
+
+    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
+    k_mask = mask_t[:, None] & mask_k[None, :]
+    tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(dk_ptr + k_offs, dk.to(dk_ptr.dtype.element_ty), mask=k_mask)
+    if HAS_BETA:
+        dbeta = da * da_dbeta + db * db_dbeta
+        tl.store(dbeta_ptr + offs_t * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
+    if HAS_DECAY:
+        tl.store(dg_ptr + offs_t * H + i_h, d_log_alpha.to(dg_ptr.dtype.element_ty), mask=mask_t)
+
+
+def launch_gradients(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    t: Tensor,
+    h: Tensor,
+    v_new: Tensor,
+    dh: Tensor,
+    du: Tensor,
+    grad_o: Tensor,
+    tables: ChunkTables,
+    kernel_id: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+    scratch_m: Tensor,
+    scratch_r: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    dbeta: Tensor | None,
+    dlog_decay: Tensor | None,
+) -> None:
+    """(9)–(12) for every chunk: ``dq``, ``dk``, ``dv`` and, where given, ``dbeta`` and
+    ``dlog_decay``. ``scratch_m`` ([chunks, H, 2, CHUNK, CHUNK], dot dtype) and ``scratch_r``
+    ([chunks, H, 3, CHUNK], fp32) carry the value side's results to the key side."""
+    if tables.n_chunks == 0:
+        return
+    H, Dk, Dv = q.shape[2], q.shape[3], v.shape[3]
+    fp32 = q.dtype == torch.float32
+    common = dict(
+        beta_ptr=q if beta is None else beta,  # absent pointers are never read: flags say so
+        g_ptr=q if log_decay is None else log_decay,
+        cu_seqlens_ptr=tables.cu_seqlens,
+        chunk_indices_ptr=tables.chunk_indices,
+        scale=scale,
+        eps=eps,
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        BK=head_block(Dk),
+        BV=min(head_block(Dv), GRADS_BV_FP32 if fp32 else GRADS_BV),
+        RULE=kernel_id,
+        NEG=bool(negative_eigenvalues),
+        HAS_BETA=beta is not None,
+        HAS_DECAY=log_decay is not None,
+        PREC=dot_precision(q.dtype),
+        num_warps=GRADS_WARPS,
+    )
+    grid = (tables.n_chunks, H)
+    chunk_grads_v_kernel[grid](
+        q_ptr=q,
+        k_ptr=k,
+        v_ptr=v,
+        t_ptr=t,
+        v_new_ptr=v_new,
+        du_ptr=du,
+        do_ptr=grad_o,
+        dv_ptr=dv,
+        m_ptr=scratch_m,
+        r_ptr=scratch_r,
+        **common,
+    )
+    chunk_grads_k_kernel[grid](
+        q_ptr=q,
+        k_ptr=k,
+        t_ptr=t,
+        h_ptr=h,
+        dh_ptr=dh,
+        v_new_ptr=v_new,
+        du_ptr=du,
+        do_ptr=grad_o,
+        m_ptr=scratch_m,
+        r_ptr=scratch_r,
+        dq_ptr=dq,
+        dk_ptr=dk,
+        dbeta_ptr=q if dbeta is None else dbeta,
+        dg_ptr=q if dlog_decay is None else dlog_decay,
+        **common,
+    )

@@ -1,0 +1,190 @@
+"""The Triton rule table: every built-in rule's in-kernel form, strengths and derivatives in
+one place, selected by the ``kernel_id`` its :class:`~deltaflow.rules.StepRule` declares.
+
+Each entry computes, elementwise from ``β``, ``λ = ‖k‖²`` and ``ε``, the erase and write
+strengths ``(a, b)`` of ``deltaflow/rules.py`` and their four partial derivatives (the fused
+backward's dβ and dλ, docs/design.md §7). The kernels call :func:`strengths` and
+:func:`derivatives`; an id without an entry stops compilation with a ``static_assert`` (and
+:func:`check_kernel_id` refuses it before launch), so a forgotten rule can never run another.
+
+Adding a built-in rule: its :class:`StepRule` in ``deltaflow/rules.py`` (with a new
+``kernel_id``), its entry here (a function and a branch in :func:`_table`), and tests
+(``tests/test_rule_table.py`` checks every entry's derivatives against autograd of the rule's
+PyTorch definition; the op tests run every rule of ``RULES``). Nothing else names a rule.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from deltaflow.rules import EFLA_SERIES_CUTOFF, EFLA_SERIES_TERMS, RULES
+
+
+def _id(name: str) -> tl.constexpr:
+    return tl.constexpr(RULES[name].kernel_id)
+
+
+LINEAR = _id("linear")
+DELTA = _id("delta")
+EFLA = _id("efla")
+LONGHORN = _id("longhorn")
+TRAPEZOID = _id("trapezoid")
+KACZMARZ = _id("kaczmarz")
+RELAXED_KACZMARZ = _id("relaxed_kaczmarz")
+# The ids this table implements (what check_kernel_id accepts).
+KERNEL_IDS = tuple(
+    i.value for i in (LINEAR, DELTA, EFLA, LONGHORN, TRAPEZOID, KACZMARZ, RELAXED_KACZMARZ)
+)
+
+# EFLA's series: the same cut-off and length as deltaflow.rules.efla_phi (the bound is there).
+SERIES_CUTOFF = tl.constexpr(EFLA_SERIES_CUTOFF)
+SERIES_TERMS = tl.constexpr(EFLA_SERIES_TERMS)
+
+
+def check_kernel_id(kernel_id: int | None, name: str) -> int:
+    """The id to launch with, or a ValueError naming the rule that has no Triton form."""
+    if kernel_id not in KERNEL_IDS:
+        raise ValueError(
+            f"rule {name!r} has kernel_id {kernel_id!r}, which the Triton rule table "
+            f"(deltaflow/ops/triton/rules.py) does not implement; known ids: {KERNEL_IDS}"
+        )
+    return kernel_id
+
+
+# ---------------------------------------------------------------------------------------------
+# The entries: (a, b, ∂a/∂β, ∂a/∂λ, ∂b/∂β, ∂b/∂λ). Constant derivatives are written as
+# `zero + c` so that every value has β's shape. Unused values cost nothing (the compiler drops
+# them: the forward kernels ask for the strengths only).
+
+
+@triton.jit
+def _linear(beta, lam, eps):
+    """a = 0, b = β."""
+    zero = lam * 0.0
+    return zero, beta, zero, zero, zero + 1.0, zero
+
+
+@triton.jit
+def _delta(beta, lam, eps):
+    """a = b = β."""
+    zero = lam * 0.0
+    return beta, beta, zero + 1.0, zero, zero + 1.0, zero
+
+
+@triton.jit
+def _phi_series(h):
+    """φ(h) = (1 − e^{−h})/h = 1 − (h/2)(1 − (h/3)(1 − …)), SERIES_TERMS terms."""
+    p = h * 0.0 + 1.0
+    for n in tl.static_range(SERIES_TERMS - 1, 0, -1):
+        p = 1.0 - h * (1.0 / (n + 1)) * p
+    return p
+
+
+@triton.jit
+def _dphi_series(h):
+    """φ'(h) = −½(1 − h·2/(1·3)(1 − h·3/(2·4)(1 − …))), SERIES_TERMS − 1 terms (the ratio of
+    term n to term n − 1 is −h·n/((n − 1)(n + 1)))."""
+    p = h * 0.0 + 1.0
+    for n in tl.static_range(SERIES_TERMS - 1, 1, -1):
+        p = 1.0 - h * (n / ((n - 1) * (n + 1))) * p
+    return -0.5 * p
+
+
+@triton.jit
+def _efla(beta, lam, eps):
+    """a = b = β φ(h), h = βλ: ∂a/∂β = φ + hφ' = e^{−h}, ∂a/∂λ = β² φ'(h). φ and φ' by their
+    series below SERIES_CUTOFF, by the closed forms above (error bound: deltaflow/rules.py)."""
+    h = beta * lam
+    small = h < SERIES_CUTOFF
+    h_series = tl.where(small, h, 0.0)
+    h_closed = tl.where(small, 1.0, h)
+    e = tl.exp(-h_closed)
+    phi = tl.where(small, _phi_series(h_series), (1.0 - e) / h_closed)
+    dphi_closed = (e * (1.0 + h_closed) - 1.0) / (h_closed * h_closed)
+    dphi = tl.where(small, _dphi_series(h_series), dphi_closed)
+    a = beta * phi
+    da_dbeta = tl.exp(-h)
+    da_dlam = beta * beta * dphi
+    return a, a, da_dbeta, da_dlam, da_dbeta, da_dlam
+
+
+@triton.jit
+def _longhorn(beta, lam, eps):
+    """a = b = β/(1 + h)."""
+    r = 1.0 / (1.0 + beta * lam)
+    a = beta * r
+    da_dbeta = r * r
+    da_dlam = -beta * beta * r * r
+    return a, a, da_dbeta, da_dlam, da_dbeta, da_dlam
+
+
+@triton.jit
+def _trapezoid(beta, lam, eps):
+    """a = b = β/(1 + h/2)."""
+    r = 1.0 / (1.0 + 0.5 * beta * lam)
+    a = beta * r
+    da_dbeta = r * r
+    da_dlam = -0.5 * beta * beta * r * r
+    return a, a, da_dbeta, da_dlam, da_dbeta, da_dlam
+
+
+@triton.jit
+def _kaczmarz(beta, lam, eps):
+    """a = b = 1/(λ + ε) (β unused)."""
+    r = 1.0 / (lam + eps)
+    zero = lam * 0.0
+    return r, r, zero, -r * r, zero, -r * r
+
+
+@triton.jit
+def _relaxed_kaczmarz(beta, lam, eps):
+    """a = b = β/(λ + ε)."""
+    r = 1.0 / (lam + eps)
+    a = beta * r
+    da_dlam = -beta * r * r
+    return a, a, r, da_dlam, r, da_dlam
+
+
+@triton.jit
+def _table(beta, lam, eps, RULE: tl.constexpr):
+    """The entry of kernel id RULE. A constexpr if-chain: only the selected branch is compiled,
+    and an id with no entry fails compilation."""
+    if RULE == LINEAR:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _linear(beta, lam, eps)
+    elif RULE == DELTA:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _delta(beta, lam, eps)
+    elif RULE == EFLA:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _efla(beta, lam, eps)
+    elif RULE == LONGHORN:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _longhorn(beta, lam, eps)
+    elif RULE == TRAPEZOID:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _trapezoid(beta, lam, eps)
+    elif RULE == KACZMARZ:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _kaczmarz(beta, lam, eps)
+    elif RULE == RELAXED_KACZMARZ:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _relaxed_kaczmarz(beta, lam, eps)
+    else:
+        tl.static_assert(False, "no entry for this kernel_id in deltaflow/ops/triton/rules.py")
+    return a, b, da_dbeta, da_dlam, db_dbeta, db_dlam
+
+
+@triton.jit
+def strengths(beta, lam, eps, RULE: tl.constexpr, NEG: tl.constexpr):
+    """Erase and write strengths (a, b) of rule RULE, elementwise. NEG (negative eigenvalues):
+    both doubled, μ → 2μ − 1."""
+    a, b, _, _, _, _ = _table(beta, lam, eps, RULE)
+    if NEG:
+        a = 2.0 * a
+        b = 2.0 * b
+    return a, b
+
+
+@triton.jit
+def derivatives(beta, lam, eps, RULE: tl.constexpr, NEG: tl.constexpr):
+    """∂a/∂β, ∂a/∂λ, ∂b/∂β, ∂b/∂λ of :func:`strengths`, elementwise."""
+    _, _, da_dbeta, da_dlam, db_dbeta, db_dlam = _table(beta, lam, eps, RULE)
+    if NEG:
+        da_dbeta, da_dlam = 2.0 * da_dbeta, 2.0 * da_dlam
+        db_dbeta, db_dlam = 2.0 * db_dbeta, 2.0 * db_dlam
+    return da_dbeta, da_dlam, db_dbeta, db_dlam

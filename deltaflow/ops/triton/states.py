@@ -1,0 +1,410 @@
+"""Stage 2, the state passes: one program per sequence, head and block of value columns walks
+the chunks in order (the only sequential work), with the state in registers.
+
+- ``chunk_forward_kernel``: the forward in one pass, (4)–(6) of docs/design.md §3: ``U = Ũ − W S``,
+  the chunk's outputs (5) and the state update (6). It never sees β or the rule.
+- ``chunk_states_kernel``: the state pass alone, (4) and (6), storing the state entering every
+  chunk and U for the per-chunk output kernel (outputs.py) and the gradients (gradients.py).
+  With few sequences × heads, more programs with narrower value blocks beat the fused kernel.
+- ``chunk_dstates_kernel``: the backward's reverse pass, (7)–(8) of docs/design.md §7: the
+  state's gradient from the last chunk to the first, storing it leaving every chunk, and dU.
+
+From a chunk's first non-finite token on (``first_bad``, from the prepare kernel), outputs and
+states are NaN: a poison added to the row scale Γ_i and to stored states, never a product with
+a masked future (docs/design.md §8).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from deltaflow.ops.triton.common import (
+    CHUNK,
+    ChunkTables,
+    chunk_gamma,
+    decay_matrix,
+    dot_precision,
+    head_block,
+    load_rows,
+)
+
+# Launch settings (benchmarks/NOTES.md; benchmarks/tune_backward.py sweeps them).
+# The fused forward: 64 value columns (32 in fp32, whose operands take twice the shared memory),
+# 4 warps. Triton 3.6 on Hopper miscompiles it with 16/32 columns in bf16 (compute-sanitizer:
+# invalid __shared__ read).
+FUSED_BV = 64
+FUSED_BV_FP32 = 32
+FUSED_WARPS = 4
+FUSED_STAGES = 1
+TWO_PASS_BV = 64  # the forward's state pass; 32 crashes in bf16 on Hopper with Triton 3.6
+STATES_WARPS = 4
+STATES_STAGES = 1
+BWD_STATES_BV = 64  # the state pass recomputed by the backward
+DSTATES_BV = 64
+DSTATES_WARPS = 4
+DSTATES_STAGES = 1
+
+
+@triton.jit
+def chunk_forward_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    g_ptr,
+    s0_ptr,
+    o_ptr,
+    sT_ptr,
+    first_bad_ptr,
+    cu_seqlens_ptr,
+    chunk_offsets_ptr,
+    scale,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """(4)–(6) along one sequence for one head and BV value columns, state S in registers."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens_ptr + i_n)
+    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    c_first = tl.load(chunk_offsets_ptr + i_n)
+    DT = w_ptr.dtype.element_ty  # matrix-unit operand dtype (bf16/fp16, or fp32 exactly)
+
+    rows = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < Dk
+    mask_v = offs_v < Dv
+    causal = rows[:, None] >= rows[None, :]
+    state_offs = (i_nh.to(tl.int64) * Dk + offs_k[:, None]) * Dv + offs_v[None, :]
+    state_mask = mask_k[:, None] & mask_v[None, :]
+    if HAS_S0:
+        S = tl.load(s0_ptr + state_offs, mask=state_mask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+
+    poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
+    n_chunks = tl.cdiv(eos - bos, CHUNK)
+    for j in range(0, n_chunks):
+        offs_t = bos + j * CHUNK + rows
+        mask_t = offs_t < eos
+        first_bad = tl.load(first_bad_ptr + (c_first + j) * H + i_h)
+        row_poison = poison + tl.where(rows >= first_bad, float("nan"), 0.0)
+        k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
+        k_mask = mask_t[:, None] & mask_k[None, :]
+        v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
+        v_mask = mask_t[:, None] & mask_v[None, :]
+        b_w = tl.load(w_ptr + k_offs, mask=k_mask, other=0.0)
+        b_u = tl.load(u_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
+        b_k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)
+        b_q = tl.load(q_ptr + k_offs, mask=k_mask, other=0.0)
+        if HAS_DECAY:
+            b_g = tl.load(g_ptr + offs_t * H + i_h, mask=mask_t, other=0.0).to(tl.float32)
+        else:
+            b_g = tl.zeros([CHUNK], dtype=tl.float32)
+        gamma = tl.cumsum(b_g, axis=0)  # γ_i
+        gamma_last = tl.sum(b_g, axis=0)  # γ_C (padding adds log α = 0)
+
+        # (4) U = Ũ − W S_0   (critical path: this dot and the state update below)
+        U = b_u - tl.dot(b_w.to(DT), S.to(DT), input_precision=PREC)
+        # (5) O = scale [diag(Γ) Q S_0 + ((Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}) U]
+        decay = decay_matrix(gamma)
+        P = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay, 0.0)
+        row_scale = tl.exp(gamma) + row_poison
+        b_o = row_scale[:, None] * tl.dot(b_q.to(DT), S.to(DT), input_precision=PREC)
+        b_o += tl.dot(P.to(DT), U.to(DT), input_precision=PREC)
+        tl.store(o_ptr + v_offs, (scale * b_o).to(o_ptr.dtype.element_ty), mask=v_mask)
+        # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
+        k_to_end = (b_k.to(tl.float32) * tl.exp(gamma_last - gamma)[:, None]).to(DT)
+        S = tl.exp(gamma_last) * S + tl.dot(tl.trans(k_to_end), U.to(DT), input_precision=PREC)
+        poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
+
+    tl.store(sT_ptr + state_offs, S + poison, mask=state_mask)
+
+
+def launch_forward(
+    q: Tensor,
+    k: Tensor,
+    *,
+    w: Tensor,
+    u: Tensor,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    first_bad: Tensor,
+    tables: ChunkTables,
+    scale: float,
+    o: Tensor,
+    final_state: Tensor,
+) -> None:
+    """The fused forward: ``o`` (like v) and ``final_state`` ([N, H, Dk, Dv] fp32)."""
+    H, Dk, Dv = q.shape[2], q.shape[3], u.shape[3]
+    N = tables.cu_seqlens.numel() - 1
+    BV = min(head_block(Dv), FUSED_BV_FP32 if q.dtype == torch.float32 else FUSED_BV)
+    chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
+        q_ptr=q,
+        k_ptr=k,
+        w_ptr=w,
+        u_ptr=u,
+        g_ptr=q if log_decay is None else log_decay,
+        s0_ptr=q if initial_state is None else initial_state,
+        o_ptr=o,
+        sT_ptr=final_state,
+        first_bad_ptr=first_bad,
+        cu_seqlens_ptr=tables.cu_seqlens,
+        chunk_offsets_ptr=tables.chunk_offsets,
+        scale=scale,
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        BK=head_block(Dk),
+        BV=BV,
+        HAS_DECAY=log_decay is not None,
+        HAS_S0=initial_state is not None,
+        PREC=dot_precision(q.dtype),
+        num_warps=FUSED_WARPS,
+        num_stages=FUSED_STAGES,
+    )
+
+
+@triton.jit
+def chunk_states_kernel(
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    g_ptr,
+    s0_ptr,
+    h_ptr,
+    v_new_ptr,
+    sT_ptr,
+    first_bad_ptr,
+    cu_seqlens_ptr,
+    chunk_offsets_ptr,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    HAS_S0: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
+    States after a chunk with a non-finite input are stored as NaN."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens_ptr + i_n)
+    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    c_first = tl.load(chunk_offsets_ptr + i_n)
+    DT = w_ptr.dtype.element_ty
+
+    rows = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < Dk
+    mask_v = offs_v < Dv
+    state_mask = mask_k[:, None] & mask_v[None, :]
+    state_offs = offs_k[:, None] * Dv + offs_v[None, :]
+    if HAS_S0:
+        S = tl.load(s0_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, mask=state_mask, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+
+    poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
+    n_chunks = tl.cdiv(eos - bos, CHUNK)
+    for j in range(0, n_chunks):
+        offs_t = bos + j * CHUNK + rows
+        mask_t = offs_t < eos
+        c = (c_first + j).to(tl.int64)
+        h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
+        tl.store(h_offs, (S + poison).to(DT), mask=state_mask)
+        b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+        b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
+        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
+        # (4) U = Ũ − W S_0
+        U = b_u - tl.dot(b_w, S.to(DT), input_precision=PREC)
+        v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
+        tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
+        # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
+        k_to_end = (b_k.to(tl.float32) * tl.exp(gamma_last - gamma)[:, None]).to(DT)
+        S = tl.exp(gamma_last) * S + tl.dot(tl.trans(k_to_end), U.to(DT), input_precision=PREC)
+        first_bad = tl.load(first_bad_ptr + c * H + i_h)
+        poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
+
+    tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S + poison, mask=state_mask)
+
+
+def launch_states(
+    k: Tensor,
+    *,
+    w: Tensor,
+    u: Tensor,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    first_bad: Tensor,
+    tables: ChunkTables,
+    block_v: int,
+    h: Tensor,
+    v_new: Tensor,
+    final_state: Tensor,
+) -> None:
+    """(4), (6) sequentially per sequence: ``h`` (S_0 of every chunk, [chunks, H, Dk, Dv]),
+    ``v_new`` (U, like v) and ``final_state``, in value blocks of ``block_v`` columns."""
+    H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
+    N = tables.cu_seqlens.numel() - 1
+    BV = min(head_block(Dv), block_v)
+    chunk_states_kernel[(triton.cdiv(Dv, BV), N * H)](
+        k_ptr=k,
+        w_ptr=w,
+        u_ptr=u,
+        g_ptr=k if log_decay is None else log_decay,
+        s0_ptr=k if initial_state is None else initial_state,
+        h_ptr=h,
+        v_new_ptr=v_new,
+        sT_ptr=final_state,
+        first_bad_ptr=first_bad,
+        cu_seqlens_ptr=tables.cu_seqlens,
+        chunk_offsets_ptr=tables.chunk_offsets,
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        BK=head_block(Dk),
+        BV=BV,
+        HAS_DECAY=log_decay is not None,
+        HAS_S0=initial_state is not None,
+        PREC=dot_precision(k.dtype),
+        num_warps=STATES_WARPS,
+        num_stages=STATES_STAGES,
+    )
+
+
+@triton.jit
+def chunk_dstates_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    g_ptr,
+    do_ptr,
+    dsT_ptr,
+    dh_ptr,
+    du_ptr,
+    ds0_ptr,
+    cu_seqlens_ptr,
+    chunk_offsets_ptr,
+    scale,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    HAS_DST: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """(7)–(8) along one sequence from its end, for one head and BV value columns:
+    dU = scale·Pᵀ dO + K̃ G,   G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU,
+    with G the gradient of the state leaving the chunk (stored as dh) and K̃ = diag(e^{γ_C − γ}) K.
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens_ptr + i_n)
+    eos = tl.load(cu_seqlens_ptr + i_n + 1)
+    c_first = tl.load(chunk_offsets_ptr + i_n)
+    DT = w_ptr.dtype.element_ty
+
+    rows = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < Dk
+    mask_v = offs_v < Dv
+    state_mask = mask_k[:, None] & mask_v[None, :]
+    state_offs = offs_k[:, None] * Dv + offs_v[None, :]
+    if HAS_DST:
+        G = tl.load(dsT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, mask=state_mask, other=0.0)
+    else:
+        G = tl.zeros([BK, BV], dtype=tl.float32)
+
+    n_chunks = tl.cdiv(eos - bos, CHUNK)
+    for jj in range(0, n_chunks):
+        j = n_chunks - 1 - jj
+        offs_t = bos + j * CHUNK + rows
+        mask_t = offs_t < eos
+        c = (c_first + j).to(tl.int64)
+        tl.store(dh_ptr + (c * H + i_h) * Dk * Dv + state_offs, G.to(DT), mask=state_mask)
+        b_q = load_rows(q_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+        b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+        b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
+        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
+        P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay_matrix(gamma)
+        k_to_end = (b_k.to(tl.float32) * tl.exp(gamma_last - gamma)[:, None]).to(DT)
+        # (8) dU = scale·Pᵀ dO + K̃ G
+        dU = scale * tl.dot(tl.trans(P.to(DT)), b_do, input_precision=PREC)
+        dU += tl.dot(k_to_end, G.to(DT), input_precision=PREC)
+        tl.store(
+            du_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
+            dU.to(DT),
+            mask=mask_t[:, None] & mask_v[None, :],
+        )
+        # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU
+        q_gamma = (b_q.to(tl.float32) * (scale * tl.exp(gamma))[:, None]).to(DT)
+        G = tl.exp(gamma_last) * G + tl.dot(tl.trans(q_gamma), b_do, input_precision=PREC)
+        G -= tl.dot(tl.trans(b_w), dU.to(DT), input_precision=PREC)
+
+    tl.store(ds0_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, G, mask=state_mask)
+
+
+def launch_dstates(
+    q: Tensor,
+    k: Tensor,
+    *,
+    w: Tensor,
+    log_decay: Tensor | None,
+    grad_o: Tensor,
+    grad_final_state: Tensor,
+    tables: ChunkTables,
+    scale: float,
+    dh: Tensor,
+    du: Tensor,
+    d_initial_state: Tensor,
+) -> None:
+    """(7)–(8) from each sequence's end: ``dh`` (the state's gradient leaving every chunk),
+    ``du`` (dU, like v) and ``d_initial_state`` ([N, H, Dk, Dv] fp32)."""
+    H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
+    N = tables.cu_seqlens.numel() - 1
+    BV = min(head_block(Dv), DSTATES_BV)
+    chunk_dstates_kernel[(triton.cdiv(Dv, BV), N * H)](
+        q_ptr=q,
+        k_ptr=k,
+        w_ptr=w,
+        g_ptr=q if log_decay is None else log_decay,
+        do_ptr=grad_o,
+        dsT_ptr=grad_final_state,
+        dh_ptr=dh,
+        du_ptr=du,
+        ds0_ptr=d_initial_state,
+        cu_seqlens_ptr=tables.cu_seqlens,
+        chunk_offsets_ptr=tables.chunk_offsets,
+        scale=scale,
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        BK=head_block(Dk),
+        BV=BV,
+        HAS_DECAY=log_decay is not None,
+        HAS_DST=True,
+        PREC=dot_precision(q.dtype),
+        num_warps=DSTATES_WARPS,
+        num_stages=DSTATES_STAGES,
+    )

@@ -1,0 +1,214 @@
+"""The Triton rule table (deltaflow/ops/triton/rules.py) against the rules' one definition.
+
+Every entry's strengths and derivatives are checked against deltaflow/rules.py and its autograd,
+in float64, on a grid of β and λ from h = βλ = 0 to h = 8·10⁵ (both sides of EFLA's series
+cut-off). A kernel id without an entry fails loudly. And a new built-in rule is added the way
+the table's docstring says, touching only RULES, the table and this file, and runs everywhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _inputs import make_inputs, rel_err
+
+from deltaflow import delta_rule
+from deltaflow.layers import DeltaAttention
+from deltaflow.rules import EFLA_SERIES_CUTOFF, RAW_KEYS, RULES, StepRule, step_coefficients
+
+triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
+if not triton_backend.available():
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from deltaflow.ops.triton import rules as rule_table  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+N = 128  # grid points, padded (a power of two for tl.arange)
+
+
+@triton.jit
+def _table_kernel(beta_ptr, lam_ptr, out_ptr, eps, N: tl.constexpr, RULE: tl.constexpr):
+    """The rule table's six values at N (β, λ) points: a, b and the four derivatives."""
+    offs = tl.arange(0, N)
+    beta = tl.load(beta_ptr + offs)
+    lam = tl.load(lam_ptr + offs)
+    a, b = rule_table.strengths(beta, lam, eps, RULE, False)
+    da_dbeta, da_dlam, db_dbeta, db_dlam = rule_table.derivatives(beta, lam, eps, RULE, False)
+    tl.store(out_ptr + offs, a)
+    tl.store(out_ptr + N + offs, b)
+    tl.store(out_ptr + 2 * N + offs, da_dbeta)
+    tl.store(out_ptr + 3 * N + offs, da_dlam)
+    tl.store(out_ptr + 4 * N + offs, db_dbeta)
+    tl.store(out_ptr + 5 * N + offs, db_dlam)
+
+
+def grid() -> tuple[torch.Tensor, torch.Tensor]:
+    """β powers of two, so h = βλ is exact in float32 and only the table's arithmetic is
+    measured; λ from 0 to 10⁵, with points just below and above EFLA's cut-off h = 1."""
+    betas = torch.tensor([2.0**-10, 0.125, 0.5, 1.0, 2.0, 8.0])
+    lams = torch.tensor([0.0, 1e-7, 3e-4, 0.02, 0.3, 0.999, 1.0, 1.001, 3.7, 50.0, 1e3, 1e5])
+    assert EFLA_SERIES_CUTOFF == 1.0  # the points around 1 straddle the cut-off
+    beta, lam = torch.cartesian_prod(betas, lams).unbind(-1)
+    pad = N - beta.numel()
+    return torch.cat([beta, torch.ones(pad)]), torch.cat([lam, torch.ones(pad)])
+
+
+def table_values(kernel_id: int) -> torch.Tensor:
+    """[6, N]: a, b, ∂a/∂β, ∂a/∂λ, ∂b/∂β, ∂b/∂λ from the rule table (float32)."""
+    beta, lam = (x.to(DEVICE) for x in grid())
+    out = torch.empty(6 * N, device=DEVICE)
+    _table_kernel[(1,)](beta_ptr=beta, lam_ptr=lam, out_ptr=out, eps=EPS, N=N, RULE=kernel_id)
+    return out.view(6, N).cpu().double()
+
+
+def definition_values(rule: StepRule) -> torch.Tensor:
+    """[6, N]: the same from the rule's PyTorch definition and autograd, in float64."""
+    beta, lam = (x.double().requires_grad_(True) for x in grid())
+    a, b = step_coefficients(rule, beta, lam, eps=EPS)
+
+    def grads(y: torch.Tensor) -> list[torch.Tensor]:  # elementwise: each y_i of (β_i, λ_i)
+        if not y.requires_grad:  # a constant (linear's a = 0)
+            return [torch.zeros_like(beta), torch.zeros_like(lam)]
+        dy = torch.autograd.grad(y.sum(), (beta, lam), allow_unused=True, retain_graph=True)
+        return [torch.zeros_like(beta) if g is None else g for g in dy]
+
+    return torch.stack([a.detach(), b.detach(), *grads(a), *grads(b)])
+
+
+def assert_table_matches_definition(rule: StepRule) -> None:
+    got, want = table_values(rule.kernel_id), definition_values(rule)
+    beta, lam = (x.double() for x in grid())
+    a, b = want[0].abs(), want[1].abs()
+    # A few float32 ulp of each value (the grid's exact h leaves only the table's rounding; an
+    # exp on the GPU, ex2.approx, needs somewhat more), plus float64's own rounding of the
+    # definition: its autograd sums terms of size a/β (β-derivatives) and a/(λ + ε) or aβ
+    # (λ-derivatives) that cancel where h is large (EFLA's ∂a/∂β = e^{−h}); and values under
+    # float32's smallest normal number (1.2e-38) may flush to 0.
+    rtol = 4e-6 if DEVICE == "cpu" else 3e-5
+    lam_scale = beta + 1 / (lam + EPS)
+    floors = [0 * a, 0 * b, a / beta, a * lam_scale, b / beta, b * lam_scale]
+    names = ["a", "b", "da/dbeta", "da/dlam", "db/dbeta", "db/dlam"]
+    for name, g, w, floor in zip(names, got, want, floors):
+        err = (g - w).abs() / (rtol * w.abs() + 1e-14 * floor + 1.2e-38)
+        worst = int(err.argmax())
+        assert err.max() <= 1, (
+            f"{rule.name} {name}: table {g[worst]:.9g} vs definition {w[worst]:.9g} at "
+            f"beta={beta[worst]:g}, lam={lam[worst]:g}"
+        )
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_every_entry_matches_the_rules_definition_and_its_autograd(name):
+    assert_table_matches_definition(RULES[name])
+
+
+def test_every_builtin_rule_has_an_entry_and_no_entry_is_orphaned():
+    builtin = {r.kernel_id for r in RULES.values() if r.builtin}
+    assert builtin == set(rule_table.KERNEL_IDS)
+    assert len(builtin) == sum(r.builtin for r in RULES.values())  # ids are unique
+
+
+def test_a_forgotten_id_fails_loudly():
+    orphan = StepRule("orphan", RULES["delta"].coefficients, kernel_id=99)
+    x = {n: None if t is None else t.to(DEVICE) for n, t in make_inputs(1, 5, 1, 16, 16).items()}
+    with pytest.raises(ValueError, match="rule 'orphan' has kernel_id 99, which the Triton rule"):
+        delta_rule(**x, rule=orphan, backend="triton")
+    with pytest.raises(ValueError, match="kernel_id 99"):
+        triton_backend.kernel_id_of(orphan)
+    # past the host check, the kernel itself refuses to compile (no fall-through entry)
+    with pytest.raises(Exception, match="no entry for this kernel_id"):
+        table_values(99)
+
+
+# ---------------------------------------------------------------------------------------------
+# A new built-in rule, "damped_delta": a = b = β e^{−h}, μ = 1 − h e^{−h} ∈ [1 − 1/e, 1].
+# What adding it takes: the StepRule (in deltaflow/rules.py's RULES), an entry in the Triton
+# table (below: the function, and the branch and id the table's _table and KERNEL_IDS would
+# gain), and tests. The kernels, the backend, the op and the layer are untouched.
+
+DAMPED_ID = tl.constexpr(100)
+_builtin_table = rule_table._table
+
+
+def _damped_delta_coefficients(beta, lam, eps):
+    a = beta * torch.exp(-beta * lam)
+    return a, a
+
+
+@triton.jit
+def _damped_delta(beta, lam, eps):
+    """a = b = β e^{−h}: ∂a/∂β = e^{−h}(1 − h), ∂a/∂λ = −β² e^{−h}."""
+    e = tl.exp(-beta * lam)
+    a = beta * e
+    da_dbeta = e * (1.0 - beta * lam)
+    da_dlam = -beta * beta * e
+    return a, a, da_dbeta, da_dlam, da_dbeta, da_dlam
+
+
+@triton.jit
+def _table_with_damped_delta(beta, lam, eps, RULE: tl.constexpr):
+    if RULE == DAMPED_ID:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _damped_delta(beta, lam, eps)
+    else:
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _builtin_table(beta, lam, eps, RULE)
+    return a, b, da_dbeta, da_dlam, db_dbeta, db_dlam
+
+
+@pytest.fixture
+def damped_delta(monkeypatch):
+    if DEVICE == "cuda":
+        pytest.skip(
+            "swaps the table at run time: the CPU interpreter only (compiled kernels cache)"
+        )
+    rule = StepRule(
+        "damped_delta",
+        _damped_delta_coefficients,
+        qk_norm=RAW_KEYS,
+        kernel_id=DAMPED_ID.value,
+        description="a = b = β e^{−h}; μ = 1 − h e^{−h}",
+        source="tests/test_rule_table.py",
+    )
+    monkeypatch.setitem(RULES, rule.name, rule)
+    monkeypatch.setattr(rule_table, "_table", _table_with_damped_delta)
+    monkeypatch.setattr(rule_table, "KERNEL_IDS", (*rule_table.KERNEL_IDS, DAMPED_ID.value))
+    return rule
+
+
+def test_a_new_builtin_rule_needs_only_rules_the_table_and_tests(damped_delta):
+    assert damped_delta.builtin
+    assert_table_matches_definition(damped_delta)
+    # forward and the fused backward against the float64 reference, by name like any rule
+    x = make_inputs(1, 70, 2, 16, 24, rule="damped_delta", dtype=torch.float32, seed=3)
+    ref = _outputs_and_grads(x, "reference")
+    got = _outputs_and_grads(x, "triton")
+    for g, r in zip(got, ref):
+        assert torch.isfinite(g).all() and rel_err(g, r) <= 1e-4
+    # decode: three tokens into the state, in place
+    first = {n: t if n == "initial_state" else t[:, :3] for n, t in x.items()}
+    state = first["initial_state"].clone()
+    o = triton_backend.delta_rule_step(
+        *(first[n] for n in ("q", "k", "v", "beta")),
+        state,
+        rule="damped_delta",
+        log_decay=first["log_decay"],
+        negative_eigenvalues=False,
+        eps=1e-6,
+        scale=16**-0.5,
+    )
+    o_ref, s_ref = delta_rule(
+        **first, rule="damped_delta", output_final_state=True, backend="reference"
+    )
+    assert rel_err(o, o_ref) <= 1e-4 and rel_err(state, s_ref) <= 1e-4
+    # the layer picks up the rule's declared key normalization
+    assert DeltaAttention(32, num_heads=2, rule="damped_delta").k_norm == "none"
+
+
+def _outputs_and_grads(x: dict, backend: str) -> list[torch.Tensor]:
+    leaves = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+    o, s = delta_rule(**leaves, rule="damped_delta", output_final_state=True, backend=backend)
+    (o.sin().sum() + s.pow(2).sum()).backward()
+    return [o, s] + [leaves[n].grad for n in ("q", "k", "v", "beta", "log_decay")]
