@@ -144,7 +144,7 @@ def test_types_and_cross_field_checks():
 
 def test_lm_without_data_dir_names_the_missing_argument(capsys):
     one_line_error(
-        capsys, ["train", "--task", "lm", "--print-config"], "task 'lm' needs", "--data-dir"
+        capsys, ["train", "--task", "lm", "--device", "cpu"], "task 'lm' needs", "--data-dir"
     )
 
 

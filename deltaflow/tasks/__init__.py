@@ -107,9 +107,9 @@ def task_argument_types(cls: type) -> dict[str, Any]:
     return hints
 
 
-def check_task_kwargs(name: str, kwargs: dict) -> None:
+def check_task_kwargs(name: str, kwargs: dict, *, require: bool = True) -> None:
     """Raise a one-line ``ValueError`` for an unknown task, an unknown argument of it (with a
-    did-you-mean) or a missing required argument, before anything is built."""
+    did-you-mean) or (``require``) a missing required argument, before anything is built."""
     cls = task_class(name)
     args = task_arguments(cls)
     if args is None:
@@ -117,11 +117,11 @@ def check_task_kwargs(name: str, kwargs: dict) -> None:
     known, required = args
     check_known_keys(f"task {cls.name!r} (task_kwargs)", kwargs, known)
     missing = sorted(required - set(kwargs))
-    if missing:
+    if missing and require:
         arg = missing[0]
         raise ValueError(
             f"task {cls.name!r} needs task_kwargs.{arg} (deltaflow train: --task-arg {arg}=VALUE"
-            + (", or --data-dir DIR: a folder of .txt files)" if arg == "data_dir" else ")")
+            + (", or --data-dir PATH: a folder or file of documents)" if arg == "data_dir" else ")")
         )
 
 

@@ -227,7 +227,9 @@ class TrainConfig:
 
         key = self.task.strip().lower().replace("-", "_")
         if key in TASKS:
-            check_task_kwargs(self.task, self.task_kwargs)
+            # required arguments (lm's data_dir) are checked when the task is built: a
+            # Trainer may be handed the task object itself
+            check_task_kwargs(self.task, self.task_kwargs, require=False)
             hints = task_argument_types(TASKS[key])
             for name, value in self.task_kwargs.items():  # checked, kept as given
                 if name in hints:
