@@ -269,13 +269,15 @@ def test_cli_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
         "does not exist",
         command="eval",
     )
-    one_line_error(
-        capsys,
-        ["compare", "--preset", "mqar_512", "--report-only", "--out", str(tmp_path / "fresh")],
-        "no finished runs",
-        "deltaflow compare --preset mqar_512",
-        command="compare",
-    )
+
+
+def test_compare_report_only_on_a_fresh_clone(tmp_path, monkeypatch, capsys):
+    """The README's `deltaflow compare --preset mqar_512 --report-only` before any run: no
+    missing-folder error; the report says that nothing has been trained yet."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--preset", "mqar_512", "--report-only", "--no-progress"]) == 0
+    assert "not trained yet" in capsys.readouterr().out
+    assert (tmp_path / "runs" / "compare" / "mqar_512" / "results.md").is_file()
 
 
 def test_unknown_flag_prints_train_usage_and_a_suggestion(capsys):
