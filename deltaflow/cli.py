@@ -145,6 +145,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _device(text: str) -> str:
     from deltaflow.train.config import check_device_name
 
@@ -481,7 +491,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="checkpoint dir or run dir of an `lm` task run")
     p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument(
+        "--max-new-tokens", type=_nonnegative_int, default=200, help="tokens to generate"
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=50, help="0: no top-k filtering")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter; 1: off")
@@ -876,6 +888,12 @@ def main(argv: list[str] | None = None) -> int:
         _close_progress_bars()  # else the error line starts after a half-drawn bar
         print(f"deltaflow {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 1 if isinstance(err, DivergenceError) else 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        _close_progress_bars()
+        print(f"deltaflow {args.command}: interrupted", file=sys.stderr)
+        return 130  # the shell's code for a SIGINT
 
 
 if __name__ == "__main__":
