@@ -429,3 +429,15 @@ def test_gpu_sized_model_on_cpu_is_said_with_the_expected_time(capsys, monkeypat
     assert capsys.readouterr().err == ""
     # A model already CPU-sized is not told to grow into the "smaller" setting.
     assert cpu.smaller_setting(small, 32, cpu.count_parameters(small, 32)) is None
+
+
+def test_ctrl_c_reaching_the_command_line_is_one_line(monkeypatch, capsys):
+    import deltaflow.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_eval", interrupted)
+    assert cli.main(["eval", "anything"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "deltaflow eval: interrupted"
