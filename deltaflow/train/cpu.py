@@ -7,10 +7,10 @@ when the parameter count alone gives it away, and after two steps with the measu
 
 Threads: measured with ``benchmarks/cpu_threads.py`` on a 2-core machine (docs/lab.md, "CPU
 threads"): when the machine is otherwise idle, two torch threads train the lab's small models
-1.3-1.6x faster than one; when other processes hold the cores, two threads are 2-4x *slower*
+1.2-1.6x faster than one; when other processes want the cores, two threads are 2-5x *slower*
 (OpenMP threads spin while they wait for each other; the issue that asked for ``--threads``
-saw 10x). One thread never loses more than the first, so ``--threads`` defaults to 1 on CPU,
-and a long run on a machine with idle cores is told that ``--threads N`` may help.
+saw 10x). One thread never lost more than 1.6x, so ``--threads`` defaults to 1 on CPU, and a
+long run on a machine with idle cores is told that ``--threads N`` may help.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 # Above this many parameters a model counts as GPU-sized on CPU (the shipped CPU configs and
-# the lab's CPU presets use 0.06M-1.2M; the default model is ~32M).
+# the lab's CPU presets use 0.06M-1.5M; the default model is ~32M).
 GPU_SIZED_PARAMS = 5_000_000
 # Warn when the measured rate says the whole run takes longer than this on CPU.
 WARN_MINUTES = 10.0
 DEFAULT_CPU_THREADS = 1
 DEFAULT_THREADS_HELP = (
-    f"torch CPU threads (default on CPU: {DEFAULT_CPU_THREADS}: more threads are up to 1.6x "
-    "faster on an idle machine but 2-4x slower on a busy one; docs/lab.md)"
+    f"torch CPU threads (default on CPU: {DEFAULT_CPU_THREADS}: more threads were up to 1.6x "
+    "faster on an idle machine but up to 5x slower on a busy one; docs/lab.md)"
 )
 CPU_SIZED_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 2}
 CPU_SIZED_FLAGS = "--hidden-size 128 --num-layers 2 --num-heads 2"
