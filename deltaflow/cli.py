@@ -8,69 +8,200 @@
     deltaflow compare                              # the main job: quick CPU preset (<= 2 min)
     deltaflow compare --preset mqar_512 --device cuda --out results/mqar_512
 
-Every ``train`` flag maps onto a field of :class:`deltaflow.train.TrainConfig`; precedence is
-defaults < ``--config`` file < flags < ``--set key=value``.
+``train``'s flags are derived from the fields of :class:`deltaflow.train.TrainConfig` (name, type
+and help are declared once, there), plus shortcuts for common task and model keys; precedence
+is defaults < ``--config`` file < flags < ``--set key=value``. Errors in what the user gave
+(bad flags, configs, files, devices) are one line ``deltaflow CMD: error: ...`` with exit code 2;
+``--traceback`` (or ``DELTAFLOW_DEBUG=1``) shows the full trace instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
 import os
 import shlex
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-# train flag -> (config section or None, field name)
-_TRAIN_FIELDS: dict[str, tuple[str | None, str]] = {
-    "task": (None, "task"),
-    "steps": (None, "steps"),
-    "batch_size": (None, "batch_size"),
-    "grad_accum": (None, "grad_accum"),
-    "lr": (None, "lr"),
-    "min_lr_ratio": (None, "min_lr_ratio"),
-    "warmup_steps": (None, "warmup_steps"),
-    "weight_decay": (None, "weight_decay"),
-    "grad_clip": (None, "grad_clip"),
-    "eval_every": (None, "eval_every"),
-    "eval_lengths": (None, "eval_lengths"),
-    "log_every": (None, "log_every"),
-    "ckpt_every": (None, "ckpt_every"),
-    "out": (None, "out_dir"),
-    "seed": (None, "seed"),
-    "device": (None, "device"),
-    "precision": (None, "precision"),
-    "parallel": (None, "parallel"),
-    "context_parallel": (None, "context_parallel"),
-    "compile": (None, "compile"),
-    "tensorboard": (None, "tensorboard"),
-    "wandb": (None, "wandb"),
-    "seq_len": ("task_kwargs", "seq_len"),
-    "num_kv_pairs": ("task_kwargs", "num_kv_pairs"),
-    "vocab_size": ("task_kwargs", "vocab_size"),
-    "data_dir": ("task_kwargs", "data_dir"),
-    "tokenizer": ("task_kwargs", "tokenizer"),
-    "tokenizer_path": ("task_kwargs", "tokenizer_path"),
-    "rule": ("model", "rule"),
-    "decay": ("model", "use_decay"),
-    "negative_eigenvalues": ("model", "negative_eigenvalues"),
-    "beta_activation": ("model", "beta_activation"),
-    "hidden_size": ("model", "hidden_size"),
-    "num_layers": ("model", "num_layers"),
-    "num_heads": ("model", "num_heads"),
-    "head_dim": ("model", "head_dim"),
-    "attn_every": ("model", "attn_every"),
-    "backend": ("model", "backend"),
+from deltaflow.validation import did_you_mean
+
+# Shortcut flags for the most used keys of the task and model sections. The keys themselves are
+# declared by the task classes and DeltaFlowConfig (and checked there); every other key is
+# reached with --task-arg / --set. flag -> (section, key, argparse keywords)
+_SECTION_FLAGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "--seq-len": ("task_kwargs", "seq_len", dict(type=int, help="training sequence length")),
+    "--num-kv-pairs": ("task_kwargs", "num_kv_pairs", dict(type=int, help="MQAR key-value pairs")),
+    "--vocab-size": (
+        "task_kwargs",
+        "vocab_size",
+        dict(type=int, help="synthetic task vocabulary (the model's is the task's)"),
+    ),
+    "--data-dir": (
+        "task_kwargs",
+        "data_dir",
+        dict(
+            help="lm: folder (or file) of .txt, .jsonl or .parquet documents, or a "
+            "datasets.save_to_disk folder"
+        ),
+    ),
+    "--tokenizer": (
+        "task_kwargs",
+        "tokenizer",
+        dict(help="lm: byte | bpe | hf, or a Hugging Face tokenizer folder or a .tiktoken file"),
+    ),
+    "--tokenizer-path": (
+        "task_kwargs",
+        "tokenizer_path",
+        dict(help="lm: the .tiktoken file (--tokenizer bpe) or folder (hf)"),
+    ),
+    "--rule": (
+        "model",
+        "rule",
+        dict(help="step rule: linear, delta, efla, longhorn, trapezoid, kaczmarz, ..."),
+    ),
+    "--decay": (
+        "model",
+        "use_decay",
+        dict(
+            action=argparse.BooleanOptionalAction,
+            help="gated variant: data-dependent decay (Gated DeltaNet style)",
+        ),
+    ),
+    "--negative-eigenvalues": (
+        "model",
+        "negative_eigenvalues",
+        dict(
+            action=argparse.BooleanOptionalAction,
+            help="transition eigenvalues in (-1, 1] instead of [0, 1] (alias --neg-eig)",
+        ),
+    ),
+    "--beta-activation": (
+        "model",
+        "beta_activation",
+        dict(choices=["sigmoid", "softplus"], help="step size β activation"),
+    ),
+    "--hidden-size": ("model", "hidden_size", dict(type=int, help="model width (default 512)")),
+    "--num-layers": ("model", "num_layers", dict(type=int, help="blocks (default 8)")),
+    "--num-heads": ("model", "num_heads", dict(type=int, help="heads per layer (default 4)")),
+    "--head-dim": (
+        "model",
+        "head_dim",
+        dict(type=int, help="key dim per head (default hidden_size / num_heads)"),
+    ),
+    "--attn-every": (
+        "model",
+        "attn_every",
+        dict(type=int, help="every k-th layer softmax attention (1: a Transformer)"),
+    ),
+    "--backend": (
+        "model",
+        "backend",
+        dict(choices=["auto", "reference", "torch", "triton"], help="delta_rule backend"),
+    ),
+}
+_FLAG_ALIASES = {"--negative-eigenvalues": ["--neg-eig"]}
+_GROUP_TITLES = {
+    "task": "task",
+    "model": "model (any other DeltaFlowConfig key: --set model.KEY=VALUE)",
+    "optimization": "optimization",
+    "evaluation": "evaluation",
+    "runtime": "logging, checkpoints, runtime",
 }
 
 
 def _kv(text: str) -> str:
     if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return text
+
+
+def _int_list(text: str) -> list[int]:
+    """``512,1024`` -> [512, 1024] (argparse names the flag in its error)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 512,1024, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    from deltaflow.train.config import check_device_name
+
+    try:
+        return check_device_name(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _threads_flag(p: argparse.ArgumentParser) -> None:
+    from deltaflow.train.cpu import DEFAULT_THREADS_HELP
+
+    p.add_argument("--threads", type=_positive_int, metavar="N", help=DEFAULT_THREADS_HELP)
+
+
+def _config_flags() -> list[tuple[str, dataclasses.Field, dict[str, Any]]]:
+    """(flag, field, argparse keywords) for every TrainConfig field that has a flag: the
+    flags are derived from the dataclass, so a field and its help are declared once."""
+    from deltaflow.train.config import TrainConfig, field_types
+
+    hints = field_types()
+    out = []
+    for f in dataclasses.fields(TrainConfig):
+        meta = f.metadata
+        if meta.get("cli", True) is False:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        hint = hints[f.name]
+        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+        kwargs: dict[str, Any] = {"dest": f"cfg_{f.name}", "default": None}
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif "choices" not in meta:
+            kwargs["metavar"] = meta.get("metavar", f.name.upper())
+        if typing.get_origin(base) is list:
+            kwargs["type"] = _int_list
+        elif base in (int, float):
+            kwargs["type"] = base
+        if f.name == "device":
+            kwargs["type"] = _device
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        help_text = meta.get("help", "")
+        default = "" if f.default in (None, dataclasses.MISSING) else f" (default: {f.default})"
+        kwargs["help"] = help_text + ("" if "default" in help_text else default)
+        out.append((flag, f, kwargs))
+    return out
 
 
 # ---------------------------------------------------------------------------- train
@@ -78,10 +209,11 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
         help="train one model on one task",
-        description="Train a model on a task. Flags override --config; --set overrides both.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a model on a task. Precedence: defaults < --config < flags < --set. "
+        "On CPU keep models small (e.g. --hidden-size 128 --num-layers 2): the default "
+        "model (512 wide, 8 layers) is sized for a GPU.",
     )
-    p.add_argument("--config", type=Path, help="YAML file with TrainConfig fields")
+    p.add_argument("--config", type=Path, help="YAML file of TrainConfig fields")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -89,12 +221,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         type=_kv,
         default=[],
         metavar="KEY=VALUE",
-        help="any config field, e.g. model.qk_norm=l2 (repeatable)",
+        help="any config field, e.g. lr=3e-4 or model.qk_norm=l2 (repeatable)",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
-    g = p.add_argument_group("task")
-    g.add_argument("--task", help="mqar, parity, mod_arith, s5, lm, in_context_recall, ...")
-    g.add_argument(
+    _threads_flag(p)
+    groups = {name: p.add_argument_group(title) for name, title in _GROUP_TITLES.items()}
+    for flag, f, kwargs in _config_flags():
+        groups.get(f.metadata.get("group"), groups["runtime"]).add_argument(flag, **kwargs)
+    groups["task"].add_argument(
         "--task-arg",
         dest="task_args",
         action="append",
@@ -103,149 +237,83 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="task constructor argument (repeatable)",
     )
-    g.add_argument("--seq-len", type=int)
-    g.add_argument("--num-kv-pairs", type=int, help="MQAR key-value pairs")
-    g.add_argument("--vocab-size", type=int, help="synthetic task vocabulary")
-    g.add_argument(
-        "--data-dir",
-        help="lm: folder (or file) of .txt, .jsonl or .parquet documents, or a "
-        "datasets.save_to_disk folder",
-    )
-    g.add_argument(
-        "--tokenizer",
-        help="lm: byte | bpe | hf, or a Hugging Face tokenizer folder or a .tiktoken file",
-    )
-    g.add_argument(
-        "--tokenizer-path", help="lm: the .tiktoken file (--tokenizer bpe) or folder (hf)"
-    )
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--rule", help="step rule: linear, delta, efla, longhorn, trapezoid, kaczmarz, ..."
-    )
-    g.add_argument(
-        "--decay",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="gated variant: data-dependent decay (Gated DeltaNet style)",
-    )
-    g.add_argument(
-        "--negative-eigenvalues",
-        "--neg-eig",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="transition eigenvalues in (-1, 1] instead of [0, 1]",
-    )
-    g.add_argument("--beta-activation", choices=["sigmoid", "softplus"])
-    g.add_argument("--qk-norm", help="'l2' | 'none' | 'Q,K' e.g. 'l2,none' (default: per rule)")
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--num-heads", type=int)
-    g.add_argument("--head-dim", type=int)
-    g.add_argument(
-        "--attn-every", type=int, help="every k-th layer softmax attention (1: a Transformer)"
-    )
-    g.add_argument("--backend", choices=["auto", "reference", "torch", "triton"])
-    g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int)
-    g.add_argument("--batch-size", type=int, help="GLOBAL batch (all GPUs, all micro-steps)")
-    g.add_argument("--grad-accum", type=int)
-    g.add_argument("--lr", type=float)
-    g.add_argument("--min-lr-ratio", type=float)
-    g.add_argument("--warmup-steps", type=int)
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--grad-clip", type=float)
-    g = p.add_argument_group("evaluation, logging, runtime")
-    g.add_argument("--eval-every", type=int)
-    g.add_argument(
-        "--eval-lengths",
-        type=lambda s: [int(x) for x in s.split(",")],
-        help="comma-separated, e.g. 512,1024,2048",
-    )
-    g.add_argument("--log-every", type=int)
-    g.add_argument("--ckpt-every", type=int)
-    g.add_argument("--out", help="run directory: logs, checkpoints (resumed if present)")
-    g.add_argument(
-        "--no-resume", action="store_true", help="start over even if --out has checkpoints"
-    )
-    g.add_argument("--seed", type=int)
-    g.add_argument("--device", help="auto | cpu | cuda | cuda:1")
-    g.add_argument("--precision", choices=["auto", "bf16", "fp32"])
-    g.add_argument(
-        "--parallel",
-        choices=["ddp", "fsdp"],
-        help="under torchrun: ddp (replicated model) or fsdp (FSDP2, sharded model and "
-        "checkpoints) [config default: ddp]",
-    )
-    g.add_argument(
-        "--context-parallel",
-        type=int,
-        metavar="N",
-        help="under torchrun: groups of N ranks split every sequence along T (long "
-        "sequences; delta-rule models only); world = data-parallel ranks x N [default: 1]",
-    )
-    g.add_argument(
-        "--compile",
-        choices=["auto", "blocks", "off"],
-        help="torch.compile every model block (fused glue, selective activation "
-        "checkpointing); auto is off for now and blocks is CPU-only: see "
-        "benchmarks/NOTES.md [config default: auto]",
-    )
-    g.add_argument("--no-progress", action="store_true")
-    g.add_argument(
-        "--tensorboard",
-        action="store_true",
-        default=None,
-        help="also log to TensorBoard (<out>/tensorboard; needs the tensorboard package)",
-    )
-    g.add_argument(
-        "--wandb",
-        action="store_true",
-        default=None,
-        help="also log to Weights & Biases (<out>/wandb), offline unless WANDB_MODE is set",
+    for flag, (section, key, kwargs) in _SECTION_FLAGS.items():
+        group = groups["task" if section == "task_kwargs" else "model"]
+        if kwargs.get("action") is None and "choices" not in kwargs:
+            kwargs = {"metavar": key.upper(), **kwargs}
+        group.add_argument(flag, *_FLAG_ALIASES.get(flag, []), dest=f"{section}.{key}", **kwargs)
+    groups["model"].add_argument(
+        "--qk-norm",
+        metavar="NORM",
+        help="'l2' | 'none' | 'Q,K' e.g. 'l2,none' (default: per rule)",
     )
     p.set_defaults(func=cmd_train)
 
 
 def resolve_train_config(args: argparse.Namespace) -> Any:
     from deltaflow.train import TrainConfig, apply_overrides
+    from deltaflow.train.config import parse_value
 
-    data: dict[str, Any] = TrainConfig().to_dict() if args.config is None else {}
-    if args.config is not None:
+    if args.config is None:
+        data = TrainConfig().to_dict()
+    else:
         data = TrainConfig.from_yaml(args.config).to_dict()
     data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    for flag, (section, name) in _TRAIN_FIELDS.items():
-        value = getattr(args, flag, None)
-        if value is None:
-            continue
-        if section is None:
-            data[name] = value
-        else:
-            data.setdefault(section, {})[name] = value
+    for _, f, _ in _config_flags():
+        value = getattr(args, f"cfg_{f.name}", None)
+        if value is not None:
+            data[f.name] = value
+    for section, key, _ in _SECTION_FLAGS.values():
+        value = getattr(args, f"{section}.{key}", None)
+        if value is not None:
+            data[section][key] = value
     if args.qk_norm is not None:
         parts = args.qk_norm.split(",")
         data["model"]["qk_norm"] = parts[0] if len(parts) == 1 else parts
     for item in args.task_args:
         key, raw = item.split("=", 1)
-        data["task_kwargs"][key] = yaml.safe_load(raw)
-    if args.no_resume:
-        data["resume"] = False
-    if args.no_progress:
-        data["progress"] = False
+        data["task_kwargs"][key] = parse_value(f"--task-arg {key}", raw)
     data = apply_overrides(data, args.overrides)
     return TrainConfig.from_dict(data)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from deltaflow.train import train
+    from deltaflow.train.cpu import CpuTimeCheck, count_parameters, set_threads, warn_if_gpu_sized
+    from deltaflow.train.trainer import DistInfo, resolve_device
 
     config = resolve_train_config(args)
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    summary = train(config)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if config.out_dir is not None:
+        check_out_dir(config.out_dir, "--out")
+    device = resolve_device(config.device, DistInfo.from_env())  # one-line error if absent
+    set_threads(args.threads, device)
+    callbacks = []
+    main_rank = int(os.environ.get("RANK", 0)) == 0
+    if device.type == "cpu" and main_rank:
+        vocab = _vocab_size(config)
+        num_params = count_parameters(config, vocab)
+        gpu_sized = warn_if_gpu_sized(config, vocab, num_params)
+        callbacks.append(CpuTimeCheck(config, vocab, num_params, gpu_sized))
+    summary = train(config, callbacks=callbacks)
+    if main_rank:
         print(json.dumps(summary, indent=2))
     return 0
+
+
+def check_out_dir(path: str | os.PathLike, flag: str) -> None:
+    """An output folder must be a folder (or not exist yet): not a file, nor under one."""
+    path = Path(path)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"is under {p}, which is a file"
+                raise ValueError(f"{flag} {path} {what}; give a folder")
+            if not os.access(p, os.W_OK):
+                raise ValueError(f"{flag} {path}: cannot write to {p} (permission denied)")
+            return
 
 
 # ---------------------------------------------------------------------------- eval / generate
@@ -254,20 +322,57 @@ def _load_trained(path: str, device: str) -> tuple[Any, Any, Path]:
     from deltaflow.train import TrainConfig, build_model, load_checkpoint, resolve_checkpoint
     from deltaflow.train.trainer import DistInfo, resolve_device
 
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} does not exist: give a run folder or a checkpoint")
     ckpt = resolve_checkpoint(path)
+    if not (ckpt / "config.yaml").is_file():
+        raise FileNotFoundError(f"{ckpt} has no config.yaml: not a deltaflow checkpoint")
     config = TrainConfig.from_yaml(ckpt / "config.yaml").replace(device=device, out_dir=None)
     vocab = _vocab_size(config, ckpt)
     model = build_model(config, vocab).to(resolve_device(device, DistInfo()))
-    load_checkpoint(ckpt, model=model, restore_rng=False)
+    try:
+        load_checkpoint(ckpt, model=model, restore_rng=False)
+    except Exception as err:  # safetensors' and torch's error types differ between versions
+        name = _unreadable_file(err)
+        if name is None:
+            raise
+        reason = _one_line(err).split(". ")[0]
+        raise ValueError(
+            f"{ckpt / name} cannot be read ({reason}): the file is truncated or corrupt; use "
+            "another checkpoint (RUN/checkpoints/step_N) or train again"
+        ) from None
     model.eval()
     return config, model, ckpt
 
 
-def _vocab_size(config: Any, ckpt: Path) -> int:
-    if config.task == "lm":
-        from deltaflow.tasks.tokenizers import run_tokenizer
+def _unreadable_file(err: Exception) -> str | None:
+    """The checkpoint file a load error says is corrupt or truncated, or None for any other
+    error (a genuine bug keeps its traceback)."""
+    text = f"{type(err).__module__}.{type(err).__name__}: {err}".lower()
+    if "safetensor" in text or "deserializing header" in text:
+        return "model.safetensors"
+    if "pytorchstreamreader" in text or "zip archive" in text or "unpickling" in text:
+        return "trainer_state.pt"
+    return None
 
-        return run_tokenizer(ckpt, config.task_kwargs).vocab_size
+
+def _resolved_device(name: str) -> Any:
+    """The torch device ``--device`` names here (a one-line error when it is not available)."""
+    from deltaflow.train.trainer import DistInfo, resolve_device
+
+    return resolve_device(name, DistInfo())
+
+
+def _vocab_size(config: Any, ckpt: Path | None = None) -> int:
+    """The vocabulary of the model a config builds: from a checkpoint's saved tokenizer, the
+    config's tokenizer (language modelling, before training) or the task."""
+    if config.task == "lm":
+        from deltaflow.tasks.tokenizers import get_tokenizer, run_tokenizer
+
+        kw = config.task_kwargs
+        if ckpt is not None:
+            return run_tokenizer(ckpt, kw).vocab_size
+        return get_tokenizer(kw.get("tokenizer", "byte"), kw.get("tokenizer_path")).vocab_size
     from deltaflow.train import build_task
 
     return build_task(config).vocab_size
@@ -280,7 +385,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="checkpoint dir or run dir (uses its latest checkpoint)")
-    p.add_argument("--split", default="valid", choices=["train", "valid", "test"])
+    p.add_argument(
+        "--split", default="valid", choices=["train", "valid", "test"], help="split to evaluate"
+    )
     p.add_argument(
         "--task-arg",
         dest="task_args",
@@ -290,10 +397,15 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="change a task argument, e.g. seq_len=1024",
     )
-    p.add_argument("--eval-lengths", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--num-examples", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--eval-lengths", type=_int_list, help="comma-separated lengths, e.g. 512,1024,2048"
+    )
+    p.add_argument(
+        "--num-examples", type=_positive_int, help="evaluation examples (default: the run's)"
+    )
+    p.add_argument("--batch-size", type=_positive_int, help="evaluation batch (default: the run's)")
+    p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
+    _threads_flag(p)
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
     g = p.add_argument_group("lm-evaluation-harness (pip install 'deltaflow[eval]')")
     g.add_argument(
@@ -315,7 +427,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from deltaflow.train import Trainer, build_task
+    from deltaflow.train.config import parse_value
+    from deltaflow.train.cpu import set_threads
 
+    set_threads(args.threads, _resolved_device(args.device))
     if args.lm_eval:
         return _cmd_lm_eval(args)
 
@@ -324,7 +439,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     task_kwargs = dict(config.task_kwargs)
     for item in args.task_args:
         key, raw = item.split("=", 1)
-        task_kwargs[key] = yaml.safe_load(raw)
+        task_kwargs[key] = parse_value(f"--task-arg {key}", raw)
     changes["task_kwargs"] = task_kwargs
     eval_kwargs = dict(config.eval_kwargs)
     if args.num_examples is not None:
@@ -376,7 +491,9 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="checkpoint dir or run dir of an `lm` task run")
     p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument(
+        "--max-new-tokens", type=_nonnegative_int, default=200, help="tokens to generate"
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=50, help="0: no top-k filtering")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter; 1: off")
@@ -385,9 +502,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         choices=["compile", "graph", "eager", "transformers"],
         help="default: compile (CUDA graph of the compiled step) on CUDA, transformers on CPU",
     )
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--num-samples", type=_positive_int, default=1, help="samples of the prompt")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
+    _threads_flag(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -396,16 +514,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from deltaflow.lab.generate import sample
     from deltaflow.tasks.tokenizers import run_tokenizer
+    from deltaflow.train.cpu import set_threads
 
+    set_threads(args.threads, _resolved_device(args.device))
     config, model, ckpt = _load_trained(args.checkpoint, args.device)
     if config.task != "lm":
-        raise SystemExit(
-            f"generate needs a language-model checkpoint (task 'lm'), got {config.task!r}"
+        raise ValueError(
+            f"generate needs a language-model checkpoint (task 'lm'); {args.checkpoint} was "
+            f"trained on {config.task!r}: use `deltaflow eval` for it"
         )
     tokenizer = run_tokenizer(ckpt, config.task_kwargs)  # the copy saved with the checkpoint
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
-        raise SystemExit("--prompt encodes to no tokens; give some text")
+        raise ValueError("--prompt encodes to no tokens; give some text")
     device = next(model.parameters()).device
     ids = torch.tensor([prompt] * args.num_samples, device=device)
     torch.manual_seed(args.seed)  # deltaflow models sample from the global RNG
@@ -439,7 +560,9 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         "also continues runs cut off by a kill or by --time-limit.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--preset", default="quick", choices=sorted(PRESETS))
+    p.add_argument(
+        "--preset", default="quick", choices=sorted(PRESETS), help="grid to run (see --list)"
+    )
     p.add_argument(
         "--out",
         help="output directory (default: runs/compare/<preset>; runs/ is git-ignored, the "
@@ -474,7 +597,9 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         help="keep finished runs' directories in <out>/runs/ (final checkpoint, logs); by "
         "default they are deleted once the run's record is in runs.jsonl",
     )
-    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--device", type=_device, default="auto", help="auto, cpu, cuda (every GPU) or cuda:N"
+    )
     p.add_argument("--steps", type=int, help="training steps per run (overrides the preset)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply the preset's steps")
     p.add_argument("--variants", help="comma-separated subset of the preset's variants")
@@ -507,8 +632,12 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         help="folder with corpus/ and tokenizers/ (lm_corpus preset); "
         "default: $DELTAFLOW_SHARED, ./shared or ../shared",
     )
-    p.add_argument("--jobs", type=int, help="parallel runs (default: CPU cores on CPU, 1 on GPU)")
-    p.add_argument("--threads", type=int, help="torch threads per run (default 1 when --jobs > 1)")
+    p.add_argument(
+        "--jobs", type=_positive_int, help="parallel runs (default: CPU cores on CPU, 1 on GPU)"
+    )
+    p.add_argument(
+        "--threads", type=_positive_int, help="torch threads per run (default 1 when --jobs > 1)"
+    )
     p.add_argument("--note", help="a line put at the top of results.md (e.g. 'CPU-scale run')")
     p.add_argument("--list", action="store_true", help="list presets and variants, exit")
     p.add_argument("--dry-run", action="store_true", help="print the runs, train nothing")
@@ -518,7 +647,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         help="train nothing: write results.md, summary.json and plots from the runs already "
         "finished in --out (a cell whose sweep is unfinished: its best so far, marked *)",
     )
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_compare)
 
 
@@ -573,14 +702,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
         wanted = _csv(args.variants, flag="--variants")
         bad = [v for v in wanted if v not in VARIANTS]
         if bad:
-            raise SystemExit(f"unknown variants {bad}; known: {', '.join(VARIANTS)}")
+            raise ValueError(
+                f"--variants: unknown variant {bad[0]!r}{did_you_mean(bad[0], VARIANTS)}; "
+                f"known: {', '.join(VARIANTS)}"
+            )
         preset.variants = wanted
     if args.cells:
         wanted = _csv(args.cells, flag="--cells")
         bad = [c for c in wanted if c not in preset.cells]
         if bad:
-            raise SystemExit(
-                f"unknown cells {bad} for preset {preset.name}; has {list(preset.cells)}"
+            raise ValueError(
+                f"--cells: unknown cell {bad[0]!r}{did_you_mean(bad[0], preset.cells)} for "
+                f"preset {preset.name}; it has {', '.join(preset.cells)}"
             )
         preset.cells = {c: preset.cells[c] for c in wanted}
     if args.widths:
@@ -607,6 +740,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         overrides["batch_size"] = args.batch_size
     shared = _shared_dir(args.shared)
     out = Path(args.out or f"runs/compare/{preset.name}")
+    check_out_dir(out, "--out")
+    if args.report_only:  # a fresh clone has no runs/compare/<preset> yet: the report says so
+        out.mkdir(parents=True, exist_ok=True)
     specs = expand_grid(
         preset,
         device=args.device,
@@ -621,6 +757,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         mode = "resuming" if args.resume else "from scratch"
         print(f"{len(specs)} runs of {specs[0].config.steps} steps -> {out} ({mode})")
         return 0
+    if not args.report_only:  # a missing GPU is one line here, not a grid of failed runs
+        from deltaflow.train.trainer import DistInfo, resolve_device
+
+        resolve_device(args.device, DistInfo())
     command = "deltaflow " + " ".join(shlex.quote(a) for a in args.argv)
     _, table = compare(
         preset,
@@ -652,11 +792,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- main
+# What a user's mistake raises (bad flags, configs, paths, files, devices): one line, exit 2.
+# Anything else is a bug or a failure of the machine and keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError)
+TRACEBACK_HELP = "show the full Python traceback of an error (or set DELTAFLOW_DEBUG=1)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltaflow",
         description="Delta-rule linear attention lab: train, evaluate, compare step rules.",
     )
+    parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_train_parser(sub)
     add_eval_parser(sub)
@@ -671,25 +818,82 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_stability_parser(sub)
+    for command in sub.choices.values():
+        if "--traceback" not in command._option_string_actions:
+            command.add_argument(
+                "--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP
+            )
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
+def _unknown_flags_error(
+    parser: argparse.ArgumentParser, command: str | None, extras: list[str]
+) -> None:
+    """Unknown arguments: the subcommand's usage and one error line with a did-you-mean."""
+    target = _subparser(parser, command)
+    flag = next((e for e in extras if e.startswith("-")), extras[0])
+    known = [o for o in target._option_string_actions if o.startswith("--")]
+    names = {o[2:]: o for o in known}  # compare without the '--' every flag shares
+    close = difflib.get_close_matches(flag.split("=")[0].lstrip("-"), names, n=1, cutoff=0.6)
+    hint = f" (did you mean {names[close[0]]}?)" if close else f" (see deltaflow {command} -h)"
+    target.error(f"unrecognized argument{'s' if len(extras) > 1 else ''}: {' '.join(extras)}{hint}")
+
+
+def _one_line(err: BaseException) -> str:
+    """An exception as one line: OSErrors without the errno prefix, newlines folded."""
+    if isinstance(err, OSError) and err.strerror and not err.args[1:2] == ():
+        text = err.strerror + (f": {err.filename}" if err.filename else "")
+    else:
+        text = str(err) or type(err).__name__
+    if isinstance(err, KeyError):
+        text = f"missing key {text}"
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _close_progress_bars() -> None:
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unknown_flags_error(parser, args.command, extras)
     args.argv = argv  # recorded with results (results/*/command.txt)
     if not hasattr(args, "func"):
         parser.print_help()
         return 0
+    debug = getattr(args, "traceback", False) or os.environ.get("DELTAFLOW_DEBUG", "") not in (
+        "",
+        "0",
+    )
+    from deltaflow.train import DivergenceError
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        if os.environ.get("DELTAFLOW_DEBUG"):
+    except (*USER_ERRORS, DivergenceError) as err:
+        if debug:
             raise
-        print(f"deltaflow {args.command}: error: {err}", file=sys.stderr)
-        print("(set DELTAFLOW_DEBUG=1 for the traceback)", file=sys.stderr)
-        return 2
+        _close_progress_bars()  # else the error line starts after a half-drawn bar
+        print(f"deltaflow {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 1 if isinstance(err, DivergenceError) else 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        _close_progress_bars()
+        print(f"deltaflow {args.command}: interrupted", file=sys.stderr)
+        return 130  # the shell's code for a SIGINT
 
 
 if __name__ == "__main__":

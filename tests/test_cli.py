@@ -273,8 +273,8 @@ def test_compare_cli_dry_run_and_list(capsys):
     assert "mqar_512" in capsys.readouterr().out
     assert main(["compare", "--preset", "state_tracking", "--dry-run", "--seeds", "1"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("45 runs")
-    with pytest.raises(SystemExit, match="unknown variants"):
-        main(["compare", "--variants", "bogus", "--dry-run"])
+    assert main(["compare", "--variants", "deltanett", "--dry-run"]) == 2
+    assert "unknown variant 'deltanett' (did you mean 'deltanet'?)" in capsys.readouterr().err
 
 
 def test_compare_cli_passes_every_knob_through(monkeypatch, tmp_path, capsys):

@@ -168,10 +168,14 @@ def add_lm_eval_task_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", required=True, help="folder for the YAML and JSONL files")
     p.add_argument("--name", default="deltaflow_corpus", help="task name prefix")
-    p.add_argument("--num-examples", type=int, default=500)
-    p.add_argument("--min-words", type=int, default=20)
-    p.add_argument("--max-words", type=int, default=80)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-examples", type=int, default=500, help="examples per task")
+    p.add_argument(
+        "--min-words", type=int, default=20, help="held-out paragraphs of at least this many words"
+    )
+    p.add_argument(
+        "--max-words", type=int, default=80, help="an example: a paragraph's last N words"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the example choice")
     p.add_argument(
         "--task-arg",
         dest="task_args",

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaflow.layers.mask import position_in_sequence
+from deltaflow.layers.mask import position_in_sequence, zero_padding
 
 
 class ShortConvolution(nn.Module):
@@ -86,7 +86,7 @@ class ShortConvolution(nn.Module):
                 raise ValueError(
                     f"ShortConvolution: mask must be [{B}, {T}], got {tuple(mask.shape)}"
                 )
-            x = x * mask.unsqueeze(-1).to(x.dtype)
+            x = zero_padding(x, mask)  # selected, not multiplied: 0 * nan is nan
         xt = x.transpose(1, 2)
         if state is None:
             prev = xt.new_zeros(B, C, W - 1)

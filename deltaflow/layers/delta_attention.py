@@ -13,7 +13,8 @@ With the defaults and ``rule='delta', use_decay=True`` this is the Gated DeltaNe
 (arXiv 2412.06464); Gated DeltaNet 1.3B uses ``num_heads=6, head_dim=256, expand_v=2``.
 
 Three modes give the same outputs: full sequences (chunked op), padded batches (padding is
-turned into identity steps: k = v = β = 0 and log α = 0, and the conv sees zeros), and
+turned into identity steps: k = v = β = 0 and log α = 0, and the conv sees zeros; padded
+positions are selected away, never multiplied by 0, so a nan there cannot reach real tokens), and
 incremental decoding with a state dict holding the recurrent state and conv windows.
 """
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from deltaflow.layers.conv import ShortConvolution, causal_conv_silu
 from deltaflow.layers.heads import resolve_head_dim
-from deltaflow.layers.mask import prepare_mixer_inputs
+from deltaflow.layers.mask import padding_as_identity_steps, prepare_mixer_inputs, zero_padding
 from deltaflow.layers.norm import RMSNorm, l2_normalize
 from deltaflow.ops import delta_rule, delta_rule_step
 from deltaflow.rules import QK_NORMS, StepRule, get_rule
@@ -352,6 +353,7 @@ class DeltaAttention(nn.Module):
             cu_seqlens,
             mask_prepared,
         )
+        x = zero_padding(x, mask)  # a nan at a padded position must not reach real tokens
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
         cp = self._active_context_parallel()
         if cp is not None:
@@ -379,15 +381,8 @@ class DeltaAttention(nn.Module):
             beta, log_decay = self._beta_and_log_decay(x)
         q, k, v = self._heads(q, k, v, B, T)
 
-        if mask is not None:
-            # Padding = identity step for every rule: no erase, no write (k = v = 0), no decay.
-            m = mask[:, :, None]
-            k = k * m[..., None].to(k.dtype)
-            v = v * m[..., None].to(v.dtype)
-            if beta is not None:
-                beta = beta * m
-            if log_decay is not None:
-                log_decay = log_decay * m
+        # Padding = identity step for every rule: no erase, no write (k = v = 0), no decay.
+        k, v, beta, log_decay = padding_as_identity_steps(mask, k, v, beta, log_decay)
 
         S0 = state.get("recurrent_state")
         if S0 is not None and T == 1 and not torch.is_grad_enabled():

@@ -103,3 +103,36 @@ def prepare_mixer_inputs(
             "or use_cache"
         )
     return B, T, mask, cu_seqlens, ({} if state is None else state)
+
+
+def zero_padding(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``x`` ``[B, T, ...]`` with padded positions (``mask`` ``[B, T]`` False) set to exactly 0.
+
+    Selected with ``torch.where``, never multiplied by the mask: ``0 * nan`` is nan, so a
+    non-finite value at a padded position would survive a multiplication and reach the real
+    tokens through the conv and the recurrence (and every weight gradient in the backward).
+    """
+    if mask is None:
+        return x
+    m = mask.view(*mask.shape, *([1] * (x.dim() - mask.dim())))
+    return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def padding_as_identity_steps(
+    mask: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor | None,
+    log_decay: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Make every padded step of the recurrence the identity, for every rule: no erase and no
+    write (k = v = 0, β = 0) and no decay (log α = 0); selected, not multiplied (see
+    :func:`zero_padding`). k, v ``[B, T, H, D]``; β, log α ``[B, T, H]``."""
+    if mask is None:
+        return k, v, beta, log_decay
+    k, v = zero_padding(k, mask), zero_padding(v, mask)
+    if beta is not None:
+        beta = zero_padding(beta, mask)
+    if log_decay is not None:
+        log_decay = zero_padding(log_decay, mask)
+    return k, v, beta, log_decay

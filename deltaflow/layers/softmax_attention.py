@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deltaflow.layers.heads import resolve_head_dim
-from deltaflow.layers.mask import position_in_sequence, prepare_mixer_inputs
+from deltaflow.layers.mask import position_in_sequence, prepare_mixer_inputs, zero_padding
 from deltaflow.layers.norm import RMSNorm
 
 
@@ -122,6 +122,7 @@ class SoftmaxAttention(nn.Module):
             cu_seqlens,
             mask_prepared,
         )
+        x = zero_padding(x, mask)  # nan at a padded key/value must not reach real tokens
         past_k = state.get("key")
 
         # Position of each token = number of real tokens before it in its row.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any
@@ -10,6 +11,7 @@ from transformers import PretrainedConfig
 
 from deltaflow.layers.delta_attention import BETA_ACTIVATIONS, resolve_qk_norm
 from deltaflow.rules import RULES
+from deltaflow.validation import check_bool, check_float, check_known_keys, check_str
 
 MIXER_TYPES = ("delta", "attention", "sliding_attention")
 
@@ -92,6 +94,13 @@ class DeltaFlowConfig(PretrainedConfig):
         pad_token_id: int | None = None,
         **kwargs: Any,
     ) -> None:
+        # A misspelt argument must not build the default model: anything that is neither ours
+        # (nor an alias) nor a key transformers itself writes or passes is refused.
+        check_known_keys(
+            "DeltaFlowConfig",
+            [k for k in kwargs if k not in _transformers_keys()],
+            own_keys(),
+        )
         # Resolve the conventional names first: everything derived from the layer count
         # (mixer_types) must see the value the caller meant, or the saved config.json holds a
         # num_layers and a mixer_types of different lengths that from_pretrained rejects.
@@ -150,6 +159,7 @@ class DeltaFlowConfig(PretrainedConfig):
             mixer_types if mixer_types is not None else layer_types, attn_every, num_layers
         )
         self._validate()
+        check_bool("tie_word_embeddings", tie_word_embeddings)  # set after the base's __init__
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=bos_token_id,
@@ -182,6 +192,13 @@ class DeltaFlowConfig(PretrainedConfig):
         return mixer_types
 
     def _validate(self) -> None:
+        for name in _BOOL_ARGS:
+            check_bool(name, getattr(self, name))
+        for name in _FLOAT_ARGS:  # numeric strings (YAML 1.1 reads "1e-6" as one) are converted
+            setattr(self, name, check_float(name, getattr(self, name)))
+        for name in ("rule", "beta_activation", "backend"):
+            check_str(name, getattr(self, name))
+
         def positive_int(name: str, allow_none: bool = False) -> None:
             value = getattr(self, name)
             if value is None and allow_none:
@@ -257,6 +274,68 @@ class DeltaFlowConfig(PretrainedConfig):
         if self.intermediate_size is not None:
             return self.intermediate_size
         return 64 * ((8 * self.hidden_size // 3 + 63) // 64)
+
+
+_BOOL_ARGS = (
+    "use_decay",
+    "negative_eigenvalues",
+    "use_short_conv",
+    "use_output_gate",
+    "attn_qk_norm",
+    "rescale_residual",
+    "labels_are_shifted",
+    "use_cache",
+)
+_FLOAT_ARGS = ("expand_v", "eps", "rope_theta", "norm_eps", "initializer_range")
+
+
+@functools.cache
+def own_keys() -> frozenset[str]:
+    """DeltaFlowConfig's own arguments and their conventional aliases (``num_hidden_layers``,
+    ...): what a training config's ``model`` section may hold (besides vocab_size)."""
+    params = inspect.signature(DeltaFlowConfig.__init__).parameters
+    own = {n for n, p in params.items() if n != "self" and p.kind is not p.VAR_KEYWORD}
+    return frozenset(own | set(DeltaFlowConfig.attribute_map))
+
+
+@functools.cache
+def _transformers_keys() -> frozenset[str]:
+    """Keys transformers itself passes to a config's __init__ (from config.json, from
+    ``from_pretrained`` / ``for_model``): PretrainedConfig's fields and what its base class
+    writes and pops. Computed from the installed version where it can be, so a new
+    transformers field does not make saved models unloadable."""
+    keys = set(PretrainedConfig().to_dict())
+    if dataclasses.is_dataclass(PretrainedConfig):
+        keys |= {f.name for f in dataclasses.fields(PretrainedConfig)}
+    try:
+        from transformers import GenerationConfig
+
+        keys |= set(GenerationConfig._get_default_generation_params())  # popped by the base
+    except (ImportError, AttributeError):
+        pass
+    keys |= {  # read and popped by PretrainedConfig / from_dict, or written by save_pretrained
+        "model_type",
+        "transformers_version",
+        "architectures",
+        "auto_map",
+        "name_or_path",
+        "_name_or_path",
+        "_commit_hash",
+        "torch_dtype",
+        "dtype",
+        "num_labels",
+        "id2label",
+        "label2id",
+        "output_attentions",
+        "attn_implementation",
+        "experts_implementation",
+        "_attn_implementation_internal",
+        "_experts_implementation_internal",
+        "per_layer_config",
+        "return_dict",
+        "output_hidden_states",
+    }
+    return frozenset(keys - own_keys())
 
 
 @functools.cache

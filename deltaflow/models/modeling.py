@@ -213,6 +213,24 @@ class DeltaFlowPreTrainedModel(PreTrainedModel):
         # generate() must not build a transformers DynamicCache: forward creates a DeltaFlowCache.
         return False
 
+    @classmethod
+    def from_pretrained(cls, *args: Any, strict: bool = True, **kwargs: Any) -> Any:
+        """transformers' ``from_pretrained``, refusing a folder whose weights do not match its
+        config: a missing tensor would otherwise be randomly initialised (and an unexpected
+        one dropped) with only a load report to say so. ``strict=False`` loads anyway (e.g.
+        to fine-tune a new head); ``output_loading_info=True`` also returns the report."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        if strict:
+            problems = _weight_problems(cls, info)
+            if problems:
+                where = args[0] if args else kwargs.get("pretrained_model_name_or_path", "")
+                raise ValueError(
+                    f"{where}: the weights do not match config.json ({'; '.join(problems)}); "
+                    "refusing to load a partly random model (pass strict=False to load anyway)"
+                )
+        return (model, info) if want_info else model
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """normal(0, initializer_range); residual out-projections / sqrt(2·num_layers); norms 1;
@@ -233,6 +251,46 @@ class DeltaFlowPreTrainedModel(PreTrainedModel):
             module.reset_parameters()
         elif isinstance(module, DeltaAttention):
             module.reset_decay_parameters()
+
+
+def _weight_problems(cls: type, info: dict[str, Any]) -> list[str]:
+    """What a loading report says is wrong, one short phrase per kind (a few names each)."""
+
+    def names(keys: Any) -> str:
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)
+        return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+    unexpected = list(info.get("unexpected_keys") or [])
+    if cls is DeltaFlowModel:  # the base model of a causal-LM checkpoint: its head is not ours
+        unexpected = [k for k in unexpected if not str(k).startswith("lm_head.")]
+    problems = []
+    if info.get("missing_keys"):
+        problems.append(f"missing {names(info['missing_keys'])}")
+    if unexpected:
+        problems.append(f"unexpected {names(unexpected)}")
+    if info.get("mismatched_keys"):
+        problems.append(f"wrong shape {names(info['mismatched_keys'])}")
+    if info.get("error_msgs"):
+        problems.append("; ".join(str(m) for m in info["error_msgs"]))
+    return problems
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Token ids must index the embedding: an id >= vocab_size is otherwise an IndexError
+    from the embedding on CPU, and a device-side assert that kills the process on CUDA.
+    One reduction and one host sync; skipped while compiling or capturing a CUDA graph."""
+    if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    if input_ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        raise ValueError(
+            f"input_ids must be token ids in [0, vocab_size={vocab_size}), got values from "
+            f"{lo} to {hi} (a tokenizer or task with a larger vocabulary than the model's?)"
+        )
 
 
 class DeltaFlowModel(DeltaFlowPreTrainedModel):
@@ -271,6 +329,7 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
         if input_ids is not None:
             if input_ids.dim() != 2:
                 raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+            check_token_ids(input_ids, self.embed_tokens.num_embeddings)
             inputs_embeds = self.embed_tokens(input_ids)
         elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
             raise ValueError(

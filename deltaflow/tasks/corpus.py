@@ -134,7 +134,18 @@ def _missing_field(where: str, field: str, has: Sequence[str]) -> ValueError:
 
 
 def iter_documents(source: Source, text_field: str, skip_empty: bool) -> Iterator[str]:
-    """The texts of one source, in order."""
+    """The texts of one source, in order; a text file that is not UTF-8 (binary, another
+    encoding) is a one-line error naming it, not a decode error without a file name."""
+    try:
+        yield from _iter_documents(source, text_field, skip_empty)
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"corpus file {source.path} is not UTF-8 text ({err.reason} at byte {err.start}): "
+            "convert it to UTF-8 or move it out of data_dir"
+        ) from None
+
+
+def _iter_documents(source: Source, text_field: str, skip_empty: bool) -> Iterator[str]:
     if source.kind == "txt":
         yield source.path.read_text(encoding="utf-8")
     elif source.kind == "jsonl":

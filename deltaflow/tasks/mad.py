@@ -32,6 +32,7 @@ from deltaflow.tasks.base import (
     check_int,
     numpy_seed,
 )
+from deltaflow.validation import check_bool
 
 
 def _shift_targets(tokens: torch.Tensor, targets: torch.Tensor) -> Batch:
@@ -83,7 +84,7 @@ class InContextRecall(_MADTask):
         self.frac_noise = check_float("frac_noise", frac_noise, 0.0, 1.0, high_open=True)
         if frac_noise > 0 and noise_vocab_size == 0:
             raise ValueError("frac_noise > 0 needs noise_vocab_size > 0")
-        self.train_on_all_tokens = bool(train_on_all_tokens)
+        self.train_on_all_tokens = check_bool("train_on_all_tokens", train_on_all_tokens)
         plain = vocab_size - noise_vocab_size
         self.num_keys = plain // 2
         self.num_values = plain - self.num_keys
@@ -173,7 +174,7 @@ class FuzzyRecall(_MADTask):
             raise ValueError(
                 f"seq_len={seq_len} too short for motifs of {k_motif_size}+{v_motif_size} tokens"
             )
-        self.train_on_all_tokens = bool(train_on_all_tokens)
+        self.train_on_all_tokens = check_bool("train_on_all_tokens", train_on_all_tokens)
         self.chance = 1.0 / self.num_values
 
     def _one(self, rng: np.random.Generator, train: bool) -> tuple[list[int], list[int]]:

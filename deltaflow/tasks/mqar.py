@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from deltaflow.tasks.base import IGNORE_INDEX, Batch, Task, check_float, check_int
+from deltaflow.validation import check_bool
 
 # (seq_len, num_kv_pairs) settings of the Zoology sweep used here (vocab 8192).
 PRESETS: tuple[tuple[int, int], ...] = ((64, 4), (128, 8), (256, 16), (512, 64))
@@ -81,9 +82,9 @@ class MQAR(Task):
                 f"num_kv_pairs * bindings_per_key = {P * R} distinct values need "
                 f"vocab_size - vocab_size // 2 >= {P * R}, got {vocab_size - half}"
             )
-        self.score_rebinds = bool(score_rebinds)
+        self.score_rebinds = check_bool("score_rebinds", score_rebinds)
         self.power_a = check_float("power_a", power_a, 1e-6, 1.0)
-        self.random_non_queries = bool(random_non_queries)
+        self.random_non_queries = check_bool("random_non_queries", random_non_queries)
         self.chance = 1.0 / (vocab_size - half)
         # log of the (unnormalised) power-law weights over query gaps 1..space
         space = (seq_len - 2 * P * R) // 2

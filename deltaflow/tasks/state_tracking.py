@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from deltaflow.tasks.base import IGNORE_INDEX, Batch, Task, check_int, numpy_seed
+from deltaflow.validation import check_bool
 
 PAD = 0
 
@@ -129,7 +130,7 @@ class Parity(StateTrackingTask):
 
     def __init__(self, *, label_every_token: bool = False, **kw) -> None:
         super().__init__(**kw)
-        self.label_every_token = bool(label_every_token)
+        self.label_every_token = check_bool("label_every_token", label_every_token)
         self.vocab_size = 3
         self.chance = 0.5
 
@@ -224,7 +225,7 @@ class ModularArithmeticBrackets(StateTrackingTask):
     def __init__(self, *, modulus: int = 5, mult: bool = False, **kw) -> None:
         super().__init__(**kw)
         self.modulus = check_int("modulus", modulus, 2)
-        self.mult = bool(mult)
+        self.mult = check_bool("mult", mult)
         self.vocab_size = self.NUM0 + modulus
         self.chance = 1.0 / modulus
 
@@ -269,7 +270,7 @@ class S5(StateTrackingTask):
 
     def __init__(self, *, label_every_token: bool = True, **kw) -> None:
         super().__init__(**kw)
-        self.label_every_token = bool(label_every_token)
+        self.label_every_token = check_bool("label_every_token", label_every_token)
         self.perms = torch.tensor(list(itertools.permutations(range(5))))  # [120, 5]
         index = {tuple(p): i for i, p in enumerate(self.perms.tolist())}
         # table[a, b] = index of g_a ∘ g_b (b first)

@@ -262,7 +262,10 @@ def get_tokenizer(tokenizer: str = "byte", path: str | os.PathLike | None = None
         return ByteTokenizer()
     if tokenizer in ("gpt2", "bpe"):
         if path is None:
-            raise ValueError("tokenizer='gpt2' needs tokenizer_path=<path to gpt2.tiktoken>")
+            raise ValueError(
+                f"tokenizer={tokenizer!r} needs tokenizer_path, a GPT-2 .tiktoken file "
+                "(deltaflow train: --tokenizer-path FILE)"
+            )
         return BPETokenizer(path)
     if tokenizer == "hf":
         if path is None:

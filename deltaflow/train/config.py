@@ -9,77 +9,172 @@ gradient-accumulation micro-steps), so a run gives the same result on 1 or 8 GPU
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from deltaflow.validation import (
+    check_bool,
+    check_float,
+    check_int,
+    check_known_keys,
+    check_str,
+    describe,
+)
+
+SPLITS = ("train", "valid", "test")
+
+
+def _field(default: Any = dataclasses.MISSING, help: str = "", **meta: Any) -> Any:
+    """A dataclass field with its help text (``deltaflow train --help`` is built from these).
+
+    ``meta``: ``group`` (help section), ``flag`` (CLI spelling; default ``--field-name``),
+    ``cli=False`` (no flag of its own: reached with ``--set``), ``factory`` (mutable default).
+    """
+    factory = meta.pop("factory", None)
+    metadata = {"help": help, **meta}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
 
 @dataclass
 class TrainConfig:
     # --- what to train
-    task: str = "mqar"
-    task_kwargs: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, Any] = field(default_factory=dict)  # DeltaFlowConfig kwargs minus vocab_size
+    task: str = _field(
+        "mqar",
+        "task name: mqar, parity, mod_arith, mod_arith_brackets, s5, lm, in_context_recall, "
+        "fuzzy_recall, noisy_recall, selective_copy, compress, memorize",
+        group="task",
+    )
+    task_kwargs: dict[str, Any] = _field(
+        help="task constructor arguments", factory=dict, cli=False, group="task"
+    )
+    model: dict[str, Any] = _field(
+        help="DeltaFlowConfig arguments except vocab_size (taken from the task)",
+        factory=dict,
+        cli=False,
+        group="model",
+    )
     # --- optimization
-    steps: int = 1000
-    batch_size: int = 64  # global: all ranks x all accumulation micro-steps
-    grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
-    warmup_steps: int | None = None  # None: 5% of steps
-    weight_decay: float = 0.1  # decoupled (AdamW); never applied to norms, biases, embeddings
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    steps: int = _field(1000, "optimizer steps", group="optimization")
+    batch_size: int = _field(
+        64, "GLOBAL batch: all GPUs x all accumulation micro-steps", group="optimization"
+    )
+    grad_accum: int = _field(1, "gradient-accumulation micro-steps per step", group="optimization")
+    lr: float = _field(1e-3, "peak learning rate (AdamW)", group="optimization")
+    min_lr_ratio: float = _field(0.1, "cosine floor, as a fraction of lr", group="optimization")
+    warmup_steps: int | None = _field(
+        None, "linear warmup steps (default: steps / 20)", group="optimization"
+    )
+    weight_decay: float = _field(
+        0.1,
+        "decoupled AdamW weight decay; never on norms, biases, embeddings",
+        group="optimization",
+    )
+    beta1: float = _field(0.9, "AdamW beta1", group="optimization")
+    beta2: float = _field(0.95, "AdamW beta2", group="optimization")
+    adam_eps: float = _field(1e-8, "AdamW epsilon", group="optimization")
+    grad_clip: float = _field(
+        1.0, "max global gradient norm (0: no clipping)", group="optimization"
+    )
     # --- evaluation
-    eval_every: int = 0  # 0: evaluate only at the end
-    eval_split: str = "valid"
-    eval_lengths: list[int] | None = None  # None: task.eval_lengths if it has one, else its seq_len
-    eval_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. num_examples, batch_size
+    eval_every: int = _field(0, "evaluate every N steps (0: only at the end)", group="evaluation")
+    eval_split: str = _field(
+        "valid", "split evaluated during training", group="evaluation", choices=list(SPLITS)
+    )
+    eval_lengths: list[int] | None = _field(
+        None,
+        "comma-separated lengths, e.g. 512,1024 (default: the task's own, else its seq_len)",
+        group="evaluation",
+    )
+    eval_kwargs: dict[str, Any] = _field(
+        help="evaluation-set options, e.g. {num_examples: 512, batch_size: 128}",
+        factory=dict,
+        cli=False,
+        group="evaluation",
+    )
     # --- I/O and runtime
-    out_dir: str | None = None  # None: no logs, no checkpoints (quick experiments, tests)
-    log_every: int = 10
-    ckpt_every: int = 0  # 0: checkpoint only at the end (if out_dir is set)
-    keep_checkpoints: int = 2
-    resume: bool = True  # continue from out_dir's latest checkpoint when there is one
-    seed: int = 0
-    device: str = "auto"  # auto: cuda:LOCAL_RANK if available, else cpu
-    precision: str = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu; or 'bf16' | 'fp32'
-    progress: bool = True  # tqdm bar (rank 0 only)
-    # Extra log sinks beside log.jsonl / CSV (rank 0; like them, nothing without out_dir):
-    # TensorBoard events in <out_dir>/tensorboard; W&B in <out_dir>/wandb, offline by default.
-    tensorboard: bool = False
-    wandb: bool = False
-    # Under torchrun: 'ddp' replicates the model; 'fsdp' shards it (FSDP2) and writes sharded
-    # checkpoints that resume on any number of GPUs.
-    parallel: str = "ddp"
-    # Context parallelism: groups of this many ranks split every sequence along T (world =
-    # data-parallel ranks x context_parallel); delta-rule models only (deltaflow.parallel).
-    context_parallel: int = 1
-    # torch.compile each model block (fused glue, selective activation checkpointing): 'auto'
-    # is off for now (wrong fp32 gradients on CUDA: deltaflow.models.compile); 'blocks' | 'off'.
-    compile: str = "auto"
+    out_dir: str | None = _field(
+        None,
+        "run directory: config, logs, checkpoints; resumed if it has checkpoints "
+        "(default: none, nothing written)",
+        flag="--out",
+        metavar="DIR",
+        group="runtime",
+    )
+    log_every: int = _field(10, "log the mean training loss every N steps", group="runtime")
+    ckpt_every: int = _field(
+        0, "checkpoint every N steps (0: only at the end, with --out)", group="runtime"
+    )
+    keep_checkpoints: int = _field(2, "newest checkpoints kept in --out", group="runtime")
+    resume: bool = _field(
+        True, "continue from --out's latest checkpoint when there is one", group="runtime"
+    )
+    seed: int = _field(0, "seed of the initialisation (and of the task's data)", group="runtime")
+    device: str = _field(
+        "auto",
+        "auto (cuda:LOCAL_RANK if a GPU is there, else cpu), cpu, cuda, cuda:N",
+        group="runtime",
+    )
+    precision: str = _field(
+        "auto",
+        "auto (bf16 autocast on cuda, fp32 on cpu), bf16 or fp32",
+        group="runtime",
+        choices=["auto", "bf16", "fp32"],
+    )
+    progress: bool = _field(True, "progress bar with rate and ETA (rank 0)", group="runtime")
+    tensorboard: bool = _field(
+        False,
+        "also log to TensorBoard (<out>/tensorboard; needs the tensorboard package)",
+        group="runtime",
+    )
+    wandb: bool = _field(
+        False,
+        "also log to Weights & Biases (<out>/wandb), offline unless WANDB_MODE is set",
+        group="runtime",
+    )
+    parallel: str = _field(
+        "ddp",
+        "under torchrun: ddp (replicated model) or fsdp (FSDP2: sharded model and sharded "
+        "checkpoints that resume on any number of GPUs)",
+        group="runtime",
+        choices=["ddp", "fsdp"],
+    )
+    context_parallel: int = _field(
+        1,
+        "under torchrun: groups of N ranks split every sequence along T (long sequences; "
+        "delta-rule models only); world = data-parallel ranks x N",
+        group="runtime",
+        metavar="N",
+    )
+    compile: str = _field(
+        "auto",
+        "torch.compile every model block (fused glue, selective activation checkpointing); "
+        "auto is off for now and blocks is CPU-only: see benchmarks/NOTES.md",
+        group="runtime",
+        choices=["auto", "blocks", "off"],
+    )
 
     def __post_init__(self) -> None:
-        # YAML 1.1 reads "3e-4" (no dot) as a string: accept numeric strings for float fields.
-        for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, str | int) and not isinstance(value, bool):
-                try:
-                    setattr(self, name, float(value))
-                except ValueError:
-                    raise ValueError(f"{name} must be a number, got {value!r}") from None
         self.validate()
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
+        """Types of every field, then ranges, then the task and model sections and the
+        cross-field rules. Raises a one-line ``ValueError`` / ``TypeError`` naming the field."""
+        hints = field_types()
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _check_type(f.name, getattr(self, f.name), hints[f.name]))
+
         def positive(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
 
         for name in (
             "steps",
@@ -91,12 +186,16 @@ class TrainConfig:
         ):
             positive(name)
         for name in ("eval_every", "ckpt_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)}")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
             raise ValueError(
                 f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}"
+            )
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of grad_accum "
+                f"({self.grad_accum}): every micro-step takes batch_size / grad_accum rows"
             )
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
@@ -106,29 +205,40 @@ class TrainConfig:
             raise ValueError("weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"beta1, beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if not self.adam_eps > 0:
+            raise ValueError(f"adam_eps must be > 0, got {self.adam_eps}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
         if self.compile not in ("auto", "blocks", "off"):
             raise ValueError(f"compile must be 'auto', 'blocks' or 'off', got {self.compile!r}")
-        for name in ("task_kwargs", "model", "eval_kwargs"):
-            if not isinstance(getattr(self, name), dict):
-                raise TypeError(
-                    f"{name} must be a mapping, got {type(getattr(self, name)).__name__}"
-                )
-        for name in ("tensorboard", "wandb"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.eval_split not in SPLITS:
+            raise ValueError(f"eval_split must be one of {SPLITS}, got {self.eval_split!r}")
+        check_device_name(self.device)
+        if self.eval_lengths is not None and not all(n > 0 for n in self.eval_lengths):
+            raise ValueError(f"eval_lengths must be positive, got {self.eval_lengths}")
+        self._validate_sections()
+
+    def _validate_sections(self) -> None:
+        """task_kwargs / eval_kwargs against the task's signatures (for registered tasks: a
+        Trainer may be given a task object of its own), model against DeltaFlowConfig."""
+        from deltaflow.tasks import TASKS, check_task_kwargs, eval_options, task_argument_types
+
+        key = self.task.strip().lower().replace("-", "_")
+        if key in TASKS:
+            # required arguments (lm's data_dir) are checked when the task is built: a
+            # Trainer may be handed the task object itself
+            check_task_kwargs(self.task, self.task_kwargs, require=False)
+            hints = task_argument_types(TASKS[key])
+            for name, value in self.task_kwargs.items():  # checked, kept as given
+                if name in hints:
+                    _check_type(f"task_kwargs.{name}", value, hints[name])
+            check_known_keys("eval_kwargs", self.eval_kwargs, eval_options(TASKS[key]))
         if "vocab_size" in self.model:
             raise ValueError("model.vocab_size is taken from the task; remove it from the config")
-        if self.eval_lengths is not None:
-            if not isinstance(self.eval_lengths, list) or not all(
-                isinstance(n, int) and n > 0 for n in self.eval_lengths
-            ):
-                raise ValueError(
-                    f"eval_lengths must be a list of positive ints, got {self.eval_lengths!r}"
-                )
+        if self.model:
+            check_model_section(self.model)
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -140,18 +250,20 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; valid keys: {sorted(known)}")
+        if not isinstance(data, dict):
+            raise TypeError(f"a train config must be a mapping, got {describe(data)}")
+        check_known_keys("config", data, [f.name for f in dataclasses.fields(cls)])
         return cls(**data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> TrainConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: a config file must be a YAML mapping")
-        return cls.from_dict(data)
+            raise ValueError(f"{path}: a config file must be a YAML mapping of config fields")
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as err:
+            raise type(err)(f"{path}: {err}") from None
 
     def to_yaml(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
@@ -163,7 +275,116 @@ class TrainConfig:
         return TrainConfig.from_dict(data)
 
 
-_FLOAT_FIELDS = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip")
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's content; a missing file or a syntax error is a one-line error naming the
+    file (and the line and column of the error)."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"config file {path} {what}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path} is not a UTF-8 text file ({err.reason} at byte {err.start})"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: invalid YAML: {_yaml_error_text(err)}") from None
+
+
+def _yaml_error_text(err: yaml.YAMLError) -> str:
+    """``line 3, column 7: mapping values are not allowed here`` from a PyYAML error."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
+def parse_value(key: str, raw: str) -> Any:
+    """A ``--set`` / ``--task-arg`` value, parsed as YAML (``3``, ``1e-3``, ``true``, ``[1, 2]``);
+    a syntax error names the key."""
+    if raw == "":
+        return None
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{key}={raw}: invalid value ({_yaml_error_text(err)})") from None
+
+
+def check_device_name(name: str) -> str:
+    """``auto`` or a torch device string (``cpu``, ``cuda``, ``cuda:1``); availability is
+    checked when the device is used (a config may be written for another machine)."""
+    import torch
+
+    if name == "auto":
+        return name
+    try:
+        torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"device {name!r} is not a device: use auto, cpu, cuda or cuda:N"
+        ) from None
+    return name
+
+
+def check_model_section(model: dict[str, Any]) -> None:
+    """A train config's ``model`` section: DeltaFlowConfig's own arguments only (no
+    transformers bookkeeping keys), each of the right type, and a buildable whole."""
+    from deltaflow.models.config import DeltaFlowConfig, own_keys
+
+    check_known_keys("model", model, own_keys() - {"vocab_size"})
+    try:
+        DeltaFlowConfig(vocab_size=2, **model)
+    except (ValueError, TypeError) as err:
+        raise type(err)(f"model: {err}") from None
+
+
+@functools.cache
+def field_types() -> dict[str, Any]:
+    """TrainConfig's field annotations, evaluated (``int | None``, ``list[int] | None``, ...)."""
+    return typing.get_type_hints(TrainConfig)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against the field's annotation (and a numeric string converted for
+    float fields: YAML 1.1 reads ``3e-4`` as a string)."""
+    is_union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    options = [a for a in typing.get_args(hint) if a is not type(None)] if is_union else [hint]
+    allow_none = is_union and type(None) in typing.get_args(hint)
+    if value is None and allow_none:
+        return None
+    if len(options) != 1:
+        return value  # e.g. str | os.PathLike: left to the code that uses it
+    base = options[0]
+    if base is bool:
+        return check_bool(name, value)
+    if base is int:
+        return check_int(name, value)
+    if base is float:
+        return check_float(name, value)
+    if base is str:
+        return check_str(name, value)
+    origin = typing.get_origin(base)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a mapping (key: value), got {describe(value)}")
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"{name}: keys must be strings, got {bad[0]!r}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(base)
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise TypeError(f"{name} must be a list, got {describe(value)}")
+        if item is int:
+            for i, v in enumerate(value):
+                check_int(f"{name}[{i}]", v)
+        return value
+    return value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -176,7 +397,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value or section.key=value")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else None
+        value = parse_value(key.strip(), raw)
         parts = key.strip().split(".")
         if len(parts) == 1:
             out[parts[0]] = value

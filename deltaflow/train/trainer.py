@@ -172,8 +172,19 @@ def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
             return torch.device("cuda", dist_info.local_rank)
         return torch.device("cpu")
     device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", dist_info.local_rank)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {name!r}: no CUDA GPU is available here (torch.cuda.is_available() "
+                "is False); use --device cpu or auto"
+            )
+        if device.index is None:
+            device = torch.device("cuda", dist_info.local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {str(device)!r}: this machine has {torch.cuda.device_count()} GPU(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+            )
     return device
 
 
