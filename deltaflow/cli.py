@@ -1,8 +1,9 @@
-"""The ``deltaflow`` command line: train, eval, generate, compare, stability.
+"""The ``deltaflow`` command line: train, eval, generate, export, compare, stability.
 
     deltaflow train --task mqar --rule efla --decay --steps 2000 --out runs/efla
     deltaflow train --config configs/mqar_efla.yaml --lr 3e-4 --set model.qk_norm=l2
     deltaflow eval runs/efla                       # latest checkpoint of a run directory
+    deltaflow export runs/efla --out exported/efla # a transformers save_pretrained folder
     deltaflow generate runs/lm --prompt "It is a truth" --max-new-tokens 100
     deltaflow compare                              # the main job: quick CPU preset (<= 2 min)
     deltaflow compare --preset mqar_512 --device cuda --out results/mqar_512
@@ -38,6 +39,7 @@ _TRAIN_FIELDS: dict[str, tuple[str | None, str]] = {
     "eval_lengths": (None, "eval_lengths"),
     "log_every": (None, "log_every"),
     "ckpt_every": (None, "ckpt_every"),
+    "ckpt_minutes": (None, "ckpt_minutes"),
     "out": (None, "out_dir"),
     "seed": (None, "seed"),
     "device": (None, "device"),
@@ -149,9 +151,32 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--log-every", type=int)
     g.add_argument("--ckpt-every", type=int)
-    g.add_argument("--out", help="run directory: logs, checkpoints (resumed if present)")
     g.add_argument(
-        "--no-resume", action="store_true", help="start over even if --out has checkpoints"
+        "--ckpt-minutes",
+        type=float,
+        help="also checkpoint every so many minutes of wall time (0: off) [config default: 10]",
+    )
+    g.add_argument(
+        "--out",
+        help="run directory: logs, checkpoints, run_config.yaml; a run there is resumed (with "
+        "the same training settings only)",
+    )
+    g.add_argument(
+        "--no-resume",
+        action="store_true",
+        help="start over: a run already in --out is moved to --out/archive/<time>/",
+    )
+    g.add_argument(
+        "--fork",
+        metavar="NEWDIR",
+        help="train in NEWDIR, starting from --out's latest checkpoint (weights, optimizer, "
+        "step) with this command's settings, e.g. another --lr; the same command resumes it",
+    )
+    g.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="resume an FSDP checkpoint whose signed manifest does not verify (its "
+        "dcp/.metadata is a pickle: only for folders whose writer you trust)",
     )
     g.add_argument("--seed", type=int)
     g.add_argument("--device", help="auto | cpu | cuda | cuda:1")
@@ -196,16 +221,49 @@ def resolve_train_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from deltaflow.train import train
+    from deltaflow.train import Trainer
 
     config = resolve_train_config(args)
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
-    summary = train(config)
-    if int(os.environ.get("RANK", 0)) == 0:
+    fork_from = None
+    if args.fork is not None:
+        if config.out_dir is None or args.no_resume:
+            raise ValueError("--fork NEWDIR needs --out (the run to fork) and no --no-resume")
+        fork_from, config = config.out_dir, config.replace(out_dir=args.fork)
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    try:
+        trainer = Trainer(
+            config,
+            fork_from=fork_from,
+            handle_signals=True,
+            verbose=True,
+            trust_checkpoint=args.trust_checkpoint,
+        )
+    except KeyboardInterrupt:
+        print("interrupted before training started: nothing to save", file=sys.stderr)
+        return 130
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    if summary.get("stopped") and rank0:
+        print(
+            f"saved step {summary['step']}, resume with: {_resume_command(args.argv)}",
+            file=sys.stderr,
+        )
+        return 0
+    if rank0:
         print(json.dumps(summary, indent=2))
     return 0
+
+
+def _resume_command(argv: list[str]) -> str:
+    """The command that continues this run: the same one, without --no-resume (which would
+    archive the run just saved). A fork's command resumes the fork (NEWDIR has a checkpoint)."""
+    kept = [a for a in argv if a != "--no-resume"]
+    return "deltaflow " + " ".join(shlex.quote(a) for a in kept)
 
 
 # ---------------------------------------------------------------------------- eval / generate
@@ -345,6 +403,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.num_samples > 1:
             print(f"--- sample {i}")
         print(tokenizer.decode(row))
+    return 0
+
+
+# ---------------------------------------------------------------------------- export
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a transformers save_pretrained folder",
+        description="Write a run's latest checkpoint (or a given checkpoint folder) as a "
+        "save_pretrained folder: config.json, model.safetensors, train_config.yaml and, for "
+        "language-model runs, the tokenizer (tokenizer.json). Open it with "
+        "AutoModelForCausalLM.from_pretrained(DIR) after `import deltaflow.models`. Finished "
+        "runs already have one: RUN/final/.",
+    )
+    p.add_argument("checkpoint", help="run dir (its latest checkpoint) or checkpoint dir")
+    p.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from deltaflow.train.checkpoint import resolve_checkpoint
+    from deltaflow.train.export import export_checkpoint
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    if Path(args.out).resolve() in (Path(args.checkpoint).resolve(), ckpt.resolve()):
+        raise ValueError("--out must be a new folder, not the run or checkpoint itself")
+    dest = export_checkpoint(ckpt, args.out)
+    print(f"exported {ckpt} to {dest}")
     return 0
 
 
@@ -584,6 +670,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_eval_parser(sub)
     add_generate_parser(sub)
+    add_export_parser(sub)
     add_compare_parser(sub)
     try:  # written by another module; the CLI works without it
         from deltaflow.analysis.cli import add_stability_parser
@@ -604,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, OSError) as err:  # OSError: files, a full disk
         if os.environ.get("DELTAFLOW_DEBUG"):
             raise
         print(f"deltaflow {args.command}: error: {err}", file=sys.stderr)

@@ -189,7 +189,7 @@ def test_training_learns_the_toy_task_and_writes_logs(tmp_path):
     assert header[:3] == ["step", "loss", "grad_norm"] and "tokens_per_s" in header
     assert "accuracy" in (run / "eval.csv").read_text().splitlines()[0]
     assert json.loads((run / "final.json").read_text())["step"] == 60
-    assert TrainConfig.from_yaml(run / "config.yaml") == cfg
+    assert TrainConfig.from_yaml(run / "run_config.yaml") == cfg
 
 
 class FiniteToyTask(ToyTask):

@@ -42,7 +42,10 @@ class TrainConfig:
     # --- I/O and runtime
     out_dir: str | None = None  # None: no logs, no checkpoints (quick experiments, tests)
     log_every: int = 10
-    ckpt_every: int = 0  # 0: checkpoint only at the end (if out_dir is set)
+    ckpt_every: int = 0  # 0: no step-based checkpoints (ckpt_minutes still applies)
+    # wall-clock minutes between checkpoints (at log steps), so a killed run loses minutes,
+    # not the run; 0 disables. Both kinds may be on; the end, Ctrl-C and SIGTERM always save.
+    ckpt_minutes: float = 10.0
     keep_checkpoints: int = 2
     resume: bool = True  # continue from out_dir's latest checkpoint when there is one
     seed: int = 0
@@ -85,6 +88,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.ckpt_minutes >= 0:
+            raise ValueError(f"ckpt_minutes must be >= 0 (0: off), got {self.ckpt_minutes}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
@@ -141,7 +146,16 @@ class TrainConfig:
         return TrainConfig.from_dict(data)
 
 
-_FLOAT_FIELDS = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "adam_eps", "grad_clip")
+_FLOAT_FIELDS = (
+    "lr",
+    "min_lr_ratio",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "adam_eps",
+    "grad_clip",
+    "ckpt_minutes",
+)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 JSONL is the source of truth (one JSON object per line, appended and flushed as it happens).
 The CSVs are regenerated from it on ``flush()``, so columns may appear mid-run (new eval
 metrics) without breaking the header. On resume, records past the checkpoint's step are
-dropped: they belong to the part of the run that is about to be redone.
+dropped: they belong to the part of the run that is about to be redone. A checkpoint stores
+how many records the log held when it was written (``keep_records``), so exactly those are
+kept, whatever was logged at the same step after it (a final evaluation, say).
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ from typing import Any
 class RunLogger:
     """Appends JSON records of kind 'train' / 'eval' / 'event'. A no-op when ``out_dir`` is None."""
 
-    def __init__(self, out_dir: str | Path | None, *, resume_step: int | None = None) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path | None,
+        *,
+        resume_step: int | None = None,
+        keep_records: int | None = None,
+        start_records: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """``resume_step``: continue the log in ``out_dir``, dropping records past that step
+        (None: start the log over); ``keep_records``: keep exactly the first so many records
+        instead (with ``resume_step``). ``start_records``: start the log with these (a fork)."""
         self.records: list[dict[str, Any]] = []
         self.dir = Path(out_dir) if out_dir is not None else None
         self._file = None
@@ -35,10 +47,15 @@ class RunLogger:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # torn last line of a killed run
                     continue
-                if resume_step is None or record.get("step", 0) <= resume_step:
-                    self.records.append(record)
+                self.records.append(record)
             if resume_step is None:  # fresh run in an old directory: start the log over
                 self.records = []
+            elif keep_records is not None:
+                self.records = self.records[:keep_records]
+            else:
+                self.records = [r for r in self.records if r.get("step", 0) <= resume_step]
+        if start_records is not None:
+            self.records = list(start_records)
         tmp = path.with_name(".log.jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         os.replace(tmp, path)
