@@ -41,6 +41,10 @@ from tqdm.auto import tqdm
 from deltaflow.lab.presets import VARIANTS, Preset
 from deltaflow.train import DivergenceError, TrainConfig, Trainer
 
+# TrainConfig fields that never change what a run trains and that came after grids were
+# committed: left out of run ids (the grid sets them on each run's trainer itself).
+RUNTIME_ONLY_FIELDS = ("ckpt_minutes",)
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -56,6 +60,8 @@ class RunSpec:
     @property
     def run_id(self) -> str:
         config = self.config.to_dict()
+        for name in RUNTIME_ONLY_FIELDS:  # added after grids were committed; ids stay valid
+            config.pop(name, None)
         if str(config.get("device", "")).startswith("cuda:"):  # which GPU of a host ran it is
             config["device"] = "cuda"  # not part of the run: 'cuda:1' resumes a 'cuda' run
         text = json.dumps(config, sort_keys=True)
@@ -196,13 +202,15 @@ def run_one(
     runs_root: Path | None = None,
     deadline: float | None = None,
     checkpoint_seconds: float | None = None,
+    export_final: bool = False,
 ) -> dict[str, Any]:
     """Train one grid point; failures (divergence, errors) become records, not exceptions.
 
     With ``runs_root`` the run trains in ``runs_root/<run id>`` and continues from a checkpoint
     found there. ``deadline`` (a ``time.time()`` value): stop with a checkpoint at the first log
     step past it, or do not start at all once it has passed; the record's status is then
-    "partial" (to be continued by a later, resumed grid).
+    "partial" (to be continued by a later, resumed grid). ``checkpoint_seconds`` None: no
+    timed checkpoints. ``export_final``: write the finished model to ``<run dir>/final/``.
     """
     cfg = spec.config.replace(progress=progress)
     start = time.perf_counter()
@@ -212,13 +220,19 @@ def run_one(
     # the run directory goes into the trainer's config only: record and run id stay as before
     run_cfg = cfg
     if runs_root is not None:
-        run_cfg = cfg.replace(out_dir=str(runs_root / run_dir_name(spec.run_id)), resume=True)
+        run_dir = str(runs_root / run_dir_name(spec.run_id))
+        run_cfg = cfg.replace(out_dir=run_dir, resume=True, ckpt_minutes=0)
     trainer = None
     on_cuda = _uses_cuda(cfg.device)
     if on_cuda:  # a worker process trains run after run: measure this run's peak alone
         torch.cuda.reset_peak_memory_stats()
     try:
-        trainer = Trainer(run_cfg, deadline=deadline, checkpoint_seconds=checkpoint_seconds)
+        trainer = Trainer(
+            run_cfg,
+            deadline=deadline,
+            checkpoint_seconds=checkpoint_seconds,
+            export_final=export_final,
+        )
         summary = trainer.train()
         if not summary["finished"]:
             stopped = {"status": "partial", "step": summary["step"], "seconds": summary["seconds"]}
@@ -351,6 +365,7 @@ def run_grid(
         runs_root=runs_root,
         deadline=deadline,
         checkpoint_seconds=None if checkpoint_minutes is None else 60.0 * checkpoint_minutes,
+        export_final=keep_run_dirs,  # a deleted run directory needs no final/ folder
     )
     bar = tqdm(
         total=len(specs),

@@ -19,8 +19,10 @@ It is written into a temporary folder and renamed into place, like a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +91,8 @@ def write_pretrained(model: nn.Module, dest: str | Path, train_config: dict[str,
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        with _quiet_transformers():
+            model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer = hf_tokenizer(train_config["task"], train_config.get("task_kwargs", {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
@@ -104,6 +107,20 @@ def write_pretrained(model: nn.Module, dest: str | Path, train_config: dict[str,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No "Writing model shards" bar for a one-file model (it would break the trainer's)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def export_checkpoint(path: str | Path, dest: str | Path) -> Path:

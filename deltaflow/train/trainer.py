@@ -416,8 +416,9 @@ class Trainer:
                 notes=plan.notes,
                 error=f"cannot resume {out}: it was trained with other settings: "
                 f"{describe(diffs)}{steps_note}. Resume it with its own settings "
-                f"({out / RUN_CONFIG}), continue its latest checkpoint with the new ones in a "
-                "new folder with --fork NEWDIR, or start over with --no-resume (archives it)",
+                f"(deltaflow train --config {out / RUN_CONFIG}), continue its latest checkpoint "
+                "with the new ones in a new folder with --fork NEWDIR, or start over with "
+                "--no-resume (archives it)",
             )
         plan.resume = str(latest)
         plan.notes.append(f"resuming {out} from step {state['step']}")
