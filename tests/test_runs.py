@@ -318,3 +318,27 @@ def test_export_opens_with_auto_model_with_identical_logits(cli, tmp_path):
         assert tokenizer.eos_token_id == 256
     code, out = cli.run(["export", str(run), "--out", str(run)], cwd=tmp_path)
     assert code == 2 and "--out must be a new folder" in error_line(out)
+
+
+def test_a_bpe_tokenizer_exports_to_an_equal_transformers_tokenizer(tmp_path):
+    """A small .tiktoken file (the 256 bytes and a few merges) through hf_tokenizer: the same
+    ids as deltaflow's BPETokenizer, <|endoftext|> as the last id."""
+    import base64
+
+    from transformers import AutoTokenizer
+
+    from deltaflow.tasks.language import get_tokenizer
+    from deltaflow.train.export import hf_tokenizer
+
+    tokens = [bytes([b]) for b in range(256)] + [b"th", b"he", b"the", b" t", b" the", b"en"]
+    path = tmp_path / "tiny.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    ours = get_tokenizer("bpe", path)
+    hf_tokenizer("lm", {"tokenizer": "bpe", "tokenizer_path": str(path)}).save_pretrained(
+        tmp_path / "tok"
+    )
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    for text in ("the then hethe", "  the end\n\nthe", "ünïcödé the ☃"):
+        assert theirs(text)["input_ids"] == ours.encode(text), text
+        assert theirs.decode(ours.encode(text)) == text
+    assert theirs.eos_token_id == ours.eot_id == len(tokens)

@@ -403,8 +403,7 @@ class Trainer:
             plan.notes.append(
                 f"extending the finished run {out} from {old_steps} to {cfg.steps} steps (the "
                 f"learning-rate schedule now runs to {cfg.steps})"
-            )
-            write_run_config(out, cfg.to_dict())
+            )  # run_config.yaml is rewritten once the checkpoint has loaded (train())
         elif diffs:
             steps_note = ""
             if any(d[0] == "steps" for d in diffs):
@@ -454,10 +453,12 @@ class Trainer:
             self.window_loss = state["window_loss"].to(self.device)
             self.window_steps = int(state["window_steps"])
             self.window_tokens = int(state["window_tokens"])
+        # the final checkpoint of this very run (not of a fork's source, nor of the shorter run
+        # being extended): the final evaluation is in it and in the log
         self.final_eval_done = (
             self.plan.fork is None
-            and self.plan.extend_from is None
             and bool(saved_info.get("finished"))
+            and self.step >= self.config.steps
         )
         return {k: state[k] for k in ("log_records",) if k in state}
 
@@ -670,8 +671,9 @@ class Trainer:
                 **passes,
             )
         elif main and self.plan.extend_from is not None:
-            self.logger.log("event", self.step, event="extend", steps=cfg.steps)
+            write_run_config(cfg.out_dir, cfg.to_dict())
             (Path(cfg.out_dir) / "final.json").unlink(missing_ok=True)  # not finished any more
+            self.logger.log("event", self.step, event="extend", steps=cfg.steps)
         elif main and self.step > 0 and self.plan.resume is not None:
             self.logger.log("event", self.step, event="resume")
         bar = tqdm(
@@ -682,6 +684,7 @@ class Trainer:
             disable=not (cfg.progress and main) or self.step >= cfg.steps,
             dynamic_ncols=True,
         )
+        was_finished = self.final_eval_done  # resumed from this run's final checkpoint
         window_start = time.perf_counter()
         last_save = time.perf_counter()  # for checkpoint_seconds
         try:
@@ -732,7 +735,7 @@ class Trainer:
         if self.stopped is not None:
             summary["stopped"] = self.stopped
         if finished and cfg.out_dir is not None:
-            summary = self._finish(summary)
+            summary = self._finish(summary, was_finished)
         return summary
 
     def _log_window(
@@ -761,15 +764,15 @@ class Trainer:
         self.window_loss.zero_()
         self.window_steps, self.window_tokens = 0, 0
 
-    def _finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+    def _finish(self, summary: dict[str, Any], was_finished: bool) -> dict[str, Any]:
         """A finished run's outputs: the model as a save_pretrained folder (``final/``), then
         ``final.json`` (the last file: a run killed before it redoes these on its next start).
-        A run that was already finished returns its recorded summary."""
+        A run that was already finished (and has both) returns its recorded summary."""
         out = Path(self.config.out_dir)
         path = out / "final.json"
         final_dir = out / "final"
         exportable = self.export_final and _is_pretrained(self.raw_model)
-        done = path.is_file() and (final_dir.is_dir() or not exportable)
+        done = was_finished and path.is_file() and (final_dir.is_dir() or not exportable)
         if done and json.loads(path.read_text()).get("step") == self.step:
             self.note(
                 f"{out} already finished at step {self.step}: give a larger --steps to extend "
