@@ -72,10 +72,14 @@ def shared_architecture(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def build_deltaflow(arch: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+def build_deltaflow(
+    arch: dict[str, Any], compiled: bool = False, no_fused: bool = False
+) -> tuple[nn.Module, dict[str, Any]]:
     """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
-    output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode."""
+    output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
+    ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default)."""
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+    from deltaflow.models.compile import compile_blocks
 
     config = DeltaFlowConfig(
         **arch,
@@ -87,7 +91,39 @@ def build_deltaflow(arch: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
         use_output_gate=True,
         backend="auto",
     )
-    return DeltaFlowForCausalLM(config), config.to_dict()
+    model = DeltaFlowForCausalLM(config)
+    if no_fused:
+        for m in model.modules():
+            if hasattr(m, "fused_projections"):
+                m.fused_projections = False
+    if compiled:
+        compile_blocks(model)
+    return model, config.to_dict()
+
+
+def build_llama(arch: dict[str, Any], compiled: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    """A Llama-style Transformer of the same size with SDPA (flash) attention: the quadratic
+    model a linear-attention user compares against (same width, depth, heads, MLP, vocab)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=arch["vocab_size"],
+        hidden_size=arch["hidden_size"],
+        intermediate_size=arch["intermediate_size"],
+        num_hidden_layers=arch["num_layers"],
+        num_attention_heads=arch["num_heads"],
+        num_key_value_heads=arch["num_heads"],
+        head_dim=arch["head_dim"],
+        rms_norm_eps=arch["norm_eps"],
+        tie_word_embeddings=arch["tie_word_embeddings"],
+        max_position_embeddings=1 << 17,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True)
+    return model, config.to_dict()
 
 
 def load_fla() -> Any:
@@ -242,8 +278,11 @@ def profile_step(
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # Module hooks inside a compiled block would break its graph: label eager models only.
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    labels = contextlib.nullcontext() if compiled else labelled_forward(model)
     with torch.profiler.profile(activities=activities) as prof:
-        with labelled_forward(model):
+        with labels:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -317,6 +356,8 @@ def benchmark(
         "step_ms_median": median * 1e3,
         "step_ms_all": [t * 1e3 for t in times],
         "peak_memory_gb": None if peak is None else peak / 1e9,
+        # 6·N·tokens per step over H100 dense bf16 peak (989 TFLOP/s); attention FLOPs ignored
+        "mfu": 6 * n_params * tokens / median / 989e12,
         "warmup_s": warmup_s,
         "config": config,
     }
@@ -365,17 +406,18 @@ def markdown(report: dict[str, Any]) -> str:
         f"x {report['architecture']['head_dim']} (expand_v {report['architecture']['expand_v']}),"
         f" vocab {report['architecture']['vocab_size']}; median of {report['steps']} steps.",
         "",
-        "| model | params | tokens/s | step ms | peak GB |",
-        "| --- | --- | --- | --- | --- |",
+        "| model | params | tokens/s | MFU | step ms | peak GB | warm-up s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["results"].values():
         if "error" in r:
-            lines.append(f"| {r['name']} | failed: {r['error'][:80]} | | | |")
+            lines.append(f"| {r['name']} | failed: {r['error'][:80]} | | | | | |")
             continue
         peak = "n/a" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f}"
         lines.append(
             f"| {r['name']} | {r['parameters'] / 1e6:.1f}M | {r['tokens_per_s'] / 1e3:.1f}k | "
-            f"{r['step_ms_median']:.1f} | {peak} |"
+            f"{r.get('mfu', 0) * 100:.1f}% | {r['step_ms_median']:.1f} | {peak} | "
+            f"{r['warmup_s']:.0f} |"
         )
     if report.get("ratio"):
         ratio = report["ratio"]
@@ -409,6 +451,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_architecture_args(p)
     p.add_argument("--top", type=int, default=25, help="rows of the profile table (0 = none)")
     p.add_argument("--skip-fla", action="store_true")
+    p.add_argument(
+        "--llama", action="store_true", help="also a Llama-style SDPA Transformer of the same size"
+    )
+    p.add_argument(
+        "--compile",
+        choices=["off", "blocks", "both"],
+        default="off",
+        help="torch.compile each block of deltaflow (and the Llama): off, blocks, or both "
+        "(time each model eager and compiled)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="torch._functorch.config.activation_memory_budget for compiled runs (1.0 = default)",
+    )
+    p.add_argument("--no-fused", action="store_true", help="deltaflow without fused projections")
     p.add_argument("--skip-deltaflow", action="store_true")
     p.add_argument(
         "--fla-linear-ce", action="store_true", help="fla with fuse_linear_cross_entropy=True"
@@ -434,9 +493,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{device_name}: B={args.batch} T={args.seq} {args.dtype}, architecture {json.dumps(arch)}"
     )
 
+    if args.memory_budget is not None:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = args.memory_budget
+    compiled = {"off": [False], "blocks": [True], "both": [False, True]}[args.compile]
     runs: list[tuple[str, Callable[[], tuple[nn.Module, dict[str, Any]]]]] = []
-    if not args.skip_deltaflow:
-        runs.append(("deltaflow", lambda: build_deltaflow(arch)))
+    for c in compiled:
+        suffix = " (compiled)" if c else ""
+        if not args.skip_deltaflow:
+            runs.append((f"deltaflow{suffix}", lambda c=c: build_deltaflow(arch, c, args.no_fused)))
+        if args.llama:
+            runs.append((f"llama-sdpa{suffix}", lambda c=c: build_llama(arch, c)))
     if not args.skip_fla:
         runs.append(("fla", lambda: build_fla(arch, args.fla_linear_ce)))
     results: dict[str, Any] = {}
@@ -444,7 +512,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             results[name] = benchmark(name, build, args, device)
         except Exception as e:  # noqa: BLE001 - report and go on with the other model
-            if name == "deltaflow" and not isinstance(e, torch.cuda.OutOfMemoryError):
+            if name.startswith("deltaflow") and not isinstance(e, torch.cuda.OutOfMemoryError):
                 raise  # our own model must work; fla may be missing or refuse this GPU
             print(f"[{name}] failed: {e!r}")
             results[name] = {"name": name, "error": repr(e)}
@@ -453,7 +521,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 torch.cuda.empty_cache()
 
     ratio = None
-    ours, fla = results.get("deltaflow", {}), results.get("fla", {})
+    fla = results.get("fla", {})
+    ours = results.get("deltaflow (compiled)", results.get("deltaflow", {}))
     if "tokens_per_s" in ours and "tokens_per_s" in fla:
         ratio = {
             "tokens_per_s": ours["tokens_per_s"] / fla["tokens_per_s"],
@@ -478,7 +547,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"model_training_{re.sub(r'[^A-Za-z0-9]+', '_', device_name)}"
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name) + f"_B{args.batch}_T{args.seq}"
+    stem = out / f"model_training_{tag}"
     tables = "\n\n".join(
         f"== {r['name']} ==\n{r['profile']['table']}" for r in results.values() if r.get("profile")
     )

@@ -45,6 +45,7 @@ _TRAIN_FIELDS: dict[str, tuple[str | None, str]] = {
     "device": (None, "device"),
     "precision": (None, "precision"),
     "parallel": (None, "parallel"),
+    "compile": (None, "compile"),
     "seq_len": ("task_kwargs", "seq_len"),
     "num_kv_pairs": ("task_kwargs", "num_kv_pairs"),
     "vocab_size": ("task_kwargs", "vocab_size"),
@@ -186,6 +187,12 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         choices=["ddp", "fsdp"],
         help="under torchrun: ddp (replicated model) or fsdp (FSDP2, sharded model and "
         "checkpoints) [config default: ddp]",
+    )
+    g.add_argument(
+        "--compile",
+        choices=["auto", "blocks", "off"],
+        help="torch.compile every model block (fused glue, selective activation "
+        "checkpointing): auto = on CUDA only [config default: auto]",
     )
     g.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=cmd_train)

@@ -147,3 +147,39 @@ class ShortConvolution(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.channels}, kernel_size={self.kernel_size}, activation={self.activation}"
+
+
+def causal_conv_silu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """``act(sum_j w[:, j] x_{t-W+1+j})`` over x ``[B, T, C]`` with weight ``[C, W]``, as a sum
+    of W shifted products accumulated in float32 (float64 for float64 inputs).
+
+    Same numbers as :meth:`ShortConvolution.forward` without state (zeros before each sequence;
+    with packed ``cu_seqlens`` a tap never reaches into the previous sequence), written as
+    elementwise work instead of a depthwise ``conv1d`` so that ``torch.compile`` fuses the taps,
+    the activation and what follows into one kernel (aten's depthwise conv was 31 ms of a 337 ms
+    training step, forward and backward, at 16k tokens x 3072 channels x 24 layers).
+    """
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    w = weight.to(acc)
+    xpad = F.pad(x, (0, 0, W - 1, 0)).to(acc)  # W-1 zeros in front of every row
+    valid = None
+    if cu_seqlens is not None:
+        _, p = position_in_sequence(cu_seqlens.to(x.device), T)
+    y = xpad[:, W - 1 : W - 1 + T] * w[:, W - 1]
+    for j in range(W - 1):
+        back = W - 1 - j  # tap j multiplies x_{t - back}
+        term = xpad[:, j : j + T] * w[:, j]
+        if cu_seqlens is not None:
+            valid = (p >= back)[None, :, None]
+            term = torch.where(valid, term, 0.0)
+        y = y + term
+    if activation == "silu":
+        y = F.silu(y)
+    return y.to(x.dtype)

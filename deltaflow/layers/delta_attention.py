@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from deltaflow.layers.conv import ShortConvolution
+from deltaflow.layers.conv import ShortConvolution, causal_conv_silu
 from deltaflow.layers.heads import resolve_head_dim
 from deltaflow.layers.mask import prepare_mixer_inputs
 from deltaflow.layers.norm import RMSNorm, l2_normalize
@@ -97,6 +97,10 @@ class DeltaAttention(nn.Module):
         norm_eps: RMSNorm epsilon. eps: Kaczmarz regularizer ``1/(λ + eps)``.
         chunk_size, backend: forwarded to :func:`deltaflow.delta_rule`.
         layer_idx: index in a model (only used in messages).
+        fused_projections: compute all input projections as one GEMM and the q/k/v short
+            convolutions as one tap-sum over their concatenated channels (same parameters,
+            same math; fuses under ``torch.compile``). ``None``: on CUDA inputs only, so the
+            CPU path stays the op-by-op one.
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class DeltaAttention(nn.Module):
         chunk_size: int = 64,
         backend: str = "auto",
         layer_idx: int | None = None,
+        fused_projections: bool | None = None,
     ) -> None:
         super().__init__()
         head_dim = resolve_head_dim(hidden_size, num_heads, head_dim)
@@ -173,6 +178,7 @@ class DeltaAttention(nn.Module):
         self.chunk_size = chunk_size
         self.backend = backend
         self.layer_idx = layer_idx
+        self.fused_projections = fused_projections
 
         self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
@@ -218,26 +224,68 @@ class DeltaAttention(nn.Module):
         dt_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
         return A_log, dt_bias
 
+    def _fused_inputs(
+        self, x: torch.Tensor, cu_seqlens: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        """q, k, v (after conv + SiLU), W_g x, and the β and decay logits from ONE GEMM over
+        the concatenated weights (one read of x instead of six, one launch forward and two
+        backward) and ONE short conv over the q|k|v channels. Parameters stay separate, so
+        checkpoints are unchanged; the concatenation copies ~2·hidden² numbers per step."""
+        weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+        if self.use_output_gate:
+            weights.append(self.g_proj.weight)
+        if self.use_beta:
+            weights.append(self.b_proj.weight)
+        if self.use_decay:
+            weights.append(self.a_proj.weight)
+        out = F.linear(x, torch.cat(weights))  # [B, T, 2·Dk·H + Dv·Hv (+ Dv·Hv + 2 Hv)]
+        qkv_dim = 2 * self.key_dim + self.value_dim
+        head = out[..., :qkv_dim]  # q|k|v lead the output: convolve them as one tensor
+        if self.use_short_conv:
+            w = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])[:, 0]
+            head = causal_conv_silu(head, w, cu_seqlens)
+        else:
+            head = F.silu(head)
+        q, k, v = head.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rest = list(out[..., qkv_dim:].split([w.shape[0] for w in weights[3:]], dim=-1))
+        g = rest.pop(0) if self.use_output_gate else None
+        b_logits = rest.pop(0) if self.use_beta else None
+        a_logits = rest.pop(0) if self.use_decay else None
+        return q, k, v, g, b_logits, a_logits
+
+    def _activate_beta_decay(
+        self, b_logits: torch.Tensor | None, a_logits: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """β = sigmoid|softplus(logits), log α = −exp(A_log)·softplus(logits + dt_bias), both
+        [B, T, Hv] in float32 (float64 for a float64 model; None where the layer has none):
+        the op keeps its gates in at least float32, so half-precision logits are widened once
+        here, before the activations."""
+        beta = log_decay = None
+        if b_logits is not None:
+            act = torch.sigmoid if self.beta_activation == "sigmoid" else F.softplus
+            beta = act(b_logits.to(torch.promote_types(b_logits.dtype, torch.float32)))
+        if a_logits is not None:
+            acc = torch.promote_types(a_logits.dtype, torch.float32)
+            dt = F.softplus(a_logits.to(acc) + self.dt_bias.to(acc))
+            log_decay = -torch.exp(self.A_log.to(acc)) * dt
+        return beta, log_decay
+
     def _beta_and_log_decay(self, x: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """β [B, T, Hv] and log α [B, T, Hv] in float32 (None where the layer has none).
+        """β [B, T, Hv] and log α [B, T, Hv] in float32 (float64 for a float64 model; None
+        where the layer has none), from the op-by-op projections.
 
         With both, W_β and W_a run as one [2 Hv, hidden] matmul: two skinny GEMMs over the
         same input cost two reads of x (and two launches, forward and backward) for 2 Hv
         outputs. The parameters stay separate (checkpoints unchanged)."""
+        b_logits = a_logits = None
         if self.use_beta and self.use_decay:
             w = torch.cat([self.b_proj.weight, self.a_proj.weight])
-            b_logits, a_logits = F.linear(x, w).float().chunk(2, dim=-1)
-        else:
-            b_logits = self.b_proj(x).float() if self.use_beta else None
-            a_logits = self.a_proj(x).float() if self.use_decay else None
-        beta = log_decay = None
-        if b_logits is not None:
-            act = torch.sigmoid if self.beta_activation == "sigmoid" else F.softplus
-            beta = act(b_logits)
-        if a_logits is not None:
-            dt = F.softplus(a_logits + self.dt_bias.float())
-            log_decay = -torch.exp(self.A_log.float()) * dt
-        return beta, log_decay
+            b_logits, a_logits = F.linear(x, w).chunk(2, dim=-1)
+        elif self.use_beta:
+            b_logits = self.b_proj(x)
+        elif self.use_decay:
+            a_logits = self.a_proj(x)
+        return self._activate_beta_decay(b_logits, a_logits)
 
     def extra_repr(self) -> str:
         return (
@@ -266,11 +314,14 @@ class DeltaAttention(nn.Module):
             k = k.repeat_interleave(group, dim=2)
         return q, k, v
 
-    def _output(self, o: torch.Tensor, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
-        """y = W_o(RMSNorm(o) ⊙ SiLU(W_g x)) per head (without the gate: W_o RMSNorm(o))."""
-        g = None
+    def _output(
+        self, o: torch.Tensor, x: torch.Tensor, B: int, T: int, g: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """y = W_o(RMSNorm(o) ⊙ SiLU(W_g x)) per head (without the gate: W_o RMSNorm(o)).
+        ``g``: W_g x when the caller already computed it (the fused projections)."""
         if self.use_output_gate:
-            g = self.g_proj(x).view(B, T, self.num_v_heads, self.head_v_dim)
+            g = self.g_proj(x) if g is None else g
+            g = g.view(B, T, self.num_v_heads, self.head_v_dim)
         o = self.o_norm(o, g)  # RMSNorm(o) ⊙ SiLU(g) in one function
         return self.o_proj(o.reshape(B, T, self.value_dim))
 
@@ -307,17 +358,25 @@ class DeltaAttention(nn.Module):
         )
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
 
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_short_conv:
-            cu = cu_seqlens
-            q, new_state["conv_q"] = self.q_conv(q, mask, state.get("conv_q"), use_cache, cu)
-            k, new_state["conv_k"] = self.k_conv(k, mask, state.get("conv_k"), use_cache, cu)
-            v, new_state["conv_v"] = self.v_conv(v, mask, state.get("conv_v"), use_cache, cu)
+        fused = self.fused_projections
+        if fused is None:
+            fused = x.is_cuda
+        if fused and mask is None and not use_cache and not state:
+            # Training / scoring: one GEMM for every input projection, one conv over q|k|v.
+            q, k, v, g, b_logits, a_logits = self._fused_inputs(x, cu_seqlens)
+            beta, log_decay = self._activate_beta_decay(b_logits, a_logits)
         else:
-            q, k, v = F.silu(q), F.silu(k), F.silu(v)
+            g = None
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            if self.use_short_conv:
+                cu = cu_seqlens
+                q, new_state["conv_q"] = self.q_conv(q, mask, state.get("conv_q"), use_cache, cu)
+                k, new_state["conv_k"] = self.k_conv(k, mask, state.get("conv_k"), use_cache, cu)
+                v, new_state["conv_v"] = self.v_conv(v, mask, state.get("conv_v"), use_cache, cu)
+            else:
+                q, k, v = F.silu(q), F.silu(k), F.silu(v)
+            beta, log_decay = self._beta_and_log_decay(x)
         q, k, v = self._heads(q, k, v, B, T)
-
-        beta, log_decay = self._beta_and_log_decay(x)
 
         if mask is not None:
             # Padding = identity step for every rule: no erase, no write (k = v = 0), no decay.
@@ -366,7 +425,7 @@ class DeltaAttention(nn.Module):
         if use_cache:
             new_state["recurrent_state"] = S
 
-        y = self._output(o, x, B, T)
+        y = self._output(o, x, B, T, g)
         return y, (new_state if use_cache else None)
 
     # ---------------------------------------------------------------- static decoding

@@ -10,6 +10,7 @@ that does not depend on transformers' generation code is :meth:`generate_greedy`
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -17,7 +18,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -106,8 +111,48 @@ def build_mixer(config: DeltaFlowConfig, layer_idx: int) -> nn.Module:
     return mixer
 
 
+def _saved_ops() -> frozenset:
+    """The ops whose outputs selective checkpointing keeps: the matmuls and the sequence mixers
+    (costly to redo). Everything else in a block (norms, the short conv, SiLU, gates, β and
+    decay activations, L2 norms, the SwiGLU product) is elementwise or a row reduction, cheap
+    to recompute in the backward's own fused kernels."""
+    aten = torch.ops.aten
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    if hasattr(torch.ops, "deltaflow") and hasattr(torch.ops.deltaflow, "chunk_fwd"):
+        ops.add(torch.ops.deltaflow.chunk_fwd.default)  # the Triton op (loaded on import)
+    return frozenset(ops)
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` under selective activation checkpointing with :func:`_keep_matmuls`."""
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_matmuls),
+    )
+
+
 class DeltaFlowBlock(nn.Module):
-    """Pre-norm residual block: mixer then SwiGLU MLP."""
+    """Pre-norm residual block: mixer then SwiGLU MLP.
+
+    ``selective_checkpointing`` (set by :func:`deltaflow.models.compile.compile_blocks`):
+    the mixer and the MLP each keep only their matmul and sequence-mixer outputs for backward
+    and recompute the elementwise glue, which under ``torch.compile`` fuses into the backward
+    kernels (benchmarks/NOTES.md: bytes saved per token per layer)."""
+
+    selective_checkpointing: bool = False
 
     def __init__(self, config: DeltaFlowConfig, layer_idx: int) -> None:
         super().__init__()
@@ -125,6 +170,11 @@ class DeltaFlowBlock(nn.Module):
         use_cache: bool = False,
         cu_seqlens: torch.Tensor | None = None,  # checked offsets from prepare_cu_seqlens
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        if self.selective_checkpointing and self.training and torch.is_grad_enabled():
+            if state is not None or use_cache:
+                raise ValueError("selective checkpointing is for training: no state or cache")
+            h = h + _selective(self._mix, h, attention_mask, cu_seqlens)
+            return h + _selective(self._mlp, h), None
         o, state = self.mixer(
             self.mixer_norm(h),
             attention_mask,
@@ -136,6 +186,16 @@ class DeltaFlowBlock(nn.Module):
         h = h + o
         h = h + self.mlp(self.mlp_norm(h))
         return h, state
+
+    def _mix(
+        self, h: torch.Tensor, attention_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = self.mixer_norm(h)
+        o, _ = self.mixer(x, attention_mask, None, False, cu_seqlens=cu_seqlens, mask_prepared=True)
+        return o
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.mlp_norm(h))
 
 
 class DeltaFlowPreTrainedModel(PreTrainedModel):

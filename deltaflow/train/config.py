@@ -55,6 +55,9 @@ class TrainConfig:
     # Under torchrun: 'ddp' replicates the model; 'fsdp' shards it (FSDP2) and writes sharded
     # checkpoints that resume on any number of GPUs.
     parallel: str = "ddp"
+    # torch.compile each model block (fused glue, selective activation checkpointing): 'auto'
+    # compiles on CUDA, where it is faster (benchmarks/NOTES.md), not on CPU; 'blocks' | 'off'.
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         # YAML 1.1 reads "3e-4" (no dot) as a string: accept numeric strings for float fields.
@@ -98,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {self.precision!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        if self.compile not in ("auto", "blocks", "off"):
+            raise ValueError(f"compile must be 'auto', 'blocks' or 'off', got {self.compile!r}")
         for name in ("task_kwargs", "model", "eval_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise TypeError(

@@ -50,6 +50,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from deltaflow.models.compile import compile_blocks, resolve_compile
 from deltaflow.train.checkpoint import (
     CheckpointSaveError,
     gather_rng_states,
@@ -298,6 +299,9 @@ class Trainer:
             self.raw_model = shard_model(base, self.device, bf16=bf16_weights)
         else:
             self.raw_model = base.to(self.device)
+        self.compiled = resolve_compile(config.compile, self.device)
+        if self.compiled:
+            compile_blocks(self.raw_model)  # in place: parameter names are unchanged
         # After sharding: the optimizer must hold the sharded (DTensor) parameters.
         self.optimizer = make_optimizer(self.raw_model, config, self.device)
         self.step = 0  # number of optimizer steps completed

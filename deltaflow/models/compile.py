@@ -1,0 +1,62 @@
+"""Regional compilation for training: ``torch.compile`` each block, not the whole model.
+
+The glue around the delta-rule op (projections' epilogues, the short conv, L2 and RMS norms,
+gates, SwiGLU) is ~90% of an eager training step on a GPU and is elementwise: inductor fuses
+it into a few Triton kernels per block. Compiling each block separately (as torchtitan does)
+compiles ONE graph that every layer reuses (parameters are graph inputs), so warm-up costs a
+block, not the model; the embedding, the final norm and the chunked LM loss stay eager (the
+loss is a loop over row chunks that already never materializes the logits).
+
+The delta-rule op is a ``torch.library`` custom op with a fake kernel, so blocks compile with
+``fullgraph=True``: a graph break would be a bug, not a slowdown.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+COMPILE_MODES = ("auto", "blocks", "off")
+
+
+def resolve_compile(mode: str, device: torch.device) -> bool:
+    """``auto``: compile on CUDA (measured faster there: benchmarks/NOTES.md), not on CPU,
+    where inductor's C++ kernels cost minutes of warm-up for the lab's small models."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
+    if mode == "auto":
+        return device.type == "cuda"
+    return mode == "blocks"
+
+
+def compile_blocks(
+    model: nn.Module,
+    *,
+    selective_checkpointing: bool = True,
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+) -> int:
+    """Compile every block of a DeltaFlow model in place (``nn.Module.compile``: parameter
+    names and ``state_dict`` keys are unchanged). Returns the number of blocks compiled.
+
+    ``selective_checkpointing``: blocks keep only matmul and mixer outputs for backward and
+    recompute the rest inside the compiled backward (``DeltaFlowBlock.selective_checkpointing``).
+
+    ``dynamic=None`` (dynamo's default): the first shape compiles static; a second one (an
+    evaluation length, packed documents) recompiles once with dynamic sizes."""
+    backbone = getattr(model, "model", model)
+    layers = getattr(backbone, "layers", None)
+    if layers is None:
+        raise TypeError(f"compile_blocks: {type(model).__name__} has no .layers to compile")
+    # Every layer is the same code with other parameters; evaluation lengths add shapes.
+    limit = max(torch._dynamo.config.cache_size_limit, 8 * (1 + len(layers)))
+    torch._dynamo.config.cache_size_limit = limit
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(
+            torch._dynamo.config.accumulated_cache_size_limit, 4 * limit
+        )
+    for block in layers:
+        if hasattr(block, "selective_checkpointing"):
+            block.selective_checkpointing = selective_checkpointing
+        block.compile(fullgraph=fullgraph, dynamic=dynamic)
+    return len(layers)
