@@ -41,9 +41,10 @@ from tqdm.auto import tqdm
 from deltaflow.lab.presets import VARIANTS, Preset
 from deltaflow.train import DivergenceError, TrainConfig, Trainer
 
-# TrainConfig fields that never change what a run trains and that came after grids were
-# committed: left out of run ids (the grid sets them on each run's trainer itself).
-RUNTIME_ONLY_FIELDS = ("ckpt_minutes",)
+# TrainConfig fields that came after grids were committed and say how a run is executed, not
+# what it trains (timed checkpoints; torch.compile of the same model, like the kernel backend):
+# left out of run ids, so committed grids keep their ids (--resume, --report-only).
+RUNTIME_ONLY_FIELDS = ("ckpt_minutes", "compile")
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ RUN_CONFIG = "run_config.yaml"
 ARCHIVE = "archive"
 
 # Fields that may change when a run is resumed: evaluation, logging, checkpointing and
-# runtime placement. grad_accum and parallel split the same global batch differently (equal up
-# to float rounding; the checkpoint format itself decides between ddp and fsdp).
+# runtime placement. grad_accum and parallel split the same global batch differently, compile
+# runs the same model through torch.compile (equal up to float rounding; the checkpoint format
+# itself decides between ddp and fsdp).
 RUNTIME_FIELDS = frozenset(
     {
         "eval_every",
@@ -45,6 +46,7 @@ RUNTIME_FIELDS = frozenset(
         "progress",
         "grad_accum",
         "parallel",
+        "compile",
     }
 )
 # Keys inside sections that may change: the kernel backend (same maths; a GPU run may be
