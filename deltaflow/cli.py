@@ -253,6 +253,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 130
     try:
         summary = trainer.train()
+    except KeyboardInterrupt:  # a second Ctrl-C: quit without saving
+        print(
+            f"interrupted at step {trainer.step}; the last checkpoint is kept, resume with: "
+            f"{_resume_command(args.argv)}",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         trainer.close()
     if summary.get("stopped") and rank0:

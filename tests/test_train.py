@@ -384,8 +384,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
             trainer._signal = "SIGTERM"
 
     cfg = toy_config(steps=8, log_every=1, out_dir=str(Path(out) / "signalled"))
-    trainer = Trainer(cfg, callbacks=[signal_rank1], handle_signals=True, **_toy())
-    summary = trainer.train()
+    summary = train(cfg, callbacks=[signal_rank1], handle_signals=True, **_toy())  # closes
     (Path(out) / f"signalled{rank}.json").write_text(json.dumps(summary))
 
 

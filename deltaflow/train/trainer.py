@@ -367,11 +367,10 @@ class Trainer:
             return RunPlan(error=f"out_dir {out} is a file; give a folder (it is created)")
         plan = RunPlan(notes=recover_checkpoints(out))
         clean_stale_exports(out)
-        latest = latest_checkpoint(out)
         if not cfg.resume and has_run(out):
             dest = archive_run(out)
             plan.notes.append(f"--no-resume: moved the previous run of {out} to {dest}")
-            latest = None
+        latest = latest_checkpoint(out) if cfg.resume else None
         if latest is not None:
             return self._check_resume(out, latest, plan)
         if fork_from is not None:
@@ -739,7 +738,8 @@ class Trainer:
         if self.stopped is not None:
             summary["stopped"] = self.stopped
         if finished and cfg.out_dir is not None:
-            summary = self._finish(summary, was_finished)
+            with self._signal_handlers():  # a signal now waits for the final files
+                summary = self._finish(summary, was_finished)
         return summary
 
     def _log_window(
