@@ -263,10 +263,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
     if summary.get("stopped") and rank0:
-        print(
-            f"saved step {summary['step']}, resume with: {_resume_command(args.argv)}",
-            file=sys.stderr,
-        )
+        if config.out_dir is None:
+            print(f"stopped at step {summary['step']} (no --out: nothing saved)", file=sys.stderr)
+        else:
+            resume = _resume_command(args.argv)
+            print(f"saved step {summary['step']}, resume with: {resume}", file=sys.stderr)
         return 0
     if rank0:
         print(json.dumps(summary, indent=2))

@@ -377,14 +377,19 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     summary = train(toy_config(steps=4, out_dir=out), model=model, task=task)
     torch.save({"w": weights(model), "summary": summary}, Path(out) / f"rank{rank}.pt")
 
-    # A signal that reaches one rank only (here: rank 1, after step 2) stops every rank at the
-    # same step, with one checkpoint of it.
+
+def _ddp_signal_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A signal that reaches one rank only (here: rank 1, after step 2) stops every rank at the
+    same step, with one checkpoint of it."""
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+
     def signal_rank1(trainer, step):
         if rank == 1 and step == 2:
             trainer._signal = "SIGTERM"
 
     cfg = toy_config(steps=8, log_every=1, out_dir=str(Path(out) / "signalled"))
-    summary = train(cfg, callbacks=[signal_rank1], handle_signals=True, **_toy())  # closes
+    summary = train(cfg, callbacks=[signal_rank1], handle_signals=True, **_toy())
     (Path(out) / f"signalled{rank}.json").write_text(json.dumps(summary))
 
 
@@ -400,6 +405,11 @@ def test_ddp_two_cpu_ranks_match_single_process(tmp_path):
         assert torch.equal(r0["w"][k], r1["w"][k])  # ranks stay in lockstep
     assert r0["summary"]["eval"]["accuracy"] >= 0 and r1["summary"]["eval"] == {}  # rank 0 evals
     assert latest_checkpoint(tmp_path).name == "step_0000004"  # written once, by rank 0
+
+
+@pytest.mark.multiprocess
+def test_a_signal_on_one_ddp_rank_stops_every_rank_at_one_step(tmp_path):
+    mp.spawn(_ddp_signal_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         summary = json.loads((tmp_path / f"signalled{rank}.json").read_text())
         assert (summary["step"], summary["finished"], summary["stopped"]) == (3, False, "SIGTERM")
