@@ -1,8 +1,9 @@
-"""The ``deltaflow`` command line: train, eval, generate, compare, stability.
+"""The ``deltaflow`` command line: train, eval, generate, export, compare, stability.
 
     deltaflow train --task mqar --rule efla --decay --steps 2000 --out runs/efla
     deltaflow train --config configs/mqar_efla.yaml --lr 3e-4 --set model.qk_norm=l2
     deltaflow eval runs/efla                       # latest checkpoint of a run directory
+    deltaflow export runs/efla --out exported/efla # a transformers save_pretrained folder
     deltaflow generate runs/lm --prompt "It is a truth" --max-new-tokens 100
     deltaflow eval runs/lm --lm-eval lambada_openai   # lm-evaluation-harness tasks
     deltaflow compare                              # the main job: quick CPU preset (<= 2 min)
@@ -247,6 +248,18 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         metavar="NORM",
         help="'l2' | 'none' | 'Q,K' e.g. 'l2,none' (default: per rule)",
     )
+    groups["runtime"].add_argument(
+        "--fork",
+        metavar="NEWDIR",
+        help="train in NEWDIR, starting from --out's latest checkpoint (weights, optimizer, "
+        "step) with this command's settings, e.g. another --lr; the same command resumes it",
+    )
+    groups["runtime"].add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="resume an FSDP checkpoint whose signed manifest does not verify (its "
+        "dcp/.metadata is a pickle: only for folders whose writer you trust)",
+    )
     p.set_defaults(func=cmd_train)
 
 
@@ -278,7 +291,7 @@ def resolve_train_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from deltaflow.train import train
+    from deltaflow.train import Trainer
     from deltaflow.train.cpu import CpuTimeCheck, count_parameters, set_threads, warn_if_gpu_sized
     from deltaflow.train.trainer import DistInfo, resolve_device
 
@@ -297,8 +310,43 @@ def cmd_train(args: argparse.Namespace) -> int:
         num_params = count_parameters(config, vocab)
         gpu_sized = warn_if_gpu_sized(config, vocab, num_params)
         callbacks.append(CpuTimeCheck(config, vocab, num_params, gpu_sized))
-    summary = train(config, callbacks=callbacks)
-    if main_rank:
+    fork_from = None
+    if args.fork is not None:
+        if config.out_dir is None or not config.resume:
+            raise ValueError("--fork NEWDIR needs --out (the run to fork) and no --no-resume")
+        fork_from, config = config.out_dir, config.replace(out_dir=args.fork)
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    try:
+        trainer = Trainer(
+            config,
+            fork_from=fork_from,
+            handle_signals=True,
+            verbose=True,
+            trust_checkpoint=args.trust_checkpoint,
+            callbacks=callbacks,
+        )
+    except KeyboardInterrupt:
+        print("interrupted before training started: nothing to save", file=sys.stderr)
+        return 130
+    try:
+        summary = trainer.train()
+    except KeyboardInterrupt:  # a second Ctrl-C: quit without saving
+        print(
+            f"interrupted at step {trainer.step}; the last checkpoint is kept, resume with: "
+            f"{_resume_command(args.argv)}",
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        trainer.close()
+    if summary.get("stopped") and rank0:
+        if config.out_dir is None:
+            print(f"stopped at step {summary['step']} (no --out: nothing saved)", file=sys.stderr)
+        else:
+            resume = _resume_command(args.argv)
+            print(f"saved step {summary['step']}, resume with: {resume}", file=sys.stderr)
+        return 0
+    if rank0:
         print(json.dumps(summary, indent=2))
     return 0
 
@@ -314,6 +362,11 @@ def check_out_dir(path: str | os.PathLike, flag: str) -> None:
             if not os.access(p, os.W_OK):
                 raise ValueError(f"{flag} {path}: cannot write to {p} (permission denied)")
             return
+def _resume_command(argv: list[str]) -> str:
+    """The command that continues this run: the same one, without --no-resume (which would
+    archive the run just saved). A fork's command resumes the fork (NEWDIR has a checkpoint)."""
+    kept = [a for a in argv if a != "--no-resume"]
+    return "deltaflow " + " ".join(shlex.quote(a) for a in kept)
 
 
 # ---------------------------------------------------------------------------- eval / generate
@@ -543,6 +596,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.num_samples > 1:
             print(f"--- sample {i}")
         print(tokenizer.decode(row))
+    return 0
+
+
+# ---------------------------------------------------------------------------- export
+def add_export_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a transformers save_pretrained folder",
+        description="Write a run's latest checkpoint (or a given checkpoint folder) as a "
+        "save_pretrained folder: config.json, model.safetensors, train_config.yaml and, for "
+        "language-model runs, the tokenizer (tokenizer.json). Open it with "
+        "AutoModelForCausalLM.from_pretrained(DIR) after `import deltaflow.models`. Finished "
+        "runs already have one: RUN/final/.",
+    )
+    p.add_argument("checkpoint", help="run dir (its latest checkpoint) or checkpoint dir")
+    p.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from deltaflow.train.checkpoint import resolve_checkpoint
+    from deltaflow.train.export import export_checkpoint
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    if Path(args.out).resolve() in (Path(args.checkpoint).resolve(), ckpt.resolve()):
+        raise ValueError("--out must be a new folder, not the run or checkpoint itself")
+    dest = export_checkpoint(ckpt, args.out)
+    print(f"exported {ckpt} to {dest}")
     return 0
 
 
@@ -808,6 +889,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_eval_parser(sub)
     add_generate_parser(sub)
+    add_export_parser(sub)
     add_compare_parser(sub)
     from deltaflow.evals.local_tasks import add_lm_eval_task_parser
 

@@ -29,13 +29,13 @@ def test_train_eval_resume_roundtrip(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["step"] == 3 and 0 <= summary["eval"]["accuracy"] <= 1
     assert latest_checkpoint(out).name == "step_0000003"
-    saved = yaml.safe_load((out / "config.yaml").read_text())
+    saved = yaml.safe_load((out / "run_config.yaml").read_text())
     assert saved["model"]["rule"] == "efla" and saved["model"]["use_decay"] is True
-    # Asking for more steps in the same directory continues from step 3.
+    # Asking for more steps of the finished run extends it from step 3.
     assert main([*args, "--steps", "5", "--out", str(out)]) == 0
     capsys.readouterr()
     events = [r for r in read_log(out) if r["kind"] == "event"]
-    assert [e["event"] for e in events] == ["start", "resume"] and events[1]["step"] == 3
+    assert [e["event"] for e in events] == ["start", "extend"] and events[1]["step"] == 3
     assert [r["step"] for r in read_log(out) if r["kind"] == "train"] == [1, 2, 3, 4, 5]
 
     assert main(["eval", str(out), "--device", "cpu", "--json", "--num-examples", "16"]) == 0

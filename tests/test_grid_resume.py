@@ -303,3 +303,14 @@ def test_packed_checkpoints_continue_a_run_on_another_machine(tmp_path, monkeypa
     (results / "mad" / "runs.jsonl").write_text(json.dumps(by_id[first.run_id]) + "\n")
     collect.prepare_carry(results, local / "issue11")
     assert not run_dir(out, first).exists() and run_dir(out, second).exists()
+
+
+def test_committed_grids_keep_their_run_ids():
+    """Run ids hash a run's whole config: a new TrainConfig field that only says how a run is
+    executed (ckpt_minutes, compile) must not change them, or --resume and --report-only stop
+    recognising every committed run (results/quick is the main job's committed grid)."""
+    from deltaflow.lab import get_preset
+
+    committed = Path(__file__).parents[1] / "results" / "quick" / "runs.jsonl"
+    ids = {json.loads(line)["id"] for line in committed.read_text().splitlines() if line}
+    assert ids == {s.run_id for s in expand_grid(get_preset("quick"), device="auto")}

@@ -189,7 +189,7 @@ def test_training_learns_the_toy_task_and_writes_logs(tmp_path):
     assert header[:3] == ["step", "loss", "grad_norm"] and "tokens_per_s" in header
     assert "accuracy" in (run / "eval.csv").read_text().splitlines()[0]
     assert json.loads((run / "final.json").read_text())["step"] == 60
-    assert TrainConfig.from_yaml(run / "config.yaml") == cfg
+    assert TrainConfig.from_yaml(run / "run_config.yaml") == cfg
 
 
 class FiniteToyTask(ToyTask):
@@ -378,6 +378,21 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
     torch.save({"w": weights(model), "summary": summary}, Path(out) / f"rank{rank}.pt")
 
 
+def _ddp_signal_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A signal that reaches one rank only (here: rank 1, after step 2) stops every rank at the
+    same step, with one checkpoint of it."""
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+
+    def signal_rank1(trainer, step):
+        if rank == 1 and step == 2:
+            trainer._signal = "SIGTERM"
+
+    cfg = toy_config(steps=8, log_every=1, out_dir=str(Path(out) / "signalled"))
+    summary = train(cfg, callbacks=[signal_rank1], handle_signals=True, **_toy())
+    (Path(out) / f"signalled{rank}.json").write_text(json.dumps(summary))
+
+
 def test_ddp_two_cpu_ranks_match_single_process(tmp_path):
     """torchrun-style env (WORLD_SIZE/RANK) on the gloo backend: same result as one process."""
     mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -390,3 +405,120 @@ def test_ddp_two_cpu_ranks_match_single_process(tmp_path):
         assert torch.equal(r0["w"][k], r1["w"][k])  # ranks stay in lockstep
     assert r0["summary"]["eval"]["accuracy"] >= 0 and r1["summary"]["eval"] == {}  # rank 0 evals
     assert latest_checkpoint(tmp_path).name == "step_0000004"  # written once, by rank 0
+
+
+@pytest.mark.multiprocess
+def test_a_signal_on_one_ddp_rank_stops_every_rank_at_one_step(tmp_path):
+    mp.spawn(_ddp_signal_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        summary = json.loads((tmp_path / f"signalled{rank}.json").read_text())
+        assert (summary["step"], summary["finished"], summary["stopped"]) == (3, False, "SIGTERM")
+    assert latest_checkpoint(tmp_path / "signalled").name == "step_0000003"
+
+
+# ---------------------------------------------------------------------------- logs across resumes
+@pytest.mark.parametrize(
+    ("ckpt_every", "log_every", "kill_at"), [(3, 2, 5), (2, 3, 4), (5, 4, 8), (1, 3, 2)]
+)
+def test_logged_losses_after_a_resume_equal_the_uninterrupted_run(
+    tmp_path, ckpt_every, log_every, kill_at
+):
+    """ckpt_every not a multiple of log_every: the checkpoint falls inside a log window, whose
+    running loss is saved with it, so the resumed run logs the same means."""
+    cfg = toy_config(steps=10, eval_every=3, log_every=log_every, ckpt_every=ckpt_every)
+    straight = Trainer(cfg.replace(out_dir=str(tmp_path / "straight")), **_toy())
+    straight.train()
+
+    def kill(trainer, step):
+        if step == kill_at:
+            raise KeyboardInterrupt  # like a kill: nothing saved beyond the last checkpoint
+
+    out = str(tmp_path / "cut")
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg.replace(out_dir=out), callbacks=[kill], **_toy()).train()
+    Trainer(cfg.replace(out_dir=out), **_toy(seed=5)).train()
+    for kind in ("train", "eval"):
+        want = [
+            {k: v for k, v in r.items() if k != "tokens_per_s"}
+            for r in read_log(straight.config.out_dir)
+            if r["kind"] == kind
+        ]
+        got = [
+            {k: v for k, v in r.items() if k != "tokens_per_s"}
+            for r in read_log(out)
+            if r["kind"] == kind
+        ]
+        assert got == want, kind
+
+
+# ---------------------------------------------------------------------------- FSDP trust boundary
+def test_sharded_resume_verifies_the_signed_manifest_before_reading_any_pickle(
+    tmp_path, monkeypatch
+):
+    """An FSDP checkpoint's dcp/.metadata is a pickle. A planted one (here: a pickle that
+    would create a file when loaded), an edited manifest, a manifest signed under another
+    key and a checkpoint without one are all refused before DCP reads anything."""
+    import pickle
+
+    from deltaflow.train.manifest import CheckpointVerifyError
+
+    monkeypatch.setenv("DELTAFLOW_CHECKPOINT_KEY", "this user's key")
+    out = tmp_path / "run"
+    cfg = toy_config(steps=4, parallel="fsdp", out_dir=str(out), ckpt_every=2)
+    Trainer(cfg.replace(steps=2), **_toy()).train()
+    ckpt = out / "checkpoints" / "step_0000002"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert "dcp/.metadata" in manifest["files"] and "model.safetensors" in manifest["files"]
+
+    class Planted:
+        def __reduce__(self):
+            return (Path(tmp_path / "pwned").write_text, ("code ran",))
+
+    good_metadata = (ckpt / "dcp" / ".metadata").read_bytes()
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(CheckpointVerifyError, match=r"dcp/.metadata does not match its SHA-256"):
+        Trainer(cfg, **_toy())
+    assert not (tmp_path / "pwned").exists()
+
+    # The planted file with a manifest rewritten to match it: the signature gives it away.
+    from deltaflow.train.manifest import sha256_file
+
+    manifest["files"]["dcp/.metadata"] = sha256_file(ckpt / "dcp" / ".metadata")
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointVerifyError, match="not signed with this user's checkpoint key"):
+        Trainer(cfg, **_toy())
+    assert not (tmp_path / "pwned").exists()
+
+    # Genuine files, but signed under another key (another user or machine): refused, unless
+    # the caller trusts the folder; no manifest at all: refused the same way.
+    (ckpt / "dcp" / ".metadata").write_bytes(good_metadata)
+    from deltaflow.train.manifest import write_manifest
+
+    monkeypatch.setenv("DELTAFLOW_CHECKPOINT_KEY", "someone else's key")
+    write_manifest(ckpt)
+    monkeypatch.setenv("DELTAFLOW_CHECKPOINT_KEY", "this user's key")
+    with pytest.raises(CheckpointVerifyError, match="--trust-checkpoint"):
+        Trainer(cfg, **_toy())
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(CheckpointVerifyError, match="has no manifest.json"):
+        Trainer(cfg, **_toy())
+    trusted = Trainer(cfg, trust_checkpoint=True, **_toy())
+    assert trusted.step == 2
+    trusted.train()  # and its own checkpoints are signed again, so a plain resume verifies
+    assert Trainer(cfg.replace(steps=6), **_toy()).step == 4
+
+
+def test_manifest_catches_a_truncated_file_and_a_key_file_is_made_once(tmp_path, monkeypatch):
+    from deltaflow.train.manifest import checkpoint_key, key_path
+
+    monkeypatch.delenv("DELTAFLOW_CHECKPOINT_KEY", raising=False)
+    monkeypatch.setenv("DELTAFLOW_CHECKPOINT_KEY_FILE", str(tmp_path / "keys" / "k"))
+    key = checkpoint_key()
+    assert len(key) == 64 and checkpoint_key() == key
+    assert key_path().stat().st_mode & 0o777 == 0o600
+    model, _ = make()
+    path = save_checkpoint(tmp_path / "run", model=model, optimizer=None, step=1, config={})
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors does not match its SHA-256"):
+        load_checkpoint(path, model=make()[0], restore_rng=False)

@@ -19,6 +19,11 @@ from typing import Any
 from deltaflow.lab.presets import VARIANTS, Preset
 from deltaflow.train import TrainConfig
 
+# TrainConfig fields that came after grids were committed and say how a run is executed, not
+# what it trains (timed checkpoints; torch.compile of the same model, like the kernel backend):
+# left out of run ids, so committed grids keep their ids (--resume, --report-only).
+RUNTIME_ONLY_FIELDS = ("ckpt_minutes", "compile")
+
 
 @dataclass(frozen=True)
 class RunSpec:
@@ -34,6 +39,8 @@ class RunSpec:
     @property
     def run_id(self) -> str:
         config = self.config.to_dict()
+        for name in RUNTIME_ONLY_FIELDS:  # added after grids were committed; ids stay valid
+            config.pop(name, None)
         if str(config.get("device", "")).startswith("cuda:"):  # which GPU of a host ran it is
             config["device"] = "cuda"  # not part of the run: 'cuda:1' resumes a 'cuda' run
         text = json.dumps(config, sort_keys=True)

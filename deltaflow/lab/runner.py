@@ -89,8 +89,10 @@ def run_one(
     runs_root: Path | None = None,
     deadline: float | None = None,
     checkpoint_seconds: float | None = None,
+    export_final: bool = False,
 ) -> dict[str, Any]:
     """Train one grid point; failures (divergence, errors) become records, not exceptions.
+    ``export_final``: write the finished model to ``<run dir>/final/``.
 
     With ``runs_root`` the run trains in ``runs_root/<run id>`` and continues from a checkpoint
     found there. ``deadline`` (a ``time.time()`` value): stop with a checkpoint at the first log
@@ -105,13 +107,19 @@ def run_one(
     # the run directory goes into the trainer's config only: record and run id stay as before
     run_cfg = cfg
     if runs_root is not None:
-        run_cfg = cfg.replace(out_dir=str(runs_root / run_dir_name(spec.run_id)), resume=True)
+        run_dir = str(runs_root / run_dir_name(spec.run_id))
+        run_cfg = cfg.replace(out_dir=run_dir, resume=True, ckpt_minutes=0)
     trainer = None
     on_cuda = _uses_cuda(cfg.device)
     if on_cuda:  # a worker process trains run after run: measure this run's peak alone
         torch.cuda.reset_peak_memory_stats()
     try:
-        trainer = Trainer(run_cfg, deadline=deadline, checkpoint_seconds=checkpoint_seconds)
+        trainer = Trainer(
+            run_cfg,
+            deadline=deadline,
+            checkpoint_seconds=checkpoint_seconds,
+            export_final=export_final,
+        )
         summary = trainer.train()
         if not summary["finished"]:
             stopped = {"status": "partial", "step": summary["step"], "seconds": summary["seconds"]}
@@ -244,6 +252,7 @@ def run_grid(
         runs_root=runs_root,
         deadline=deadline,
         checkpoint_seconds=None if checkpoint_minutes is None else 60.0 * checkpoint_minutes,
+        export_final=keep_run_dirs,  # a deleted run directory needs no final/ folder
     )
     bar = tqdm(
         total=len(specs),

@@ -5,6 +5,7 @@ summary = train(TrainConfig(task="mqar", model={"rule": "efla", "hidden_size": 1
 """
 
 from deltaflow.train.checkpoint import (
+    CheckpointSaveError,
     latest_checkpoint,
     load_checkpoint,
     load_config,
@@ -12,6 +13,7 @@ from deltaflow.train.checkpoint import (
     save_checkpoint,
 )
 from deltaflow.train.config import TrainConfig, apply_overrides
+from deltaflow.train.export import export_checkpoint, write_pretrained
 from deltaflow.train.logging import RunLogger, read_log
 from deltaflow.train.schedule import lr_at
 from deltaflow.train.trainer import (
@@ -42,4 +44,7 @@ __all__ = [
     "load_config",
     "latest_checkpoint",
     "resolve_checkpoint",
+    "CheckpointSaveError",
+    "export_checkpoint",
+    "write_pretrained",
 ]

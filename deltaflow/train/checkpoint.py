@@ -4,31 +4,50 @@ Layout under ``<out_dir>/checkpoints/``::
 
     step_0000500/
         model.safetensors    weights (safetensors; tied tensors handled)
-        trainer_state.pt     optimizer state, step, RNG states (loaded with weights_only=True)
+        trainer_state.pt     optimizer state, step, RNG states, the open log window, the log's
+                             length (loaded with weights_only=True)
         config.yaml          the full TrainConfig, enough to rebuild model and task
         state.json           step, tokens seen, last metrics (human-readable)
         tokenizer/           language models: the run's tokenizer (Hugging Face files + a
                              deltaflow_tokenizer.json; see deltaflow.tasks.tokenizers)
+        manifest.json        SHA-256 of every file above, signed (deltaflow.train.manifest)
     latest                   text file naming the newest complete checkpoint directory
 
-A checkpoint is written into a temporary directory and renamed into place with
-``os.replace``; ``latest`` is updated the same way afterwards. A run killed at any moment
-leaves either the previous or the new checkpoint, never a half-written one.
+A checkpoint is written into a temporary directory ``.tmp-step_N-PID`` and renamed into place
+with ``os.replace``; ``latest`` is then replaced the same way, and that is the commit: a
+checkpoint newer than the one ``latest`` names is a leftover of a kill and is removed when the
+run starts again. Re-saving a step that exists (the final save right after a periodic one)
+moves the old directory aside as ``.old-step_N-PID`` for the moment between two renames; a
+kill there leaves that directory, which the next start puts back. So a run killed at any
+moment, with any ``keep``, restarts from the previous or the new checkpoint, never from a
+half-written one and never from nothing. :func:`recover_checkpoints` does that clean-up (and
+deletes stale ``.tmp-*`` / ``.latest.tmp-*``); the trainer calls it at start.
+
+Pruning keeps the newest ``keep`` checkpoints of the run's own history: every checkpoint up to
+the one just written, newest first; anything past it belongs to a timeline the run abandoned.
+(A folder holds one run: the trainer archives an old run before starting a new one in it.)
+
+A failed save (a full disk) removes its temporary directory, keeps the last good checkpoint
+and raises :class:`CheckpointSaveError`, a one-line message.
 
 FSDP runs (``parallel="fsdp"``) write a *sharded* checkpoint instead: every rank saves its
 own shards of the weights and optimizer state with ``torch.distributed.checkpoint`` (DCP)
 into ``dcp/``, which can be loaded back on any number of ranks; ``trainer_state.pt`` then
 holds step and per-rank RNG states only. Rank 0 also gathers the full weights into
 ``model.safetensors``, so ``deltaflow eval`` / ``generate`` read every checkpoint the same way.
+DCP's ``dcp/.metadata`` is a pickle: resuming verifies the signed manifest first (see
+:mod:`deltaflow.train.manifest` for the trust boundary).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,14 +56,30 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors.torch import load_model, save_file, save_model
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from deltaflow.train.manifest import CheckpointVerifyError, verify_manifest, write_manifest
 
 LATEST = "latest"
 PREFIX = "step_"
 SHARDED = "dcp"  # subdirectory of a sharded (FSDP) checkpoint
+PAUSE_ENV = "DELTAFLOW_TEST_SAVE_PAUSE"  # tests: seconds to sleep at each stage of a save
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be written; the partial files are gone, the last good one kept."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _pause() -> None:
+    """Test hook: widen the windows between the steps of a save, so that random kills of a
+    test land inside saves (``DELTAFLOW_TEST_SAVE_PAUSE=0.05``). Nothing happens without it."""
+    seconds = float(os.environ.get(PAUSE_ENV) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -85,6 +120,11 @@ def checkpoint_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory named ``step_NNNNNNN``."""
+    return int(path.name[len(PREFIX) :])
+
+
 def save_checkpoint(
     out_dir: str | Path,
     *,
@@ -96,27 +136,60 @@ def save_checkpoint(
     keep: int = 2,
     rng_per_rank: list[dict[str, Any]] | None = None,
     tokenizer: Any | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically, point ``latest`` at it, keep the newest ``keep``.
 
     ``rng_per_rank``: every data-parallel rank's RNG states (else this process's are saved).
     ``tokenizer``: saved into ``tokenizer/`` (language models).
+    ``extra``: more entries for ``trainer_state.pt`` (tensors, numbers, lists, dicts).
     """
     root = checkpoint_dir(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    trainer_state = {"step": step, "rng": rng_per_rank or [rng_state()]}
-    if optimizer is not None:
-        trainer_state["optimizer"] = optimizer.state_dict()
-    torch.save(trainer_state, tmp / "trainer_state.pt")
-    _write_metadata(tmp, step, config, info, tokenizer)
-    _commit(tmp, final, keep)
+    with _clean_failure(tmp, step):
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        save_model(model, str(tmp / "model.safetensors"))
+        _pause()
+        trainer_state = {"step": step, "rng": rng_per_rank or [rng_state()], **(extra or {})}
+        if optimizer is not None:
+            trainer_state["optimizer"] = optimizer.state_dict()
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        _write_metadata(tmp, step, config, info, tokenizer)
+        write_manifest(tmp)
+        _pause()
+        _commit(tmp, final, keep)
     return final
+
+
+@contextlib.contextmanager
+def _clean_failure(tmp: Path, step: int) -> Iterator[None]:
+    """A save that fails (disk full, quota, I/O error) leaves no partial files behind, so the
+    disk is as full as before and a retry can succeed; the last good checkpoint stays."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 -- torch.save reports a full disk as RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        pointer = tmp.parent / f".{LATEST}.tmp-{os.getpid()}"
+        pointer.unlink(missing_ok=True)
+        code = getattr(err, "errno", None)
+        disk_full = code == errno.ENOSPC or "No space left" in str(err)
+        kept = _pointer_name(tmp.parent) or "none yet"
+        reason = "disk full" if disk_full else f"{type(err).__name__}: {err}".splitlines()[0]
+        message = (
+            f"could not save checkpoint step {step} in {tmp.parent} ({reason}); its partial "
+            f"files were removed and the last good checkpoint ({kept}) is kept: free space "
+            "and run the same command to resume"
+        )
+        raise CheckpointSaveError(code or errno.EIO, message) from err
+
+
+def _pointer_name(root: Path) -> str | None:
+    pointer = root / LATEST
+    return (pointer.read_text().strip() or None) if pointer.is_file() else None
 
 
 def _write_metadata(
@@ -136,13 +209,71 @@ def _commit(tmp: Path, final: Path, keep: int) -> None:
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
         trash = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, trash)
+        _pause()  # a kill here leaves only .old-step_N: recover_checkpoints() puts it back
         os.replace(tmp, final)
+        _pause()
         shutil.rmtree(trash)
     else:
         os.replace(tmp, final)
+        _pause()  # a kill here leaves step_N uncommitted: the next start removes it
     _atomic_write_text(root / LATEST, final.name + "\n")
-    for old in list_checkpoints(root.parent)[:-keep]:
+    _pause()
+    prune_checkpoints(root.parent, final, keep)
+
+
+def prune_checkpoints(out_dir: str | Path, current: Path, keep: int) -> None:
+    """Keep ``current`` and the ``keep - 1`` checkpoints before it; delete the rest, including
+    any with a higher step (not part of this run's history: left by an abandoned timeline)."""
+    found = list_checkpoints(out_dir)
+    older = [p for p in found if step_of(p) < step_of(current)]
+    doomed = [p for p in found if step_of(p) > step_of(current)]
+    doomed += older[: max(0, len(older) - (keep - 1))]
+    for old in doomed:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_checkpoints(out_dir: str | Path) -> list[str]:
+    """Bring ``out_dir/checkpoints`` back to a committed state after a kill (call before
+    resuming, on one process); returns what it did, one line each.
+
+    - ``.old-step_N-*`` with no ``step_N``: a kill between the two renames of a re-save; the
+      directory is the good old checkpoint and is renamed back. With ``step_N`` present the
+      re-save finished and the old copy is deleted.
+    - ``.tmp-*`` (checkpoints being written) and ``.latest.tmp-*`` (pointer being written)
+      are deleted; so are checkpoints newer than the one ``latest`` names (renamed into place
+      by a save killed before it committed).
+    - ``latest`` missing (a kill before the first pointer was written): the newest checkpoint.
+    """
+    root = checkpoint_dir(out_dir)
+    if not root.is_dir():
+        return []
+    notes = []
+    for old in sorted(root.glob(f".old-{PREFIX}*")):
+        name = old.name[len(".old-") :].rsplit("-", 1)[0]
+        if (root / name).exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, root / name)
+            notes.append(f"recovered checkpoint {name} (a save was killed between two renames)")
+    stale = sorted(root.glob(".tmp-*")) + sorted(root.glob(f".{LATEST}.tmp-*"))
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if stale:
+        notes.append(f"removed {len(stale)} temporary file(s) left by a killed save")
+    found = list_checkpoints(out_dir)
+    committed = _pointer_name(root)
+    if committed is None and found:
+        committed = found[-1].name
+        _atomic_write_text(root / LATEST, committed + "\n")
+    if committed is not None and (root / committed).is_dir():
+        for path in found:
+            if step_of(path) > step_of(root / committed):
+                shutil.rmtree(path, ignore_errors=True)
+                notes.append(f"removed {path.name}: written by a save killed before it committed")
+    return notes
 
 
 def _distributed() -> bool:
@@ -175,6 +306,26 @@ def gather_rng_states() -> list[dict[str, Any]]:
     return states
 
 
+def _agree(error: str | None, kind: type[Exception]) -> None:
+    """Raise rank 0's ``error`` (if any) as ``kind`` on every rank, so that no rank waits in a
+    collective for a rank that has given up."""
+    if _distributed():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise kind(errno.EIO, error) if issubclass(kind, OSError) else kind(error)
+
+
+def _first_error(error: str | None) -> str | None:
+    """The first rank's error of a step every rank took part in (a collective)."""
+    if not _distributed():
+        return error
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)
+
+
 def save_sharded_checkpoint(
     out_dir: str | Path,
     *,
@@ -185,10 +336,14 @@ def save_sharded_checkpoint(
     info: dict[str, Any] | None = None,
     keep: int = 2,
     tokenizer: Any | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
     """Sharded (FSDP) checkpoint; every rank must call it. Same atomic layout as
     :func:`save_checkpoint`, with ``dcp/`` holding each rank's shards of weights + optimizer.
     Assumes all ranks share the filesystem (one node, or a shared disk)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     from deltaflow.train.parallel import full_state_dict
 
     root = checkpoint_dir(out_dir)
@@ -201,20 +356,34 @@ def save_sharded_checkpoint(
         tmp.mkdir()
     _barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    with _single_process_ok():
-        dcp.save(
-            {"model": model_state, "optimizer": optim_state},
-            checkpoint_id=tmp / SHARDED,
-            no_dist=not _distributed(),  # a parallel="fsdp" run on one process
-        )
+    error = None
+    try:
+        with _single_process_ok():
+            dcp.save(
+                {"model": model_state, "optimizer": optim_state},
+                checkpoint_id=tmp / SHARDED,
+                no_dist=not _distributed(),  # a parallel="fsdp" run on one process
+            )
+    except Exception as err:  # noqa: BLE001 -- reported below, on every rank alike
+        error = f"{type(err).__name__}: {err}"
     weights = full_state_dict(model)  # collective; only rank 0 gets the tensors
     rng = gather_rng_states()
+    error = _first_error(error)
     if _rank() == 0:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        torch.save({"step": step, "rng": rng}, tmp / "trainer_state.pt")
-        _write_metadata(tmp, step, config, info, tokenizer)
-        _commit(tmp, final, keep)
-    _barrier()  # nobody moves on (or exits) before the checkpoint is in place
+        try:
+            with _clean_failure(tmp, step):
+                if error is not None:
+                    raise OSError(error)
+                save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+                torch.save({"step": step, "rng": rng, **(extra or {})}, tmp / "trainer_state.pt")
+                _write_metadata(tmp, step, config, info, tokenizer)
+                write_manifest(tmp)  # every rank's shards are in: dcp.save returned everywhere
+                _pause()
+                _commit(tmp, final, keep)
+        except CheckpointSaveError as err:
+            error = str(err)
+    # nobody moves on (or exits) before the checkpoint is in place, or all stop with the error
+    _agree(error if _rank() == 0 else None, CheckpointSaveError)
     return final
 
 
@@ -228,17 +397,28 @@ def list_checkpoints(out_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
+    return sorted(found, key=step_of)
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run directory, or None."""
-    pointer = checkpoint_dir(out_dir) / LATEST
-    if pointer.is_file():
-        path = checkpoint_dir(out_dir) / pointer.read_text().strip()
-        if (path / "model.safetensors").is_file():
-            return path
-    found = list_checkpoints(out_dir)  # pointer missing: fall back to the highest step
+    """The newest committed checkpoint of a run directory (the one ``latest`` names), or None.
+
+    Read-only: a checkpoint moved aside by a killed re-save (``.old-step_N-*``) is returned
+    as it lies; :func:`recover_checkpoints` renames it back.
+    """
+    root = checkpoint_dir(out_dir)
+    name = _pointer_name(root)
+    if name is not None:
+        if (root / name / "model.safetensors").is_file():
+            return root / name
+        aside = sorted(root.glob(f".old-{name}-*"))
+        if aside:
+            return aside[0]
+        raise FileNotFoundError(
+            f"{root / LATEST} names {name}, which is missing (the folder was changed by hand): "
+            "restore it, or start over with --no-resume (the old run is archived)"
+        )
+    found = list_checkpoints(out_dir)  # a kill before the first pointer was written
     return found[-1] if found else None
 
 
@@ -256,6 +436,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """``trainer_state.pt`` of a checkpoint, after checking the manifest's hashes."""
+    verify_manifest(path, require_signature=False)  # corruption (no pickle beyond weights_only)
+    return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -267,10 +453,11 @@ def load_checkpoint(
 
     Weights come from ``model.safetensors``, so this reads any checkpoint into an unsharded
     model, including a sharded one's consolidated weights. Resuming a sharded checkpoint's
-    optimizer state needs :func:`load_sharded_checkpoint`.
+    optimizer state needs :func:`load_sharded_checkpoint`. The files are checked against the
+    checkpoint's manifest first (when it has one).
     """
     path = resolve_checkpoint(path)
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    state = read_trainer_state(path)
     if optimizer is not None and "optimizer" not in state:
         hint = " (sharded: resume it with parallel='fsdp')" if is_sharded_checkpoint(path) else ""
         raise ValueError(f"{path} has no optimizer state; cannot resume training from it{hint}")
@@ -289,16 +476,35 @@ def load_sharded_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     restore_rng: bool = True,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Resume weights + optimizer from a sharded checkpoint (every rank must call it).
 
-    DCP reshards on load, so the run may continue on a different number of GPUs.
+    DCP reshards on load, so the run may continue on a different number of GPUs. DCP reads a
+    pickle (``dcp/.metadata``), so rank 0 first checks the checkpoint against its manifest,
+    which must be signed with this user's key (:mod:`deltaflow.train.manifest`); a checkpoint
+    that does not verify is refused on every rank. ``trusted=True`` skips the check (for a
+    folder you trust that was written under another key or before manifests existed).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     path = resolve_checkpoint(path)
     if not is_sharded_checkpoint(path):
         raise ValueError(
             f"{path} is not a sharded (FSDP) checkpoint; resume it with parallel='ddp'"
         )
+    error = None
+    if _rank() == 0 and not trusted:
+        try:
+            verify_manifest(path, require_signature=True, strict_under=SHARDED)
+        except CheckpointVerifyError as err:
+            error = (
+                f"refusing to resume {path}: {err}. Its dcp/.metadata is a pickle, which can run "
+                "code, so only checkpoints whose signed manifest verifies are loaded; if you "
+                "trust whoever wrote this folder, pass --trust-checkpoint (manifest check)"
+            )
+    _agree(error, CheckpointVerifyError)
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_ok():
         dcp.load(

@@ -110,11 +110,22 @@ class TrainConfig:
     )
     log_every: int = _field(10, "log the mean training loss every N steps", group="runtime")
     ckpt_every: int = _field(
-        0, "checkpoint every N steps (0: only at the end, with --out)", group="runtime"
+        0,
+        "checkpoint every N steps (0: no step-based checkpoints; --ckpt-minutes still applies)",
+        group="runtime",
+    )
+    ckpt_minutes: float = _field(
+        10.0,
+        "wall-clock minutes between checkpoints (at log steps), so a killed run loses minutes, "
+        "not the run; 0 disables (the end, Ctrl-C and SIGTERM always save)",
+        group="runtime",
     )
     keep_checkpoints: int = _field(2, "newest checkpoints kept in --out", group="runtime")
     resume: bool = _field(
-        True, "continue from --out's latest checkpoint when there is one", group="runtime"
+        True,
+        "continue from --out's latest checkpoint when there is one (--no-resume: a run already "
+        "in --out is moved to --out/archive/<time>/)",
+        group="runtime",
     )
     seed: int = _field(0, "seed of the initialisation (and of the task's data)", group="runtime")
     device: str = _field(
@@ -201,6 +212,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not self.ckpt_minutes >= 0:
+            raise ValueError(f"ckpt_minutes must be >= 0 (0: off), got {self.ckpt_minutes}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):

@@ -11,6 +11,9 @@ its checkpoint, a fresh run in an old folder starts them over) and Weights & Bia
 ``<out_dir>/wandb``, offline unless ``WANDB_MODE`` says otherwise (``wandb sync`` uploads it
 later; a resumed run continues the same W&B run id). Both get every numeric value of the
 'train' and 'eval' records as ``train/loss``, ``eval/ppl``, ...
+dropped: they belong to the part of the run that is about to be redone. A checkpoint stores
+how many records the log held when it was written (``keep_records``), so exactly those are
+kept, whatever was logged at the same step after it (a final evaluation, say).
 """
 
 from __future__ import annotations
@@ -36,7 +39,12 @@ class RunLogger:
         tensorboard: bool = False,
         wandb: bool = False,
         run_config: dict[str, Any] | None = None,
+        keep_records: int | None = None,
+        start_records: list[dict[str, Any]] | None = None,
     ) -> None:
+        """``resume_step``: continue the log in ``out_dir``, dropping records past that step
+        (None: start the log over); ``keep_records``: keep exactly the first so many records
+        instead (with ``resume_step``). ``start_records``: start the log with these (a fork)."""
         self.records: list[dict[str, Any]] = []
         self.dir = Path(out_dir) if out_dir is not None else None
         self._file = None
@@ -53,10 +61,15 @@ class RunLogger:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # torn last line of a killed run
                     continue
-                if resume_step is None or record.get("step", 0) <= resume_step:
-                    self.records.append(record)
+                self.records.append(record)
             if resume_step is None:  # fresh run in an old directory: start the log over
                 self.records = []
+            elif keep_records is not None:
+                self.records = self.records[:keep_records]
+            else:
+                self.records = [r for r in self.records if r.get("step", 0) <= resume_step]
+        if start_records is not None:
+            self.records = list(start_records)
         tmp = path.with_name(".log.jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         os.replace(tmp, path)

@@ -29,14 +29,18 @@ Design choices a user should know:
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import json
 import math
 import os
+import signal
+import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,19 +54,30 @@ from tqdm.auto import tqdm
 
 from deltaflow.models.compile import compile_blocks, resolve_compile
 from deltaflow.train.checkpoint import (
+    CheckpointSaveError,
     gather_rng_states,
     is_sharded_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     load_sharded_checkpoint,
+    recover_checkpoints,
     save_checkpoint,
     save_sharded_checkpoint,
 )
 from deltaflow.train.config import TrainConfig
 from deltaflow.train.context_parallel import DataLayout
-from deltaflow.train.logging import RunLogger
+from deltaflow.train.export import clean_stale_exports, export_checkpoint, write_pretrained
+from deltaflow.train.logging import RunLogger, read_log
 from deltaflow.train.packing import packed_forward
-from deltaflow.train.parallel import shard_model
+from deltaflow.train.rundir import (
+    RUN_CONFIG,
+    archive_run,
+    describe,
+    has_run,
+    read_run_config,
+    training_differences,
+    write_run_config,
+)
 from deltaflow.train.schedule import lr_at
 
 IGNORE_INDEX = -100
@@ -77,6 +92,16 @@ def build_task(config: TrainConfig) -> Any:
     from deltaflow.tasks import get_task
 
     return get_task(config.task, **config.task_kwargs)
+
+
+def task_vocab_size(config: TrainConfig) -> int:
+    """The vocabulary of ``config``'s task, without building a language model's data."""
+    if config.task == "lm":
+        from deltaflow.tasks.language import get_tokenizer
+
+        kw = config.task_kwargs
+        return get_tokenizer(kw.get("tokenizer", "byte"), kw.get("tokenizer_path")).vocab_size
+    return build_task(config).vocab_size
 
 
 def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
@@ -189,6 +214,17 @@ def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
 
 
 # ---------------------------------------------------------------------------- the trainer
+@dataclass
+class RunPlan:
+    """What a trainer does with its ``out_dir`` (decided on rank 0, shared with every rank)."""
+
+    resume: str | None = None  # checkpoint to continue
+    fork: str | None = None  # checkpoint of another run to start from (a fork)
+    extend_from: int | None = None  # a finished run of this many steps is being extended
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
 class Trainer:
     """Train ``model`` on ``task`` as ``config`` says. Builds both from the config if not given.
 
@@ -197,9 +233,22 @@ class Trainer:
 
     ``deadline`` (a ``time.time()`` value): at the first log step past it, checkpoint and stop;
     ``train()`` then returns with ``finished`` False, and a new Trainer on the same ``out_dir``
-    continues from that step. ``checkpoint_seconds``: also checkpoint at the first log
-    step after that many seconds since the last checkpoint, so a hard kill loses at most that
-    much. Neither changes what is trained; both need ``out_dir`` to be of use.
+    continues from that step. ``checkpoint_seconds``: checkpoint at the first log step after
+    that many seconds since the last checkpoint, so a hard kill loses at most that much
+    (default: ``config.ckpt_minutes``). Neither changes what is trained; both need ``out_dir``.
+
+    The run folder (``config.out_dir``) belongs to one config (:mod:`deltaflow.train.rundir`):
+    resuming with another training-relevant setting raises ``ValueError`` naming the
+    differences; ``resume=False`` moves an old run to ``out_dir/archive/<time>/``.
+    ``fork_from``: a run folder whose latest checkpoint (weights, optimizer, step, RNG) starts
+    this run when ``out_dir`` has none yet; once it has, ``out_dir`` is resumed as usual.
+
+    ``handle_signals``: SIGINT (Ctrl-C) and SIGTERM make ``train()`` save the current step and
+    return with ``finished`` False and ``stopped`` set to the signal's name (a second signal
+    quits at once). ``verbose``: say on stderr what happens to the run folder (resuming,
+    archived, cleaned). ``trust_checkpoint``: resume a sharded checkpoint whose signed manifest
+    does not verify (see :mod:`deltaflow.train.manifest`). ``export_final``: write a finished
+    run's model as a ``save_pretrained`` folder, ``out_dir/final/`` (transformers models only).
     """
 
     def __init__(
@@ -211,6 +260,11 @@ class Trainer:
         callbacks: list[Callable[[Trainer, int], None]] | None = None,
         deadline: float | None = None,
         checkpoint_seconds: float | None = None,
+        fork_from: str | Path | None = None,
+        handle_signals: bool = False,
+        verbose: bool = False,
+        trust_checkpoint: bool = False,
+        export_final: bool = True,
     ) -> None:
         self._clock_start = time.perf_counter()
         self.config = config
@@ -218,7 +272,12 @@ class Trainer:
         if checkpoint_seconds is not None and not checkpoint_seconds > 0:
             raise ValueError(f"checkpoint_seconds must be > 0 (or None), got {checkpoint_seconds}")
         self.deadline = deadline
+        if checkpoint_seconds is None and config.ckpt_minutes > 0:
+            checkpoint_seconds = 60.0 * config.ckpt_minutes
         self.checkpoint_seconds = checkpoint_seconds
+        self.handle_signals = handle_signals
+        self.verbose = verbose
+        self.export_final = export_final
         self.seconds_before = 0.0  # wall seconds spent on this run by earlier (resumed) trainers
         self.dist = DistInfo.from_env()
         self._owns_process_group = False
@@ -226,6 +285,12 @@ class Trainer:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend=backend)
             self._owns_process_group = True
+        # Before anything expensive: may this run use out_dir, and how?
+        self.plan = self._plan_run(fork_from)
+        for note in self.plan.notes:
+            self.note(note)
+        if self.plan.error is not None:
+            raise ValueError(self.plan.error)
         self.device = resolve_device(config.device, self.dist)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -257,6 +322,8 @@ class Trainer:
         _check_tokenizer_fits(base, self.task)
         self.layout.attach(base)
         if self.sharded:
+            from deltaflow.train.parallel import shard_model
+
             bf16_weights = use_bf16 and self.device.type == "cuda"
             self.raw_model = shard_model(base, self.device, bf16=bf16_weights)
         else:
@@ -268,20 +335,38 @@ class Trainer:
         # After sharding: the optimizer must hold the sharded (DTensor) parameters.
         self.optimizer = make_optimizer(self.raw_model, config, self.device)
         self.step = 0  # number of optimizer steps completed
+        # The log window still open (steps since the last 'train' record): checkpointed, so a
+        # resumed run logs the same means as an uninterrupted one whatever ckpt_every is.
+        self.window_loss = torch.zeros((), device=self.device)
+        self.window_steps = 0
+        self.window_tokens = 0
+        self.last_eval: dict[str, float] = {}
+        self.final_eval_done = False  # resumed from a finished run's final checkpoint
+        self.stopped: str | None = None  # name of the signal that stopped the run
+        self._signal: str | None = None
+        self._trust_checkpoint = trust_checkpoint
 
-        resume_from = None
-        if config.out_dir is not None and config.resume:
-            resume_from = latest_checkpoint(config.out_dir)
-        if resume_from is not None:
-            self._resume(resume_from)
+        start = self.plan.resume or self.plan.fork
+        log_state: dict[str, Any] = {}
+        if start is not None:
+            log_state = self._resume(Path(start))
         log_dir = config.out_dir if self.dist.is_main else None
-        self.logger = RunLogger(
-            log_dir,
-            resume_step=self.step if resume_from is not None else None,
-            tensorboard=config.tensorboard,
-            wandb=config.wandb,
-            run_config=config.to_dict(),
+        sinks = dict(
+            tensorboard=config.tensorboard, wandb=config.wandb, run_config=config.to_dict()
         )
+        if self.plan.fork is not None:
+            source = Path(self.plan.fork).parents[1]  # <run>/checkpoints/step_N -> <run>
+            kept = _kept_records(source, log_state, self.step)
+            self.logger = RunLogger(log_dir, start_records=kept, **sinks)
+            if self.dist.is_main:
+                self.logger.log("event", self.step, event="fork", source=str(self.plan.fork))
+        else:
+            self.logger = RunLogger(
+                log_dir,
+                resume_step=self.step if start is not None else None,
+                keep_records=log_state.get("log_records"),
+                **sinks,
+            )
 
         self.model: nn.Module = self.raw_model  # FSDP2 shards in place: no wrapper
         if self.dist.world_size > 1 and not self.fsdp:
@@ -289,26 +374,130 @@ class Trainer:
             self.model = nn.parallel.DistributedDataParallel(self.raw_model, device_ids=ids)
         self.num_params = sum(p.numel() for p in self.raw_model.parameters())
 
-    # ------------------------------------------------------------------ resume / save
-    def _resume(self, path: Path) -> None:
-        saved = yaml.safe_load((path / "config.yaml").read_text())
-        for key in ("task", "task_kwargs", "model"):
-            if saved.get(key) != getattr(self.config, key):
-                raise ValueError(
-                    f"cannot resume {path}: its {key} {saved.get(key)!r} differs from this "
-                    f"run's {getattr(self.config, key)!r} (use a new out_dir or resume=False)"
+    def note(self, text: str) -> None:
+        """A line for the person running this (stderr, rank 0, ``verbose`` only)."""
+        if self.verbose and self.dist.is_main:
+            print(text, file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ the run folder
+    def _plan_run(self, fork_from: str | Path | None) -> RunPlan:
+        """Rank 0 inspects ``out_dir`` (and may archive, clean, write run_config.yaml); every
+        rank gets the same plan."""
+        plan = RunPlan()
+        if self.config.out_dir is not None and self.dist.is_main:
+            try:
+                plan = self._plan_on_main(Path(self.config.out_dir), fork_from)
+            except (OSError, ValueError) as err:  # e.g. 'latest' names a missing checkpoint
+                plan = RunPlan(error=str(err))
+        if self.dist.world_size > 1:
+            box = [plan]
+            dist.broadcast_object_list(box, src=0)
+            plan = box[0]
+        return plan
+
+    def _plan_on_main(self, out: Path, fork_from: str | Path | None) -> RunPlan:
+        cfg = self.config
+        if out.exists() and not out.is_dir():
+            return RunPlan(error=f"out_dir {out} is a file; give a folder (it is created)")
+        plan = RunPlan(notes=recover_checkpoints(out))
+        clean_stale_exports(out)
+        if not cfg.resume and has_run(out):
+            dest = archive_run(out)
+            plan.notes.append(f"--no-resume: moved the previous run of {out} to {dest}")
+        latest = latest_checkpoint(out) if cfg.resume else None
+        if latest is not None:
+            return self._check_resume(out, latest, plan)
+        if fork_from is not None:
+            source = latest_checkpoint(fork_from)
+            if source is None:
+                return RunPlan(error=f"--fork: {fork_from} has no checkpoint to start from")
+            saved = yaml.safe_load((source / "config.yaml").read_text())
+            diffs = [
+                d
+                for d in training_differences(saved, cfg.to_dict())
+                if d[0] == "task" or d[0].startswith(("task_kwargs.", "model."))
+            ]
+            if diffs:
+                return RunPlan(
+                    error=f"cannot fork {source} into {out}: its weights are for another model or "
+                    f"task ({describe(diffs)}); a fork keeps model and task"
                 )
+            plan.fork = str(source)
+            plan.notes.append(f"forking {source} into {out}: starting at its step")
+        write_run_config(out, cfg.to_dict())
+        return plan
+
+    def _check_resume(self, out: Path, latest: Path, plan: RunPlan) -> RunPlan:
+        cfg = self.config
+        saved = read_run_config(out, latest) or {}
+        state = json.loads((latest / "state.json").read_text())
+        diffs = training_differences(saved, cfg.to_dict())
+        old_steps = int(saved.get("steps", cfg.steps))
+        trained_out = int(state["step"]) >= old_steps  # every step of the old schedule is done
+        only_steps = [d for d in diffs if d[0] != "steps"] == []
+        if diffs and only_steps and trained_out and cfg.steps > old_steps:
+            plan.extend_from = old_steps
+            plan.notes.append(
+                f"extending the finished run {out} from {old_steps} to {cfg.steps} steps (the "
+                f"learning-rate schedule now runs to {cfg.steps})"
+            )  # run_config.yaml is rewritten once the checkpoint has loaded (train())
+        elif diffs:
+            steps_note = ""
+            if any(d[0] == "steps" for d in diffs):
+                steps_note = (
+                    " (steps may only grow, and only once the run has finished: it sets the "
+                    "learning-rate schedule)"
+                )
+            return RunPlan(
+                notes=plan.notes,
+                error=f"cannot resume {out}: it was trained with other settings: "
+                f"{describe(diffs)}{steps_note}. Resume it with its own settings "
+                f"(deltaflow train --config {out / RUN_CONFIG}), continue its latest checkpoint "
+                "with the new ones in a new folder with --fork NEWDIR, or start over with "
+                "--no-resume (archives it)",
+            )
+        plan.resume = str(latest)
+        plan.notes.append(f"resuming {out} from step {state['step']}")
+        return plan
+
+    # ------------------------------------------------------------------ resume / save
+    def _resume(self, path: Path) -> dict[str, Any]:
+        """Load a checkpoint (this run's, or a fork's source); returns its log bookkeeping."""
         if self.fsdp != is_sharded_checkpoint(path):
             written = "ddp" if self.fsdp else "fsdp"
             raise ValueError(
                 f"cannot resume {path} with parallel={self.config.parallel!r}: it was written "
                 f"by a parallel={written!r} run (resume with that, or use a new out_dir)"
             )
-        load = load_sharded_checkpoint if self.fsdp else load_checkpoint
-        state = load(path, model=self.raw_model, optimizer=self.optimizer)
+        if self.fsdp:
+            state = load_sharded_checkpoint(
+                path, model=self.raw_model, optimizer=self.optimizer, trusted=self._trust_checkpoint
+            )
+        else:
+            state = load_checkpoint(path, model=self.raw_model, optimizer=self.optimizer)
+        # The optimizer's state_dict carries its hyperparameters; this run's config decides.
+        for i, group in enumerate(self.optimizer.param_groups):  # [decay, no_decay]
+            group.update(
+                betas=(self.config.beta1, self.config.beta2),
+                eps=self.config.adam_eps,
+                weight_decay=self.config.weight_decay if i == 0 else 0.0,
+            )
         self.step = int(state["step"])
         saved_info = json.loads((path / "state.json").read_text())
         self.seconds_before = float(saved_info.get("seconds", 0.0))
+        self.last_eval = dict(saved_info.get("eval") or {})
+        if "window_loss" in state:
+            self.window_loss = state["window_loss"].to(self.device)
+            self.window_steps = int(state["window_steps"])
+            self.window_tokens = int(state["window_tokens"])
+        # the final checkpoint of this very run (not of a fork's source, nor of the shorter run
+        # being extended): the final evaluation is in it and in the log
+        self.final_eval_done = (
+            self.plan.fork is None
+            and bool(saved_info.get("finished"))
+            and self.step >= self.config.steps
+        )
+        return {k: state[k] for k in ("log_records",) if k in state}
 
     def seconds(self) -> float:
         """Wall seconds this run has taken so far, over every trainer that resumed it (up to
@@ -321,8 +510,16 @@ class Trainer:
         cfg = self.config
         if cfg.out_dir is None:
             return None
-        info = {**(info or {}), "seconds": round(self.seconds(), 3)}  # read back on resume
-        common = dict(step=self.step, config=cfg.to_dict(), info=info, keep=cfg.keep_checkpoints)
+        info = {"eval": self.last_eval, **(info or {}), "seconds": round(self.seconds(), 3)}
+        extra = {
+            "window_loss": self.window_loss.detach().cpu().clone(),
+            "window_steps": self.window_steps,
+            "window_tokens": self.window_tokens,
+            "log_records": len(self.logger.records),
+        }
+        common = dict(
+            step=self.step, config=cfg.to_dict(), info=info, keep=cfg.keep_checkpoints, extra=extra
+        )
         # a language model's checkpoints carry its tokenizer (generate, from_pretrained users)
         common["tokenizer"] = getattr(self.task, "tokenizer", None)
         if self.fsdp:
@@ -330,17 +527,27 @@ class Trainer:
                 cfg.out_dir, model=self.raw_model, optimizer=self.optimizer, **common
             )
         rng = gather_rng_states()  # each rank resumes with its own RNG streams
-        path = None
+        path, error = None, None
         if self.dist.is_main:
-            path = save_checkpoint(
-                cfg.out_dir,
-                model=self.raw_model,
-                optimizer=self.optimizer,
-                rng_per_rank=rng,
-                **common,
-            )
+            try:
+                path = save_checkpoint(
+                    cfg.out_dir,
+                    model=self.raw_model,
+                    optimizer=self.optimizer,
+                    rng_per_rank=rng,
+                    **common,
+                )
+            except CheckpointSaveError as err:
+                error = err
         if self.dist.world_size > 1:
-            dist.barrier()  # no rank runs ahead (or exits) before the checkpoint is in place
+            # no rank runs ahead (or exits) before the checkpoint is in place; a failed save
+            # stops every rank
+            box = [None if error is None else str(error)]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is not None and error is None:
+                error = CheckpointSaveError(errno.EIO, box[0])
+        if error is not None:
+            raise error
         return path
 
     # ------------------------------------------------------------------ one step
@@ -506,8 +713,6 @@ class Trainer:
         main = self.dist.is_main
         passes = self._data_passes() if main and self.step == 0 else {}  # warns past one pass
         if main and self.step == 0 and cfg.out_dir is not None:
-            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-            cfg.to_yaml(Path(cfg.out_dir) / "config.yaml")
             self.logger.log(
                 "event",
                 0,
@@ -516,89 +721,177 @@ class Trainer:
                 config=cfg.to_dict(),
                 **passes,
             )
-        elif main and self.step > 0:
+        elif main and self.plan.extend_from is not None:
+            write_run_config(cfg.out_dir, cfg.to_dict())
+            (Path(cfg.out_dir) / "final.json").unlink(missing_ok=True)  # not finished any more
+            self.logger.log("event", self.step, event="extend", steps=cfg.steps)
+        elif main and self.step > 0 and self.plan.resume is not None:
             self.logger.log("event", self.step, event="resume")
         bar = tqdm(
             total=cfg.steps,
             initial=self.step,
             desc=f"train {cfg.task}",
             unit="step",
-            disable=not (cfg.progress and main),
+            disable=not (cfg.progress and main) or self.step >= cfg.steps,
             dynamic_ncols=True,
         )
-        window_loss = torch.zeros((), device=self.device)
-        window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
-        last_eval: dict[str, float] = {}
+        was_finished = self.final_eval_done  # resumed from this run's final checkpoint
+        window_start = time.perf_counter()
         last_save = time.perf_counter()  # for checkpoint_seconds
         try:
-            while self.step < cfg.steps:
-                loss, grad_norm, tokens = self.train_step(self.step)
-                self.step += 1
-                window_loss += loss
-                window_steps += 1
-                window_tokens += tokens
-                bar.update(1)
-                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                    mean_loss = float(window_loss) / window_steps
-                    if not math.isfinite(mean_loss):
-                        raise DivergenceError(
-                            f"training loss is {mean_loss} at step {self.step} (lr={cfg.lr}); "
-                            "lower the learning rate or enable grad_clip"
-                        )
-                    elapsed = time.perf_counter() - window_start
-                    record = self.logger.log(
-                        "train",
-                        self.step,
-                        loss=mean_loss,
-                        grad_norm=float(grad_norm),
-                        lr=self.optimizer.param_groups[0]["lr"],
-                        tokens_per_s=window_tokens / max(elapsed, 1e-9),
-                        tokens=self.step * tokens,
-                        **self._peak_memory(),
-                    )
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.3g}")
-                    window_loss.zero_()
-                    window_steps, window_tokens, window_start = 0, 0, time.perf_counter()
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
-                    last_eval = self._eval_and_log()
-                saved = False
-                if cfg.ckpt_every and self.step % cfg.ckpt_every == 0 and self.step < cfg.steps:
-                    self.save({"eval": last_eval})
-                    self.logger.flush()
-                    saved, last_save = True, time.perf_counter()
-                stop = False
-                # deadline and timed checkpoints only at log steps: a stop never splits a log
-                # window, so the resumed run logs the uninterrupted run's loss curve
-                if self.step % cfg.log_every == 0 and self.step < cfg.steps:
-                    stop, due = self._clock_says(last_save)
-                    if (stop or due) and not saved:
-                        self.save({"eval": last_eval})
-                        self.logger.flush()
-                        last_save = time.perf_counter()
-                for callback in self.callbacks:
-                    callback(self, self.step)
-                if stop:
-                    if main:
-                        self.logger.log("event", self.step, event="stop", reason="deadline")
-                    break
-            finished = self.step >= cfg.steps
-            if finished:
-                last_eval = self._eval_and_log()
-                self.save({"eval": last_eval})
+            with self._signal_handlers():
+                while self.step < cfg.steps:
+                    loss, grad_norm, tokens = self.train_step(self.step)
+                    self.step += 1
+                    self.window_loss += loss
+                    self.window_steps += 1
+                    self.window_tokens += tokens
+                    bar.update(1)
+                    if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                        self._log_window(grad_norm, tokens, window_start, bar)
+                        window_start = time.perf_counter()
+                    if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                        self.last_eval = self._eval_and_log()
+                    reason = None
+                    if self.step < cfg.steps:  # the end saves anyway (below)
+                        reason, due = self._stop_or_due(last_save)
+                        if reason is not None and main:  # before the save: the record is kept
+                            self.logger.log("event", self.step, event="stop", reason=reason)
+                        step_due = cfg.ckpt_every and self.step % cfg.ckpt_every == 0
+                        if step_due or due or reason is not None:
+                            self.save()
+                            self.logger.flush()
+                            last_save = time.perf_counter()
+                    for callback in self.callbacks:
+                        callback(self, self.step)
+                    if reason is not None:
+                        self.stopped = None if reason == "deadline" else reason
+                        break
+                finished = self.step >= cfg.steps
+                if finished and not self.final_eval_done:
+                    self.last_eval = self._eval_and_log()
+                    self.save({"finished": True})
+                    self.final_eval_done = True
         finally:
             bar.close()
             self.logger.close()
         summary = {
             "step": self.step,
-            "finished": finished,  # False: stopped at the deadline (checkpointed; resumable)
+            "finished": finished,  # False: stopped at the deadline or by a signal (resumable)
             "seconds": self.seconds(),
             "num_params": self.num_params,
             "train_loss": next((r["loss"] for r in reversed(self.logger.of_kind("train"))), None),
-            "eval": last_eval,
+            "eval": self.last_eval,
         }
-        if main and cfg.out_dir is not None and finished:
-            (Path(cfg.out_dir) / "final.json").write_text(json.dumps(summary, indent=2))
+        if self.stopped is not None:
+            summary["stopped"] = self.stopped
+        if finished and cfg.out_dir is not None:
+            with self._signal_handlers():  # a signal now waits for the final files
+                summary = self._finish(summary, was_finished)
         return summary
+
+    def _log_window(
+        self, grad_norm: torch.Tensor, tokens: int, window_start: float, bar: Any
+    ) -> None:
+        """The mean loss of the steps since the last record; resets the window."""
+        cfg = self.config
+        mean_loss = float(self.window_loss) / self.window_steps
+        if not math.isfinite(mean_loss):
+            raise DivergenceError(
+                f"training loss is {mean_loss} at step {self.step} (lr={cfg.lr}); "
+                "lower the learning rate or enable grad_clip"
+            )
+        elapsed = time.perf_counter() - window_start
+        record = self.logger.log(
+            "train",
+            self.step,
+            loss=mean_loss,
+            grad_norm=float(grad_norm),
+            lr=self.optimizer.param_groups[0]["lr"],
+            tokens_per_s=self.window_tokens / max(elapsed, 1e-9),
+            tokens=self.step * tokens,
+            **self._peak_memory(),
+        )
+        bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{record['tokens_per_s']:.3g}")
+        self.window_loss.zero_()
+        self.window_steps, self.window_tokens = 0, 0
+
+    def _finish(self, summary: dict[str, Any], was_finished: bool) -> dict[str, Any]:
+        """A finished run's outputs: the model as a save_pretrained folder (``final/``), then
+        ``final.json`` (the last file: a run killed before it redoes these on its next start).
+        A run that was already finished (and has both) returns its recorded summary."""
+        out = Path(self.config.out_dir)
+        path = out / "final.json"
+        final_dir = out / "final"
+        exportable = self.export_final and _is_pretrained(self.raw_model)
+        done = was_finished and path.is_file() and (final_dir.is_dir() or not exportable)
+        if done and json.loads(path.read_text()).get("step") == self.step:
+            self.note(
+                f"{out} already finished at step {self.step}: give a larger --steps to extend "
+                "it, --no-resume to start over"
+            )
+            return {**json.loads(path.read_text()), "already_finished": True}
+        if exportable:
+            if self.sharded:
+                if self.dist.is_main:
+                    export_checkpoint(latest_checkpoint(out), final_dir)
+            elif self.dist.is_main:
+                write_pretrained(self.raw_model, final_dir, self.config.to_dict())
+            if self.dist.world_size > 1:
+                dist.barrier()
+        if self.dist.is_main:
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(summary, indent=2))
+            os.replace(tmp, path)
+        return summary
+
+    @contextlib.contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        """With ``handle_signals``: SIGINT/SIGTERM set a flag that the loop reads after the
+        step in flight (it then saves and stops); a second signal quits at once."""
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(signum: int, frame: Any) -> None:
+            if self._signal is not None:
+                raise KeyboardInterrupt
+            self._signal = signal.Signals(signum).name
+            self.note(
+                f"\n{self._signal}: saving a checkpoint after the current step, then stopping "
+                "(send it again to quit without saving)"
+            )
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _stop_or_due(self, last_save: float) -> tuple[str | None, bool]:
+        """(why the run stops now: 'deadline', 'SIGINT', 'SIGTERM' or None; whether a timed
+        checkpoint is due). Deadline and timed checkpoints act at log steps only, so a deadline
+        stop never splits a log window (every trainer of a cut run ends on a log record)."""
+        deadline = due = False
+        if self.step % self.config.log_every == 0:
+            deadline, due = self._clock_says(last_save)
+        signal_name = self._signal_received()
+        return ("deadline" if deadline else signal_name), due
+
+    def _signal_received(self) -> str | None:
+        """The signal that asks this run to stop, agreed by every rank (any rank's counts)."""
+        if not self.handle_signals:
+            return None
+        if self.dist.world_size > 1:
+            names = ("SIGINT", "SIGTERM")
+            flag = torch.tensor(
+                [float(names.index(self._signal) + 1) if self._signal in names else 0.0],
+                device=self.device,
+            )
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return names[int(flag.item()) - 1] if flag.item() > 0 else None
+        return self._signal
 
     def _clock_says(self, last_save: float) -> tuple[bool, bool]:
         """(deadline passed, timed checkpoint due); rank 0's clock decides for every rank, so
@@ -656,6 +949,21 @@ def _check_tokenizer_fits(model: nn.Module, task: Any) -> None:
 
     desc = str(getattr(tokenizer, "path", tokenizer.name))
     check_vocab_fits(task.vocab_size, embedding.num_embeddings, desc)
+def _is_pretrained(model: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def _kept_records(run_dir: Path, log_state: dict[str, Any], step: int) -> list[dict[str, Any]]:
+    """A forked run's log starts with its source's records up to the checkpoint it forks."""
+    if not (run_dir / "log.jsonl").is_file():
+        return []
+    records = read_log(run_dir)
+    count = log_state.get("log_records")
+    if count is not None:
+        return records[:count]
+    return [r for r in records if r.get("step", 0) <= step]  # checkpoints before log counts
 
 
 @contextlib.contextmanager

@@ -1,0 +1,143 @@
+"""Export a trained model as a transformers ``save_pretrained`` folder.
+
+    deltaflow export runs/lm --out exported/lm
+
+    import deltaflow.models  # registers model_type "deltaflow" with the Auto classes
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained("exported/lm")
+    tokenizer = AutoTokenizer.from_pretrained("exported/lm")  # language-model runs only
+
+The folder holds ``config.json`` and ``model.safetensors`` (what ``save_pretrained`` writes),
+``train_config.yaml`` (the TrainConfig that trained it), and for language-model runs the
+tokenizer as a transformers fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``):
+the GPT-2 BPE of a ``.tiktoken`` file, or the byte tokenizer (ids 0-255 are the UTF-8 bytes,
+256 is ``<|endoftext|>``). Synthetic tasks have no text and no tokenizer. The trainer writes
+this folder for every finished run as ``<out>/final/``.
+
+It is written into a temporary folder and renamed into place, like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torch import nn
+
+EOT_TEXT = "<|endoftext|>"
+
+
+def hf_tokenizer(task: str, task_kwargs: dict[str, Any]) -> Any | None:
+    """The task's tokenizer as a ``PreTrainedTokenizerFast`` (None for tasks without text)."""
+    if task != "lm":
+        return None
+    from transformers import PreTrainedTokenizerFast
+
+    from deltaflow.tasks.language import GPT2_PATTERN, get_tokenizer
+
+    ours = get_tokenizer(task_kwargs.get("tokenizer", "byte"), task_kwargs.get("tokenizer_path"))
+    if ours.name == "byte":
+        backend = _byte_tokenizer()
+    else:
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        backend = TikTokenConverter(
+            vocab_file=str(ours.path),
+            pattern=GPT2_PATTERN,
+            extra_special_tokens={EOT_TEXT: ours.eot_id},
+        ).converted()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOT_TEXT)
+
+
+def _byte_tokenizer() -> Any:
+    """deltaflow's byte tokenizer in the tokenizers library: byte-level BPE without merges, so
+    every UTF-8 byte is its own token, with id = byte value; ``<|endoftext|>`` is 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins of the bytes
+    byte_of = {ch: b for b, ch in enumerate(_bytes_to_unicode())}
+    assert set(byte_of) == set(alphabet)
+    tokenizer = Tokenizer(models.BPE(vocab=byte_of, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOT_TEXT])  # id 256: the next free id
+    return tokenizer
+
+
+def _bytes_to_unicode() -> list[str]:
+    """Byte b -> the printable character byte-level BPE writes for it (GPT-2's table)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def write_pretrained(model: nn.Module, dest: str | Path, train_config: dict[str, Any]) -> Path:
+    """``model.save_pretrained`` + tokenizer + ``train_config.yaml`` into ``dest``, atomically
+    (an existing ``dest`` is replaced only once the new folder is complete)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with _quiet_transformers():
+            model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer = hf_tokenizer(train_config["task"], train_config.get("task_kwargs", {}))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        (tmp / "train_config.yaml").write_text(yaml.safe_dump(train_config, sort_keys=False))
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No "Writing model shards" bar for a one-file model (it would break the trainer's)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def export_checkpoint(path: str | Path, dest: str | Path) -> Path:
+    """Export a run's latest checkpoint (or a given checkpoint folder) to ``dest``."""
+    from deltaflow.train.checkpoint import load_checkpoint, resolve_checkpoint
+    from deltaflow.train.config import TrainConfig
+    from deltaflow.train.trainer import build_model, task_vocab_size
+
+    ckpt = resolve_checkpoint(path)
+    data = yaml.safe_load((ckpt / "config.yaml").read_text())
+    config = TrainConfig.from_dict(data)
+    model = build_model(config, task_vocab_size(config))
+    load_checkpoint(ckpt, model=model, restore_rng=False)
+    return write_pretrained(model, dest, data)
+
+
+def clean_stale_exports(out_dir: str | Path) -> None:
+    """Temporary export folders left by a killed process (``.final.tmp-*``, ``.final.old-*``)."""
+    for path in Path(out_dir).glob(".final.*-*"):
+        shutil.rmtree(path, ignore_errors=True)
