@@ -36,38 +36,12 @@ def hf_tokenizer(task: str, task_kwargs: dict[str, Any]) -> Any | None:
     """The task's tokenizer as a ``PreTrainedTokenizerFast`` (None for tasks without text)."""
     if task != "lm":
         return None
-    from transformers import PreTrainedTokenizerFast
+    from deltaflow.tasks.tokenizers import get_tokenizer
 
-    from deltaflow.tasks.language import GPT2_PATTERN, get_tokenizer
-
+    # byte, GPT-2 .tiktoken or a Hugging Face folder, each in transformers' form (the same
+    # conversion the trainer's checkpoints use for their tokenizer/ folder)
     ours = get_tokenizer(task_kwargs.get("tokenizer", "byte"), task_kwargs.get("tokenizer_path"))
-    if ours.name == "byte":
-        backend = _byte_tokenizer()
-    else:
-        from transformers.convert_slow_tokenizer import TikTokenConverter
-
-        backend = TikTokenConverter(
-            vocab_file=str(ours.path),
-            pattern=GPT2_PATTERN,
-            extra_special_tokens={EOT_TEXT: ours.eot_id},
-        ).converted()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOT_TEXT)
-
-
-def _byte_tokenizer() -> Any:
-    """deltaflow's byte tokenizer in the tokenizers library: byte-level BPE without merges, so
-    every UTF-8 byte is its own token, with id = byte value; ``<|endoftext|>`` is 256."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins of the bytes
-    byte_of = {ch: b for b, ch in enumerate(_bytes_to_unicode())}
-    assert set(byte_of) == set(alphabet)
-    tokenizer = Tokenizer(models.BPE(vocab=byte_of, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([EOT_TEXT])  # id 256: the next free id
-    return tokenizer
+    return ours.to_hf()
 
 
 def _bytes_to_unicode() -> list[str]:
