@@ -20,9 +20,10 @@ from deltaflow.lab.presets import VARIANTS, Preset
 from deltaflow.train import TrainConfig
 
 # TrainConfig fields that came after grids were committed and say how a run is executed, not
-# what it trains (timed checkpoints; torch.compile of the same model, like the kernel backend):
+# what it trains (timed checkpoints; torch.compile of the same model; logging sinks; context
+# parallelism, which computes the same loss):
 # left out of run ids, so committed grids keep their ids (--resume, --report-only).
-RUNTIME_ONLY_FIELDS = ("ckpt_minutes", "compile")
+RUNTIME_ONLY_FIELDS = ("ckpt_minutes", "compile", "tensorboard", "wandb", "context_parallel")
 
 
 @dataclass(frozen=True)
