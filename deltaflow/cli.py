@@ -331,14 +331,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = trainer.train()
     except KeyboardInterrupt:  # a second Ctrl-C: quit without saving
+        trainer.close(clean=False)
         print(
             f"interrupted at step {trainer.step}; the last checkpoint is kept, resume with: "
             f"{_resume_command(args.argv)}",
             file=sys.stderr,
         )
         return 130
-    finally:
-        trainer.close()
+    except BaseException:
+        trainer.close(clean=False)
+        raise
+    trainer.close()
     if summary.get("stopped") and rank0:
         if config.out_dir is None:
             print(f"stopped at step {summary['step']} (no --out: nothing saved)", file=sys.stderr)
@@ -362,6 +365,8 @@ def check_out_dir(path: str | os.PathLike, flag: str) -> None:
             if not os.access(p, os.W_OK):
                 raise ValueError(f"{flag} {path}: cannot write to {p} (permission denied)")
             return
+
+
 def _resume_command(argv: list[str]) -> str:
     """The command that continues this run: the same one, without --no-resume (which would
     archive the run just saved). A fork's command resumes the fork (NEWDIR has a checkpoint)."""

@@ -22,8 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from _distributed import free_port, set_rank_env
+from _distributed import free_port, set_rank_env, spawn_ranks
 from _inputs import make_inputs, rel_err
 
 from deltaflow import delta_rule
@@ -374,7 +373,7 @@ def _worker(rank: int, world: int, port: int, tmp_dir: str) -> None:
 
 
 def spawn(world: int, tmp: Path) -> None:
-    mp.spawn(_worker, args=(world, free_port(), str(tmp)), nprocs=world, join=True)
+    spawn_ranks(_worker, (world, free_port(), str(tmp)), world=world, timeout=600)
 
 
 @pytest.mark.multiprocess

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _distributed import free_port, set_rank_env
+from _distributed import free_port, set_rank_env, spawn_ranks
 from safetensors.torch import load_file
 
 from deltaflow.train import (
@@ -126,7 +125,7 @@ def _worker(rank: int, world: int, port: int, tmp_dir: str, parallel: str) -> No
 
 
 def spawn(tmp: Path, parallel: str) -> None:
-    mp.spawn(_worker, args=(2, free_port(), str(tmp), parallel), nprocs=2, join=True)
+    spawn_ranks(_worker, (2, free_port(), str(tmp), parallel), world=2)
 
 
 # ---------------------------------------------------------------------------- tests

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from _distributed import free_port, set_rank_env
+from _distributed import free_port, set_rank_env, spawn_ranks
 from safetensors.torch import load_file
 from torch import nn
 
@@ -395,7 +394,7 @@ def _ddp_signal_worker(rank: int, world: int, port: int, out: str) -> None:
 
 def test_ddp_two_cpu_ranks_match_single_process(tmp_path):
     """torchrun-style env (WORLD_SIZE/RANK) on the gloo backend: same result as one process."""
-    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_worker, (2, free_port(), str(tmp_path)), world=2)
     single, task = make()
     Trainer(toy_config(steps=4), model=single, task=task).train()
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
@@ -408,12 +407,8 @@ def test_ddp_two_cpu_ranks_match_single_process(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.skip(
-    reason="hangs in the merged tree on the 2-core CPU (a gloo rank waits forever after the "
-    "signal); to be fixed before it runs in CI again"
-)
 def test_a_signal_on_one_ddp_rank_stops_every_rank_at_one_step(tmp_path):
-    mp.spawn(_ddp_signal_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_ddp_signal_worker, (2, free_port(), str(tmp_path)), world=2)
     for rank in (0, 1):
         summary = json.loads((tmp_path / f"signalled{rank}.json").read_text())
         assert (summary["step"], summary["finished"], summary["stopped"]) == (3, False, "SIGTERM")

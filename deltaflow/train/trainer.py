@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import inspect
 import json
 import math
@@ -934,8 +935,22 @@ class Trainer:
             dist.barrier()
         return metrics
 
-    def close(self) -> None:
-        if self._owns_process_group and dist.is_initialized():
+    def close(self, clean: bool = True) -> None:
+        """Release the DDP wrapper and leave the process group this trainer created.
+
+        Order matters: a gloo worker thread frees each finished collective's tensors under the
+        GIL, while a process group destroyed by its last reference (DDP's reducer, garbage-
+        collected later) joins those threads holding the GIL: a deadlock seen on 2-core
+        machines. So a barrier first (all earlier work freed), then the wrapper goes while the
+        group is still registered, then the group. ``clean=False`` (after an error) skips the
+        barrier: the other ranks may be inside another collective."""
+        distributed = self.dist.world_size > 1 and dist.is_initialized()
+        if clean and distributed:
+            dist.barrier()
+        if self.model is not self.raw_model:
+            self.model = self.raw_model
+            gc.collect()  # the DistributedDataParallel wrapper and its reducer go now
+        if self._owns_process_group and distributed:
             dist.destroy_process_group()
 
 
@@ -949,6 +964,8 @@ def _check_tokenizer_fits(model: nn.Module, task: Any) -> None:
 
     desc = str(getattr(tokenizer, "path", tokenizer.name))
     check_vocab_fits(task.vocab_size, embedding.num_embeddings, desc)
+
+
 def _is_pretrained(model: nn.Module) -> bool:
     from transformers import PreTrainedModel
 
@@ -980,6 +997,9 @@ def train(config: TrainConfig, **kwargs: Any) -> dict[str, Any]:
     """Build everything from ``config``, train, return the summary. See :class:`Trainer`."""
     trainer = Trainer(config, **kwargs)
     try:
-        return trainer.train()
-    finally:
-        trainer.close()
+        summary = trainer.train()
+    except BaseException:
+        trainer.close(clean=False)
+        raise
+    trainer.close()
+    return summary
