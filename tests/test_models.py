@@ -116,6 +116,31 @@ def test_greedy_generation_matches_full_forwards(kwargs):
     assert torch.equal(out, ref[:, 6:])
 
 
+def test_the_cache_goes_by_either_name_and_the_output_uses_the_installed_ones(recwarn, capfd):
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``: both names are accepted, the
+    output carries the cache under the installed transformers' field, and nothing warns."""
+    from deltaflow.models.modeling import CACHE_FIELD, output_cache
+
+    model = tiny(rule="delta", attn_every=2)
+    ids = torch.randint(0, V, (2, 7))
+    with torch.no_grad():
+        by_old, by_new = DeltaFlowCache(2), DeltaFlowCache(2)
+        a = model(ids[:, :5], past_key_values=by_old, use_cache=True)
+        b = model(ids[:, :5], cache=by_new, use_cache=True)
+        assert output_cache(a) is by_old and output_cache(b) is by_new
+        assert CACHE_FIELD in a.keys()
+        a = model(ids[:, 5:], past_key_values=by_old, use_cache=True).logits
+        b = model(ids[:, 5:], cache=by_new, use_cache=True).logits
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        with pytest.raises(ValueError, match="cache= or past_key_values=, not both"):
+            model(ids, cache=DeltaFlowCache(2), past_key_values=DeltaFlowCache(2), use_cache=True)
+        longer = torch.cat([ids, ids[:, :1]], dim=1)  # generate() appended one token
+        inputs = model.prepare_inputs_for_generation(longer, **{CACHE_FIELD: by_new})
+        assert inputs[CACHE_FIELD] is by_new and torch.equal(inputs["input_ids"], ids[:, :1])
+    err = capfd.readouterr().err
+    assert "deprecated" not in err and not [w for w in recwarn if "deprecated" in str(w.message)]
+
+
 def test_hf_beam_search_and_sampling_with_cache_match_no_cache():
     """Beam search reorders the cache (DeltaFlowCache.reorder_cache); results must not change."""
     model = tiny(use_decay=True, attn_every=2)

@@ -15,7 +15,7 @@ LayerState = dict[str, torch.Tensor]
 
 
 class DeltaFlowCache:
-    """Per-layer state for incremental decoding, passed as ``past_key_values``."""
+    """Per-layer state for incremental decoding, passed as ``past_key_values`` or ``cache``."""
 
     is_compileable = False  # read by transformers.generate; we never want its static-cache path
 

@@ -44,7 +44,7 @@ class DeltaFlowConfig(PretrainedConfig):
     """
 
     model_type = "deltaflow"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the name before and from 5.24
     # The conventional transformers names, read and written as aliases of deltaflow's own.
     attribute_map = {
         "num_hidden_layers": "num_layers",

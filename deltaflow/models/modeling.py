@@ -36,6 +36,25 @@ from deltaflow.models.config import DeltaFlowConfig
 from deltaflow.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 from deltaflow.ops.delta_rule import TRITON_CHUNK_SIZE
 
+# transformers 5.24 renamed the cache argument and output field ``past_key_values`` -> ``cache``
+# (the old names still work there, with a warning on every use). deltaflow accepts both names and
+# writes the one the installed transformers reads, so generate() finds its cache in either.
+_RENAMED = "cache" in BaseModelOutputWithPast.__dataclass_fields__
+CACHE_FIELD = "cache" if _RENAMED else "past_key_values"
+
+
+def _one_cache(past_key_values: Any, cache: Any) -> Any:
+    """The cache passed under either name (both at once is an error)."""
+    if past_key_values is not None and cache is not None:
+        raise ValueError("pass the cache as cache= or past_key_values=, not both")
+    return cache if cache is not None else past_key_values
+
+
+def output_cache(output: Any) -> Any:
+    """The cache a model output carries, read without transformers' renaming warning."""
+    return getattr(output, CACHE_FIELD)
+
+
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
@@ -319,9 +338,12 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
         use_cache: bool = False,
         output_hidden_states: bool = False,
         cu_seqlens: torch.Tensor | None = None,
+        cache: DeltaFlowCache | None = None,
     ) -> BaseModelOutputWithPast:
         """``cu_seqlens``: int offsets ``[N + 1]`` of N documents packed in ``[1, T]`` input
-        (no padding, no cross-document state, attention or conv; not with a cache)."""
+        (no padding, no cross-document state, attention or conv; not with a cache).
+        ``cache`` is another name for ``past_key_values`` (transformers >= 5.24 uses it)."""
+        past_key_values = _one_cache(past_key_values, cache)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError(
                 "pass exactly one of input_ids [B, T] and inputs_embeds [B, T, hidden]"
@@ -385,8 +407,8 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
             past_key_values.seen_tokens += T
         return BaseModelOutputWithPast(
             last_hidden_state=h,
-            past_key_values=past_key_values if use_cache else None,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            **{CACHE_FIELD: past_key_values if use_cache else None},
         )
 
 
@@ -443,6 +465,7 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         labels_are_shifted: bool | None = None,
         cu_seqlens: torch.Tensor | None = None,
         fuse_linear_cross_entropy: bool | None = None,
+        cache: DeltaFlowCache | None = None,
         **kwargs: Any,
     ) -> CausalLMOutputWithPast:
         """Returns ``CausalLMOutputWithPast(loss, logits, past_key_values, hidden_states)``.
@@ -470,7 +493,7 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            past_key_values=_one_cache(past_key_values, cache),
             inputs_embeds=inputs_embeds,
             use_cache=bool(use_cache),
             output_hidden_states=bool(output_hidden_states),
@@ -498,8 +521,8 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             return CausalLMOutputWithPast(
                 loss=loss,
                 logits=None,
-                past_key_values=out.past_key_values,
                 hidden_states=out.hidden_states,
+                **{CACHE_FIELD: output_cache(out)},
             )
 
         if logits_to_keep:
@@ -514,8 +537,8 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=out.past_key_values,
             hidden_states=out.hidden_states,
+            **{CACHE_FIELD: output_cache(out)},
         )
 
     def _labels_shifted(self, labels_are_shifted: bool | None) -> bool:
@@ -575,12 +598,15 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = True,
+        cache: DeltaFlowCache | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
-        """Feed only the tokens the cache has not seen (robust across transformers versions)."""
+        """Feed only the tokens the cache has not seen (robust across transformers versions:
+        the cache arrives as ``past_key_values`` before 5.24 and as ``cache`` from 5.24)."""
+        past_key_values = _one_cache(past_key_values, cache)
         seen = past_key_values.seen_tokens if isinstance(past_key_values, DeltaFlowCache) else 0
         inputs: dict[str, Any] = {
-            "past_key_values": past_key_values,
+            CACHE_FIELD: past_key_values,
             "attention_mask": attention_mask,
             "use_cache": use_cache,
         }
