@@ -392,6 +392,7 @@ def _ddp_signal_worker(rank: int, world: int, port: int, out: str) -> None:
     (Path(out) / f"signalled{rank}.json").write_text(json.dumps(summary))
 
 
+@pytest.mark.multiprocess
 def test_ddp_two_cpu_ranks_match_single_process(tmp_path):
     """torchrun-style env (WORLD_SIZE/RANK) on the gloo backend: same result as one process."""
     spawn_ranks(_ddp_worker, (2, free_port(), str(tmp_path)), world=2)
