@@ -26,6 +26,7 @@ import os
 import shlex
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,24 +137,23 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_at_least(minimum: int, expected: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, else "expected <expected>, got ..."."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")
+_nonnegative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _device(text: str) -> str:
@@ -293,7 +293,7 @@ def resolve_train_config(args: argparse.Namespace) -> Any:
 def cmd_train(args: argparse.Namespace) -> int:
     from deltaflow.train import Trainer
     from deltaflow.train.cpu import CpuTimeCheck, count_parameters, set_threads, warn_if_gpu_sized
-    from deltaflow.train.trainer import DistInfo, resolve_device
+    from deltaflow.train.trainer import DistInfo, resolve_device, train_and_close
 
     config = resolve_train_config(args)
     if args.print_config:
@@ -329,19 +329,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("interrupted before training started: nothing to save", file=sys.stderr)
         return 130
     try:
-        summary = trainer.train()
+        summary = train_and_close(trainer)
     except KeyboardInterrupt:  # a second Ctrl-C: quit without saving
-        trainer.close(clean=False)
         print(
             f"interrupted at step {trainer.step}; the last checkpoint is kept, resume with: "
             f"{_resume_command(args.argv)}",
             file=sys.stderr,
         )
         return 130
-    except BaseException:
-        trainer.close(clean=False)
-        raise
-    trainer.close()
     if summary.get("stopped") and rank0:
         if config.out_dir is None:
             print(f"stopped at step {summary['step']} (no --out: nothing saved)", file=sys.stderr)

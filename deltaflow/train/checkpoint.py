@@ -82,7 +82,9 @@ def _pause() -> None:
         time.sleep(seconds)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a ``.NAME.tmp-PID`` sibling, fsync, rename into place: never half a
+    file (the start of a run removes such temporaries left by a kill)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -216,7 +218,7 @@ def _commit(tmp: Path, final: Path, keep: int) -> None:
     else:
         os.replace(tmp, final)
         _pause()  # a kill here leaves step_N uncommitted: the next start removes it
-    _atomic_write_text(root / LATEST, final.name + "\n")
+    atomic_write_text(root / LATEST, final.name + "\n")
     _pause()
     prune_checkpoints(root.parent, final, keep)
 
@@ -267,7 +269,7 @@ def recover_checkpoints(out_dir: str | Path) -> list[str]:
     committed = _pointer_name(root)
     if committed is None and found:
         committed = found[-1].name
-        _atomic_write_text(root / LATEST, committed + "\n")
+        atomic_write_text(root / LATEST, committed + "\n")
     if committed is not None and (root / committed).is_dir():
         for path in found:
             if step_of(path) > step_of(root / committed):

@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from deltaflow.train.checkpoint import atomic_write_text
+
 RUN_CONFIG = "run_config.yaml"
 ARCHIVE = "archive"
 
@@ -103,9 +105,7 @@ def read_run_config(out_dir: str | Path, checkpoint: Path | None) -> dict[str, A
 def write_run_config(out_dir: str | Path, config: dict[str, Any]) -> None:
     path = Path(out_dir) / RUN_CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(config, sort_keys=False))
-    os.replace(tmp, path)
+    atomic_write_text(path, yaml.safe_dump(config, sort_keys=False))
 
 
 def has_run(out_dir: str | Path) -> bool:

@@ -56,6 +56,7 @@ from tqdm.auto import tqdm
 from deltaflow.models.compile import compile_blocks, resolve_compile
 from deltaflow.train.checkpoint import (
     CheckpointSaveError,
+    atomic_write_text,
     gather_rng_states,
     is_sharded_checkpoint,
     latest_checkpoint,
@@ -826,12 +827,13 @@ class Trainer:
         final_dir = out / "final"
         exportable = self.export_final and _is_pretrained(self.raw_model)
         done = was_finished and path.is_file() and (final_dir.is_dir() or not exportable)
-        if done and json.loads(path.read_text()).get("step") == self.step:
+        recorded = json.loads(path.read_text()) if done else {}
+        if done and recorded.get("step") == self.step:
             self.note(
                 f"{out} already finished at step {self.step}: give a larger --steps to extend "
                 "it, --no-resume to start over"
             )
-            return {**json.loads(path.read_text()), "already_finished": True}
+            return {**recorded, "already_finished": True}
         if exportable:
             if self.sharded:
                 if self.dist.is_main:
@@ -841,9 +843,7 @@ class Trainer:
             if self.dist.world_size > 1:
                 dist.barrier()
         if self.dist.is_main:
-            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(summary, indent=2))
-            os.replace(tmp, path)
+            atomic_write_text(path, json.dumps(summary, indent=2))
         return summary
 
     @contextlib.contextmanager
@@ -993,9 +993,9 @@ def _fsdp_no_sync(model: nn.Module):
         model.set_requires_gradient_sync(True)
 
 
-def train(config: TrainConfig, **kwargs: Any) -> dict[str, Any]:
-    """Build everything from ``config``, train, return the summary. See :class:`Trainer`."""
-    trainer = Trainer(config, **kwargs)
+def train_and_close(trainer: Trainer) -> dict[str, Any]:
+    """``trainer.train()``, then ``trainer.close()``; after an error (Ctrl-C included)
+    ``close(clean=False)``, which skips the barrier, and the error goes on."""
     try:
         summary = trainer.train()
     except BaseException:
@@ -1003,3 +1003,8 @@ def train(config: TrainConfig, **kwargs: Any) -> dict[str, Any]:
         raise
     trainer.close()
     return summary
+
+
+def train(config: TrainConfig, **kwargs: Any) -> dict[str, Any]:
+    """Build everything from ``config``, train, return the summary. See :class:`Trainer`."""
+    return train_and_close(Trainer(config, **kwargs))
