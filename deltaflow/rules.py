@@ -65,9 +65,19 @@ class StepRule:
     source: str = ""
     decay_coefficients: DecayCoefficientFn | None = None
 
+    def __post_init__(self) -> None:
+        # The Triton table computes (a, b) from (β, λ) alone: a rule whose strengths read the
+        # decay would run other maths there than in PyTorch, silently. Refuse the pair.
+        if self.kernel_id is not None and self.decay_coefficients is not None:
+            raise ValueError(
+                f"rule {self.name!r}: kernel_id and decay_coefficients together are not supported"
+                " (the Triton rule table does not read the decay); give one of them"
+            )
+
     @property
-    def builtin(self) -> bool:
-        """Rules with a fused Triton form (a ``kernel_id``): the ones the Triton backend runs."""
+    def has_triton(self) -> bool:
+        """Whether the rule has a fused Triton form (a ``kernel_id``): the Triton backend runs
+        exactly these (see :func:`triton_rules`)."""
         return self.kernel_id is not None
 
 
@@ -258,6 +268,12 @@ def register_rule(
     )
     RULES[name] = rule
     return rule
+
+
+def triton_rules() -> list[str]:
+    """The names of the rules the Triton backend runs, sorted: every script and test that loops
+    over Triton rules asks here instead of assuming all of :data:`RULES`."""
+    return sorted(name for name, rule in RULES.items() if rule.has_triton)
 
 
 def get_rule(rule: str | StepRule | CoefficientFn) -> StepRule:

@@ -101,15 +101,15 @@ def assert_table_matches_definition(rule: StepRule) -> None:
         )
 
 
-@pytest.mark.parametrize("name", sorted(n for n, r in RULES.items() if r.builtin))
+@pytest.mark.parametrize("name", sorted(n for n, r in RULES.items() if r.has_triton))
 def test_every_entry_matches_the_rules_definition_and_its_autograd(name):
     assert_table_matches_definition(RULES[name])
 
 
 def test_every_builtin_rule_has_an_entry_and_no_entry_is_orphaned():
-    builtin = {r.kernel_id for r in RULES.values() if r.builtin}
+    builtin = {r.kernel_id for r in RULES.values() if r.has_triton}
     assert builtin == set(rule_table.KERNEL_IDS)
-    assert len(builtin) == sum(r.builtin for r in RULES.values())  # ids are unique
+    assert len(builtin) == sum(r.has_triton for r in RULES.values())  # ids are unique
 
 
 def test_a_forgotten_id_fails_loudly():
@@ -179,7 +179,7 @@ def damped_delta(monkeypatch):
 
 
 def test_a_new_builtin_rule_needs_only_rules_the_table_and_tests(damped_delta):
-    assert damped_delta.builtin
+    assert damped_delta.has_triton
     assert_table_matches_definition(damped_delta)
     # forward and the fused backward against the float64 reference, by name like any rule
     x = make_inputs(1, 70, 2, 16, 24, rule="damped_delta", dtype=torch.float32, seed=3)

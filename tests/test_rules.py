@@ -190,7 +190,7 @@ def test_gated_efla_runs_on_torch_where_triton_has_no_form():
     from deltaflow.ops.delta_rule import resolve_backend
 
     rule = get_rule("gated_efla")
-    assert not rule.builtin and rule.kernel_id is None
+    assert not rule.has_triton and rule.kernel_id is None
     q = torch.zeros(1, 1, 1, 4, device="meta")
     assert resolve_backend("auto", q, rule) == "torch"
     x = make_inputs(1, 5, 1, 4, 4, rule="gated_efla")

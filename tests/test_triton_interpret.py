@@ -8,10 +8,10 @@ import torch
 from _inputs import make_inputs, rel_err
 
 from deltaflow import delta_rule, delta_rule_step
-from deltaflow.rules import RULES
+from deltaflow.rules import RULES, triton_rules
 
 # The rules with a Triton form; the others (gated_efla) run on the torch backend only.
-TRITON_RULES = sorted(name for name, rule in RULES.items() if rule.builtin)
+TRITON_RULES = triton_rules()
 
 triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():

@@ -35,7 +35,7 @@ def resolve_backend(backend: str, q: Tensor, rule: StepRule, chunk_size: int | N
     if backend != "auto":
         return backend
     triton_chunk = chunk_size is None or chunk_size == TRITON_CHUNK_SIZE
-    if q.is_cuda and rule.builtin and triton_chunk and _triton_backend() is not None:
+    if q.is_cuda and rule.has_triton and triton_chunk and _triton_backend() is not None:
         return "triton"
     return "torch"
 
@@ -115,7 +115,7 @@ def delta_rule(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     backend = resolve_backend(backend, q, step_rule, chunk_size)
     dtype = compute_dtype(q, k, v, beta, initial_state)
-    if backend == "triton" and not step_rule.builtin:
+    if backend == "triton" and not step_rule.has_triton:
         raise ValueError(
             f"backend='triton' runs the rules of the Triton rule table only; rule "
             f"{step_rule.name!r} has no kernel_id: use backend='torch' (or 'auto')"

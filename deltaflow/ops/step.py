@@ -37,7 +37,7 @@ def delta_rule_step(
     _check_step_shapes(q, k, v, beta, step_rule, log_decay, state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
-    if q.is_cuda and step_rule.builtin:
+    if q.is_cuda and step_rule.has_triton:
         from deltaflow.ops.delta_rule import _triton_backend
 
         triton_backend = _triton_backend()
