@@ -1,0 +1,96 @@
+"""What the benchmark and GPU-check scripts share: the commit they measured, fla (optional),
+copy bandwidth, the device they run on, and their CPU smoke mode.
+
+Every GPU script takes ``--smoke``: tiny shapes on the CPU through the Triton interpreter
+(``TRITON_INTERPRET=1``, set by :func:`smoke_env` before Triton is imported), seconds each, no
+fla. ``tests/test_gpu_scripts.py`` runs each one that way in CI, so a script that rots fails
+there instead of on the next GPU run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def smoke_requested(argv: list[str] | None = None) -> bool:
+    """Whether ``--smoke`` is on the command line (read before Triton is imported)."""
+    return "--smoke" in (sys.argv[1:] if argv is None else argv)
+
+
+def smoke_env() -> None:
+    """Switch the Triton interpreter on for a ``--smoke`` run. Must run before ``import triton``
+    (the interpreter flag is read at import): scripts call it at the top when smoke-requested."""
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def device(smoke: bool) -> str:
+    """'cpu' in smoke mode (Triton interpreter), else 'cuda' (refused with one line if absent)."""
+    if smoke:
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("error: this script needs a CUDA GPU; run it with --smoke on a CPU")
+    return "cuda"
+
+
+def device_name(dev: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if dev == "cuda" else "cpu (Triton interpreter)"
+
+
+def git_commit() -> str:
+    """This checkout's commit, with '-dirty' when the files differ from it (a copy synced onto a
+    device machine may carry an older .git than its working tree); 'unknown' without git."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def load_fla(*names: str) -> Any:
+    """fla's functions or classes by dotted name (``"fla.ops.gated_delta_rule:chunk_gated_delta_rule"``),
+    or None with one printed line when fla is not installed. Timing only: fla's output kernel
+    takes its fast path on the Triton here (``TRITON_ABOVE_3_7_1``)."""
+    import importlib
+
+    try:
+        chunk_o = importlib.import_module("fla.ops.common.chunk_o")
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        found = []
+        for name in names:
+            module, attr = name.split(":")
+            found.append(getattr(importlib.import_module(module), attr))
+    except Exception as e:  # noqa: BLE001 - report and go on without fla
+        print(f"fla not available: {e!r}")
+        return None
+    return found[0] if len(found) == 1 else tuple(found)
+
+
+def copy_bandwidth(dev: str = "cuda") -> float:
+    """Bytes/s of a 512 MiB device copy, read + written counted (median of do_bench): the
+    memory floor's denominator. NaN off the GPU."""
+    import torch
+
+    if dev != "cuda":
+        return float("nan")
+    import triton.testing
+
+    x = torch.empty(2**29, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    return 2 * x.numel() / (ms * 1e-3)
