@@ -47,8 +47,10 @@ FORWARD_MODE = "auto"
 
 
 def _output(*shape: int, like: Tensor, dtype: torch.dtype) -> Tensor:
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), device=like.device, dtype=dtype)
+    if POISON_OUTPUTS:  # NaN for floats; integers (the first_bad table) get their most negative
+        # value, which a kernel that forgot to write it reads as "bad from before the chunk"
+        poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, poison, device=like.device, dtype=dtype)
     return torch.empty(shape, device=like.device, dtype=dtype)
 
 
