@@ -16,6 +16,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# A script runs as `python benchmarks/X.py` from a checkout where deltaflow may not be installed
+# (the GPU machine): the checkout is then importable, after any PYTHONPATH entry (which wins,
+# so an older tree can be timed by putting it first).
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
 
 
 def smoke_requested(argv: list[str] | None = None) -> bool:
@@ -63,7 +68,7 @@ def git_commit() -> str:
 
 
 def load_fla(*names: str) -> Any:
-    """fla's functions or classes by dotted name (``"fla.ops.gated_delta_rule:chunk_gated_delta_rule"``),
+    """fla's functions or classes by name (``"fla.ops.gated_delta_rule:chunk_gated_delta_rule"``),
     or None with one printed line when fla is not installed. Timing only: fla's output kernel
     takes its fast path on the Triton here (``TRITON_ABOVE_3_7_1``)."""
     import importlib

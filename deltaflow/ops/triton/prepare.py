@@ -50,11 +50,9 @@ def _load_keys(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
 ):
-    """SUB tokens from t0: keys, the rule's strengths a and b, log α (0 beyond eos), and which
-    tokens are finite. A token whose k, β, a, b or log α is NaN or ±inf gets zeros instead
-    (``finite`` says which): the chunk's products over tokens then stay finite, and the later
-    stages poison the outputs from that token on (the 0 · NaN of a masked product would reach
-    back in time)."""
+    """SUB tokens from t0: keys, the rule's strengths a and b (0 beyond eos), log α, and which
+    tokens are finite (k, β, a, b and log α all finite). Nothing is zeroed here: that is the
+    rare path's work (:func:`_zero_bad_tokens`)."""
     offs_t = t0 + tl.arange(0, SUB)
     mask_t = offs_t < eos
     offs_k = tl.arange(0, BK)
@@ -67,28 +65,53 @@ def _load_keys(
     lam = tl.sum(b_k * b_k, axis=1)  # λ_i = ‖k_i‖² (NaN or inf when any entry of k_i is)
     a, b = rule_table.strengths(b_beta, lam, eps, RULE, NEG)
     finite = (lam * 0.0 + a * 0.0 + b * 0.0 + b_g * 0.0) == 0.0  # x·0 is NaN unless x is finite
-    keep = mask_t & finite
+    return b_k, tl.where(mask_t, a, 0.0), tl.where(mask_t, b, 0.0), b_g, finite
+
+
+@triton.jit
+def _zero_bad_tokens(b_k, a, b, b_g, finite):
+    """Zeros in place of a non-finite token's key, strengths and log α, so that the chunk's
+    products over tokens stay finite (a masked product's 0 · NaN would reach back in time)."""
     return (
         tl.where(finite[:, None], b_k, 0.0),
-        tl.where(keep, a, 0.0),
-        tl.where(keep, b, 0.0),
+        tl.where(finite, a, 0.0),
+        tl.where(finite, b, 0.0),
         tl.where(finite, b_g, 0.0),
-        finite,
     )
 
 
 @triton.jit
 def _load_values(v_ptr, t0, eos, i_h, H: tl.constexpr, Dv: tl.constexpr, BV: tl.constexpr):
-    """SUB value rows from t0 with NaN and ±inf entries zeroed, and which rows were finite."""
+    """SUB value rows from t0 (zeros past eos), in fp32."""
     offs_t = t0 + tl.arange(0, SUB)
     offs_v = tl.arange(0, BV)
-    b_v = tl.load(
+    return tl.load(
         v_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
         mask=(offs_t[:, None] < eos) & (offs_v[None, :] < Dv),
         other=0.0,
     ).to(tl.float32)
-    finite = b_v * 0.0 == 0.0
-    return tl.where(finite, b_v, 0.0), tl.sum(tl.where(finite, 0, 1), axis=1) == 0
+
+
+@triton.jit
+def _all_finite(x):
+    """Whether every entry of a 2-D block is finite: its sum is NaN or ±inf otherwise (and a
+    sum of finite values that overflows only sends the block down the exact, slower path)."""
+    return tl.sum(tl.sum(x, axis=1), axis=0) * 0.0 == 0.0
+
+
+@triton.jit
+def _u_block(
+    D, x_minus, b_sub, v, first_bad, block: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr
+):
+    """Ũ_b = D_b (diag(b) V_b − Σ_{j<b} A_bj Ũ_j), with ``x_minus`` the sum. The fast path
+    computes it from V as loaded; only when the result is not finite (a NaN or ±inf in V_b)
+    is it recomputed with those rows zeroed and ``first_bad`` lowered to the first of them."""
+    u = mm(D, b_sub[:, None] * v - x_minus, PREC, DT)
+    if not _all_finite(u):  # rare: one of this block's value rows is not finite
+        finite = tl.sum(tl.where(v * 0.0 == 0.0, 0, 1), axis=1) == 0
+        u = mm(D, b_sub[:, None] * tl.where(finite[:, None], v, 0.0) - x_minus, PREC, DT)
+        first_bad = tl.minimum(first_bad, _first_bad(finite, block))
+    return u, first_bad
 
 
 @triton.jit
@@ -228,6 +251,17 @@ def chunk_prepare_kernel(
         HAS_BETA,
         HAS_DECAY,
     )
+    # Non-finite inputs (docs/design.md §8): the first token whose key, β, strengths or log α
+    # is not finite, from cheap per-token flags; only a chunk that has one pays for zeroing.
+    first_bad = tl.minimum(
+        tl.minimum(_first_bad(ok0, 0), _first_bad(ok1, 1)),
+        tl.minimum(_first_bad(ok2, 2), _first_bad(ok3, 3)),
+    )
+    if first_bad < CHUNK:
+        k0, a0, b0, g0 = _zero_bad_tokens(k0, a0, b0, g0, ok0)
+        k1, a1, b1, g1 = _zero_bad_tokens(k1, a1, b1, g1, ok1)
+        k2, a2, b2, g2 = _zero_bad_tokens(k2, a2, b2, g2, ok2)
+        k3, a3, b3, g3 = _zero_bad_tokens(k3, a3, b3, g3, ok3)
     # γ_i = Σ_{j≤i} log α_j over the whole chunk
     c0 = tl.cumsum(g0, axis=0)
     c1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
@@ -272,24 +306,41 @@ def chunk_prepare_kernel(
     _store_rows(w_ptr, w2, t0 + 2 * SUB, eos, i_h, H, Dk, BK)
     _store_rows(w_ptr, w3, t0 + 3 * SUB, eos, i_h, H, Dk, BK)
 
-    # Ũ = T diag(b) V, the same substitution (each value block loaded where it is used)
-    v0, fin0 = _load_values(v_ptr, t0, eos, i_h, H, Dv, BV)
-    u0 = mm(D0, b0[:, None] * v0, PREC, DT)
-    first_bad = _first_bad(ok0 & fin0, 0)
-    v1, fin1 = _load_values(v_ptr, t0 + SUB, eos, i_h, H, Dv, BV)
-    u1 = mm(D1, b1[:, None] * v1 - mm(A10, u0, PREC, DT), PREC, DT)
-    first_bad = tl.minimum(first_bad, _first_bad(ok1 & fin1, 1))
-    v2, fin2 = _load_values(v_ptr, t0 + 2 * SUB, eos, i_h, H, Dv, BV)
-    u2 = mm(D2, b2[:, None] * v2 - mm(A20, u0, PREC, DT) - mm(A21, u1, PREC, DT), PREC, DT)
-    first_bad = tl.minimum(first_bad, _first_bad(ok2 & fin2, 2))
-    v3, fin3 = _load_values(v_ptr, t0 + 3 * SUB, eos, i_h, H, Dv, BV)
-    u3 = mm(
-        D3,
-        b3[:, None] * v3 - mm(A30, u0, PREC, DT) - mm(A31, u1, PREC, DT) - mm(A32, u2, PREC, DT),
+    # Ũ = T diag(b) V, the same substitution (each value block loaded where it is used; a
+    # block with a non-finite value row is recomputed with it zeroed, see _u_block)
+    u0, first_bad = _u_block(
+        D0, 0.0, b0, _load_values(v_ptr, t0, eos, i_h, H, Dv, BV), first_bad, 0, PREC, DT
+    )
+    u1, first_bad = _u_block(
+        D1,
+        mm(A10, u0, PREC, DT),
+        b1,
+        _load_values(v_ptr, t0 + SUB, eos, i_h, H, Dv, BV),
+        first_bad,
+        1,
         PREC,
         DT,
     )
-    first_bad = tl.minimum(first_bad, _first_bad(ok3 & fin3, 3))
+    u2, first_bad = _u_block(
+        D2,
+        mm(A20, u0, PREC, DT) + mm(A21, u1, PREC, DT),
+        b2,
+        _load_values(v_ptr, t0 + 2 * SUB, eos, i_h, H, Dv, BV),
+        first_bad,
+        2,
+        PREC,
+        DT,
+    )
+    u3, first_bad = _u_block(
+        D3,
+        mm(A30, u0, PREC, DT) + mm(A31, u1, PREC, DT) + mm(A32, u2, PREC, DT),
+        b3,
+        _load_values(v_ptr, t0 + 3 * SUB, eos, i_h, H, Dv, BV),
+        first_bad,
+        3,
+        PREC,
+        DT,
+    )
     _store_rows(u_ptr, u0, t0, eos, i_h, H, Dv, BV)
     _store_rows(u_ptr, u1, t0 + SUB, eos, i_h, H, Dv, BV)
     _store_rows(u_ptr, u2, t0 + 2 * SUB, eos, i_h, H, Dv, BV)
