@@ -280,6 +280,8 @@ CASES = {
 def _init_worker(smoke: bool) -> None:
     if smoke:
         smoke_env()
+    # a dozen processes share one GPU: allocate in growable segments, hold no spare blocks
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     torch.backends.cuda.matmul.allow_tf32 = False
     from deltaflow.ops import triton_backend
 
@@ -291,29 +293,38 @@ def run_case(kind: str, args: tuple):
     try:
         rows = CASES[kind](*args)
     except Exception as e:  # noqa: BLE001 - one broken case is a failed row, not a lost report
-        rows = [(f"{kind} {args[:1]}", "-", False, "-", {}, False, f"{type(e).__name__}: {e}")]
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows = [(f"{kind} {args[:1]}", "-", False, "-", {}, False, error)]
+    if torch.cuda.is_available():  # many workers share one GPU: keep no cached blocks
+        torch.cuda.empty_cache()
     return rows, time.perf_counter() - start
 
 
 def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]:
-    """Every case: each shape × each Triton rule (negative eigenvalues on every other one, so
-    that both settings meet every shape and rule), then decode, causality and compile."""
+    """Every case. bf16: each shape × each Triton rule. fp32 tests its own code path (fp32
+    operands, exact dots, narrower value blocks), not the rule table again: each shape with
+    delta (unit keys) and efla (raw keys), and every rule at T=65. Negative eigenvalues
+    alternate with the rule and the head sizes, not with T, so that shapes sharing head sizes
+    share compiled kernels (compilation is most of the wall time). Then decode, causality and
+    compile."""
     from deltaflow.rules import triton_rules
 
     rules = SMOKE_RULES if smoke else triton_rules()
     shapes = SMOKE_SHAPES if smoke else SHAPES
+    heads = sorted({(Dk, Dv) for _, _, _, Dk, Dv, _ in shapes})
     cases = []
     for dt in dtypes:
         for i, (label, B, T, Dk, Dv, lengths) in enumerate(shapes):
             for j, rule in enumerate(rules):
+                if dt == "fp32" and not smoke and rule not in ("delta", "efla") and label != "T=65":
+                    continue
                 # trapezoid + negative eigenvalues maps μ into (−3, 1]: unstable by design
                 # (results/stability), so its error grows with the state; check it without.
-                ne = (i + j) % 2 == 1 and rule != "trapezoid"
-                cases.append(
-                    ("op", (label, B, T, Dk, Dv, lengths, rule, ne, dt, i * 10 + j, device))
-                )
-    # the long and slow-to-compile cases first, so no worker starts them last
-    cases.sort(key=lambda c: -(c[1][2] or 2000) * (c[1][3] + c[1][4]))
+                ne = (heads.index((Dk, Dv)) + j) % 2 == 1 and rule != "trapezoid"
+                case = (label, B, T, Dk, Dv, lengths, rule, ne, dt, i * 10 + j, device)
+                cases.append(("op", case))
+    # the slow-to-compile (wide heads) and long cases first, so no worker starts them last
+    cases.sort(key=lambda c: -(c[1][3] + c[1][4]) * (c[1][2] or 2000) ** 0.5)
     for rule in rules if not smoke else ["delta"]:
         cases.append(("causal", (rule, device)))
         if not smoke:
@@ -354,7 +365,7 @@ def report(rows, device_name, wall, workers, smoke) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp32", "both"], default="both")
-    parser.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
     parser.add_argument(
         "--out",

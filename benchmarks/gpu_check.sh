@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU truth in one command, on a fresh GPU machine (issue 30): the Triton check whole, the
+# kernels against fla, the generation check and one compiled training shape, everything under
+# one folder. Target: under 9 minutes on one H100.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]     # default: gpu_check_<date>/ (git-ignored)
+#
+# fla is optional: wheels in .whl/ (flash-linear-attention, fla-core, einops; README.md, "The
+# GPU truth") are installed into /tmp/site; without them the fla columns are left out.
+# `bash benchmarks/gpu_check.sh --smoke` runs the same steps at toy size on a CPU (CI).
+set -u
+cd "$(dirname "$0")/.."
+SMOKE=""
+if [ "${1:-}" = "--smoke" ]; then SMOKE="--smoke"; shift; fi
+OUT_DIR="${1:-gpu_check_$(date +%Y%m%d_%H%M%S)}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+FLA_PATH=""
+if [ -z "$SMOKE" ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && FLA_PATH=/tmp/site:
+fi
+START=$(date +%s)
+step() {  # name, timeout (s), command...: run one step, log it, never stop the others
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT_DIR/summary.txt"
+}
+if [ -n "$SMOKE" ]; then
+  step check_triton 300 python3 benchmarks/check_triton.py --smoke --workers 2
+  step kernels 200 python3 benchmarks/kernels.py --smoke
+else
+  # fla compiles and autotunes for minutes on first use: warm it beside the check (which
+  # times nothing), so that the timed run below finds its kernels compiled and tuned.
+  if [ -n "$FLA_PATH" ]; then
+    (PYTHONPATH=$FLA_PATH$PYTHONPATH timeout 240 python3 benchmarks/kernels.py --skip-torch \
+      --rounds 1 --out "$OUT_DIR/fla_warm" > "$OUT_DIR/fla_warm.log" 2>&1) &
+  fi
+  step check_triton 270 python3 benchmarks/check_triton.py --out "$OUT_DIR/check_triton.md"
+  wait
+  PYTHONPATH=$FLA_PATH$PYTHONPATH step kernels 150 python3 benchmarks/kernels.py --skip-torch \
+    --rounds 2 --out "$OUT_DIR"
+  PYTHONPATH=$FLA_PATH$PYTHONPATH step generation 90 python3 benchmarks/generation.py \
+    --check-only --out "$OUT_DIR"
+  step model_training 120 python3 benchmarks/model_training.py --compile blocks --skip-fla \
+    --steps 5 --warmup 2 --top 0 --out "$OUT_DIR"
+fi
+echo "gpu_check: $(( $(date +%s) - START )) s in all; results in $OUT_DIR" | tee -a "$OUT_DIR/summary.txt"
+grep -hE "wall time|ALL OK" "$OUT_DIR"/check_triton*.md 2>/dev/null
