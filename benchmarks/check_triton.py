@@ -230,7 +230,9 @@ def case_causal(rule, device):
                     x[name][1, t, 0] = value
                 else:
                     x[name][1, t, 0, 0] = value
-                o, s = delta_rule(**x, rule=rule, backend="triton", output_final_state=True)
+                o, s = delta_rule(
+                    **x, rule=rule, backend="triton", output_final_state=True, check_values=False
+                )
                 same_before = torch.equal(o[1, :t], clean[1, :t]) and torch.equal(o[0], clean[0])
                 poisoned = (
                     not torch.isfinite(o[1, t:, 0]).any() and not torch.isfinite(s[1, 0]).all()
@@ -327,8 +329,14 @@ def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]
                 ne = (heads.index((Dk, Dv)) + j) % 2 == 1 and rule != "trapezoid"
                 case = (label, B, T, Dk, Dv, lengths, rule, ne, dt, i * 10 + j, device)
                 cases.append(("op", case))
-    # the slow-to-compile (wide heads) and long cases first, so no worker starts them last
+    # The slow cases (wide heads, long sequences) first, so that no worker starts one last;
+    # but the D=256 ones spread out: each holds GBs of local memory (register spills) while
+    # it runs, and a dozen at once ran the GPU out of memory.
     cases.sort(key=lambda c: -(c[1][3] + c[1][4]) * (c[1][2] or 2000) ** 0.5)
+    wide = [c for c in cases if max(c[1][3], c[1][4]) > 128]
+    cases = [c for c in cases if c not in wide]
+    for n, case in enumerate(wide):
+        cases.insert(min(len(cases), n * 4), case)
     for rule in rules if not smoke else ["delta"]:
         cases.append(("causal", (rule, device)))
         if not smoke:
@@ -369,7 +377,7 @@ def report(rows, device_name, wall, workers, smoke) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp32", "both"], default="both")
-    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
+    parser.add_argument("--workers", type=int, default=min(10, os.cpu_count() or 1))
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
     parser.add_argument(
         "--out",
@@ -391,7 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows = []
     ctx = torch.multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.workers, ctx, _init_worker, (args.smoke,)) as pool:
+    # A fresh process per case: the driver keeps each process's local-memory reservation at its
+    # largest kernel's, so long-lived workers add up to more than the GPU has. Compiled kernels
+    # are shared through Triton's disk cache either way.
+    with ProcessPoolExecutor(
+        args.workers, ctx, _init_worker, (args.smoke,), max_tasks_per_child=1
+    ) as pool:
         futures = [pool.submit(run_case, kind, case_args) for kind, case_args in cases]
         for future in as_completed(futures):
             case_rows, seconds = future.result()

@@ -163,6 +163,29 @@ def measurements(fla, skip_torch: bool, shapes, decode_batches):
             )
 
 
+def _warm_worker(index: int, workers: int) -> int:
+    """Compile (run once, at a short T) every kernel the timed run launches; every
+    ``workers``-th measurement from ``index``. Compiling is most of a first run's time, and the
+    kernels specialise on heads and head sizes, not on T."""
+    shapes = [(B, 128, H, D) for B, _, H, D in SHAPES]
+    global RULE_SHAPES
+    RULE_SHAPES = [(B, 128, H, D) for B, _, H, D in RULE_SHAPES]
+    todo = list(measurements(None, True, shapes, DECODE_BATCHES))
+    for *_, fn in todo[index::workers]:
+        fn()
+    torch.cuda.synchronize()
+    return len(todo[index::workers])
+
+
+def warm(workers: int) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, ctx) as pool:
+        done = sum(pool.map(_warm_worker, range(workers), [workers] * workers))
+    print(f"warm: compiled the kernels of {done} measurements in {workers} processes")
+
+
 def main(argv: list[str] | None = None) -> int:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -170,7 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (>= 1)")
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
+    parser.add_argument(
+        "--warm-only",
+        type=int,
+        metavar="WORKERS",
+        default=0,
+        help="only compile every kernel the timed run needs, in this many processes, and exit",
+    )
     args = parser.parse_args(argv)
+    if args.warm_only:
+        warm(args.warm_only)
+        return 0
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.smoke:
