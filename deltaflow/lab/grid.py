@@ -18,12 +18,12 @@ from typing import Any
 
 from deltaflow.lab.presets import VARIANTS, Preset
 from deltaflow.train import TrainConfig
+from deltaflow.train.config import fields_left_out_of_run_ids
 
-# TrainConfig fields that came after grids were committed and say how a run is executed, not
-# what it trains (timed checkpoints; torch.compile of the same model; logging sinks; context
-# parallelism, which computes the same loss):
-# left out of run ids, so committed grids keep their ids (--resume, --report-only).
-RUNTIME_ONLY_FIELDS = ("ckpt_minutes", "compile", "tensorboard", "wandb", "context_parallel")
+# TrainConfig fields that say how a run is executed, not what it trains, and came after grids
+# were committed (marked in_run_id=False on the field itself, train/config.py): left out of run
+# ids, so committed grids keep their ids (--resume, --report-only).
+RUNTIME_ONLY_FIELDS = fields_left_out_of_run_ids()
 
 
 @dataclass(frozen=True)
