@@ -74,6 +74,17 @@ class StepRule:
                 " (the Triton rule table does not read the decay); give one of them"
             )
 
+    def check_decay(self, has_decay: bool, fix: str) -> None:
+        """The one answer, for the op and the layer alike, to a rule that reads the decay
+        (``decay_coefficients``) given none: refused with ``fix`` (what the caller must set).
+        Without a decay it would run as another rule (``gated_efla`` at α = 1 is ``efla``),
+        so results named after it would be that other rule's."""
+        if self.decay_coefficients is not None and not has_decay:
+            raise ValueError(
+                f"rule {self.name!r} reads the decay: {fix} (without a decay it is another "
+                "rule: gated_efla at alpha = 1 is rule 'efla')"
+            )
+
     @property
     def has_triton(self) -> bool:
         """Whether the rule has a fused Triton form (a ``kernel_id``): the Triton backend runs

@@ -6,9 +6,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
+from _inputs import make_inputs
 from test_train import make, toy_config
 
+from deltaflow import delta_rule
 from deltaflow.lab.grid import RUNTIME_ONLY_FIELDS
+from deltaflow.layers import DeltaAttention
+from deltaflow.ops import delta_rule_step
+from deltaflow.rules import RULES, triton_rules
 from deltaflow.train import TrainConfig, Trainer
 from deltaflow.train import logging as train_logging
 from deltaflow.train.config import _field, fields_left_out_of_run_ids, runtime_fields
@@ -66,3 +72,38 @@ def test_resuming_with_a_log_sink_added_is_not_refused(tmp_path, monkeypatch):
         trainer.logger.close()
     with pytest.raises(ValueError, match="cannot resume"):  # a training field still refuses
         Trainer(cfg.replace(lr=1e-3), model=make()[0], task=task)
+
+
+# ---------------------------------------------------------------------------- gated_efla
+READS_DECAY = sorted(n for n, r in RULES.items() if r.decay_coefficients is not None)
+
+
+@pytest.mark.parametrize("rule", READS_DECAY)
+def test_op_step_and_layer_give_a_rule_that_reads_the_decay_one_answer_without_it(rule):
+    """One behaviour, from StepRule.check_decay: the op, the decode step and the layer all
+    refuse such a rule without a decay (it would silently run as another rule)."""
+    assert READS_DECAY == ["gated_efla"]  # the rules this fact is about, today
+    x = make_inputs(1, 3, 2, 4, 4, rule=rule, decay=False)
+    refused = f"rule '{rule}' reads the decay: "
+    for backend in ("reference", "torch", "auto"):
+        with pytest.raises(ValueError, match=refused + "give log_decay"):
+            delta_rule(**x, rule=rule, backend=backend)
+    state = x["initial_state"].clone()
+    with pytest.raises(ValueError, match=refused + "give log_decay"):
+        delta_rule_step(x["q"], x["k"], x["v"], x["beta"], state, rule=rule)
+    with pytest.raises(ValueError, match=refused + "set use_decay=True"):
+        DeltaAttention(16, num_heads=2, rule=rule)
+    # with a decay of α = 1 it runs, as the rule it equals there (gated_efla: efla)
+    x["log_decay"] = torch.zeros_like(x["beta"])
+    o, _ = delta_rule(**x, rule=rule, backend="torch")
+    o_efla, _ = delta_rule(**x, rule="efla", backend="torch")
+    torch.testing.assert_close(o, o_efla, rtol=1e-12, atol=1e-12)
+
+
+def test_a_rule_with_a_kernel_id_cannot_also_read_the_decay():
+    """The Triton table computes (a, b) from (β, λ) alone: such a rule would run other maths
+    on the two backends, silently (28% apart for gated_efla with efla's kernel id)."""
+    gated = RULES["gated_efla"]
+    with pytest.raises(ValueError, match="kernel_id and decay_coefficients together"):
+        dataclasses.replace(gated, kernel_id=RULES["efla"].kernel_id)
+    assert not gated.has_triton and "gated_efla" not in triton_rules()

@@ -130,12 +130,7 @@ class DeltaAttention(nn.Module):
                 f"num_heads ({num_heads})"
             )
         self.step_rule = get_rule(rule)  # raises ValueError naming the known rules
-        if self.step_rule.decay_coefficients is not None and not use_decay:
-            # without a decay such a rule is another rule (gated_efla: EFLA): say so, not run it
-            raise ValueError(
-                f"rule {self.step_rule.name!r} reads the decay: set use_decay=True "
-                "(without a decay it equals rule 'efla')"
-            )
+        self.step_rule.check_decay(use_decay, "set use_decay=True")  # as the op does
         if beta_activation not in BETA_ACTIVATIONS:
             raise ValueError(
                 f"beta_activation must be one of {BETA_ACTIVATIONS}, got {beta_activation!r}"

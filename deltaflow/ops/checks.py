@@ -101,6 +101,7 @@ def check_inputs(
             _raise_not_finite("beta", beta)
             raise ValueError(f"beta must be >= 0 (a step size), got min {beta.min().item():.4g}")
 
+    rule.check_decay(log_decay is not None, "give log_decay")  # as the layer does
     if log_decay is not None:
         _check_tensor("log_decay", log_decay, 3, f"[B, T, H] = [{B}, {T}, {H}]")
         if log_decay.shape != q.shape[:3]:
