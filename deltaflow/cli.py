@@ -760,7 +760,7 @@ def _csv(text: str, cast: type = str, *, flag: str = "", low: float | None = Non
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from deltaflow.lab import compare, expand_grid, get_preset
-    from deltaflow.lab.presets import PRESETS, VARIANTS
+    from deltaflow.lab.presets import PRESETS, VARIANTS, check_variants
 
     if args.list:
         for name, p in PRESETS.items():
@@ -781,12 +781,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     preset = get_preset(args.preset)
     if args.variants:
         wanted = _csv(args.variants, flag="--variants")
-        bad = [v for v in wanted if v not in VARIANTS]
-        if bad:
-            raise ValueError(
-                f"--variants: unknown variant {bad[0]!r}{did_you_mean(bad[0], VARIANTS)}; "
-                f"known: {', '.join(VARIANTS)}"
-            )
+        check_variants(wanted, "--variants")
         preset.variants = wanted
     if args.cells:
         wanted = _csv(args.cells, flag="--cells")

@@ -4,6 +4,7 @@ and these tests fail if two places ever disagree again (issue 36)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +108,27 @@ def test_a_rule_with_a_kernel_id_cannot_also_read_the_decay():
     with pytest.raises(ValueError, match="kernel_id and decay_coefficients together"):
         dataclasses.replace(gated, kernel_id=RULES["efla"].kernel_id)
     assert not gated.has_triton and "gated_efla" not in triton_rules()
+
+
+# ---------------------------------------------------------------------------- one name per thing
+def test_gated_efla_names_the_rule_and_the_renamed_variant_stays_readable():
+    from deltaflow.lab import get_preset
+    from deltaflow.lab.grid import expand_grid
+    from deltaflow.lab.presets import RENAMED_VARIANTS, VARIANTS, check_variants
+    from deltaflow.lab.runner import load_runs
+
+    # an old name never names a variant again; a variant named like a rule runs that rule
+    assert not set(RENAMED_VARIANTS) & set(VARIANTS)
+    assert set(RENAMED_VARIANTS.values()) <= set(VARIANTS)
+    for name, model in VARIANTS.items():
+        if name in RULES:
+            assert model.get("rule", "delta") == name, name
+    with pytest.raises(ValueError, match="variant 'gated_efla' is now called 'efla_decay'"):
+        check_variants(["gated_efla"], "--variants")
+    # the committed issue-11 grid trained the old variant: its records are read under the new
+    # name with the ids today's grid computes (--resume and --report-only find every run)
+    committed = Path(__file__).parents[1] / "results" / "issue11" / "lm_corpus_1pass"
+    runs = load_runs(committed / "runs.jsonl")
+    assert sum(r["variant"] == "efla_decay" for r in runs.values()) == 6
+    specs = expand_grid(get_preset("lm_corpus_1pass"), device="cuda", shared="shared")
+    assert set(runs) <= {s.run_id for s in specs}

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from deltaflow.lab.presets import VARIANTS, Preset
+from deltaflow.lab.presets import RENAMED_VARIANTS, VARIANTS, Preset
 from deltaflow.train import TrainConfig
 from deltaflow.train.config import fields_left_out_of_run_ids
 
@@ -56,6 +56,21 @@ class RunSpec:
             f"{self.variant}-{self.cell}{width}-lr{self.lr:g}{wd}-s{self.seed}-"
             f"{digest.hexdigest()[:8]}"
         )
+
+
+def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A committed run record under today's names: a variant renamed since
+    (:data:`deltaflow.lab.presets.RENAMED_VARIANTS`) gets its new name in ``variant`` and in
+    its id's prefix. The config, and so the id's hash, is the same, so the record's id is the
+    one today's :class:`RunSpec` computes (--resume, --report-only find it)."""
+    old = record.get("variant")
+    if old not in RENAMED_VARIANTS:
+        return record
+    new = RENAMED_VARIANTS[old]
+    run_id = str(record.get("id", ""))
+    if run_id.startswith(old + "-"):
+        run_id = new + run_id[len(old) :]
+    return {**record, "variant": new, "id": run_id}
 
 
 def _fill(value: Any, shared: str | None) -> Any:
