@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from deltaflow.rules import RULES
 from deltaflow.validation import did_you_mean
 
 # Shortcut flags for the most used keys of the task and model sections. The keys themselves are
@@ -66,7 +67,7 @@ _SECTION_FLAGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "--rule": (
         "model",
         "rule",
-        dict(help="step rule: linear, delta, efla, longhorn, trapezoid, kaczmarz, ..."),
+        dict(help="step rule: " + ", ".join(RULES)),
     ),
     "--decay": (
         "model",

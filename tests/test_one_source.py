@@ -4,18 +4,20 @@ and these tests fail if two places ever disagree again (issue 36)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from _inputs import make_inputs
+from _inputs import make_inputs, reads_decay
 from test_train import make, toy_config
 
 from deltaflow import delta_rule
 from deltaflow.lab.grid import RUNTIME_ONLY_FIELDS
 from deltaflow.layers import DeltaAttention
 from deltaflow.ops import delta_rule_step
-from deltaflow.rules import RULES, triton_rules
+from deltaflow.rules import RULES, eigenvalue, triton_rules
 from deltaflow.train import TrainConfig, Trainer
 from deltaflow.train import logging as train_logging
 from deltaflow.train.config import _field, fields_left_out_of_run_ids, runtime_fields
@@ -132,3 +134,69 @@ def test_gated_efla_names_the_rule_and_the_renamed_variant_stays_readable():
     assert sum(r["variant"] == "efla_decay" for r in runs.values()) == 6
     specs = expand_grid(get_preset("lm_corpus_1pass"), device="cuda", shared="shared")
     assert set(runs) <= {s.run_id for s in specs}
+
+
+# ---------------------------------------------------------------------------- rule lists
+BUILT_IN = sorted(n for n, r in RULES.items() if r.source != "user")  # tests may register more
+ROOT = Path(__file__).parents[1]
+
+
+def _table_rules(path: Path, heading: str) -> list[str]:
+    """The rule names of the first table after ``heading``: the first column's `name`s."""
+    text = path.read_text()
+    section = text[text.index(heading) :]
+    rows, started = [], False
+    for line in section.splitlines()[1:]:
+        if line.startswith("|"):
+            started = True
+            cell = line.split("|")[1].strip()
+            if cell.startswith("`") and cell.endswith("`"):
+                rows.append(cell.strip("`"))
+        elif started:
+            break
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("doc", "heading"), [("README.md", "### Step rules"), ("docs/design.md", "## 2. Step rules")]
+)
+def test_the_docs_rule_tables_list_every_rule_once(doc, heading):
+    rows = _table_rules(ROOT / doc, heading)
+    assert sorted(rows) == BUILT_IN and len(rows) == len(set(rows)), rows
+
+
+def test_hand_written_rule_lists_are_derived_from_the_rules():
+    from _inputs import rule_variants
+
+    from deltaflow.analysis.report import StudyConfig
+    from deltaflow.cli import build_parser
+
+    assert sorted({v["rule"] for v in rule_variants()}) == BUILT_IN  # layers, models, generation
+    plain = [n for n in RULES if n != "linear" and RULES[n].decay_coefficients is None]
+    assert StudyConfig().rules == plain
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    rule_help = next(a.help for a in train._actions if "--rule" in a.option_strings)
+    assert all(name in rule_help for name in BUILT_IN), rule_help
+    x = make_inputs(1, 2, 1, 2, 2, rule="delta")
+    with pytest.raises(ValueError, match="accept beta=None") as refused:
+        delta_rule(**{**x, "beta": None}, rule="delta")
+    gateless = {n for n, r in RULES.items() if not r.needs_beta}
+    assert gateless and all(repr(n) in str(refused.value) for n in gateless)
+
+
+@pytest.mark.parametrize("rule", BUILT_IN)
+def test_negative_mu_flag_matches_the_rule_and_the_ops_warning(rule):
+    """StepRule.negative_mu is what the rule's maths says (μ < 0 for some β in (0, 1] and keys
+    of the kind the rule expects), and the op warns about negative_eigenvalues exactly then."""
+    step = RULES[rule]
+    beta = torch.linspace(0.05, 1.0, 20, dtype=torch.float64)[:, None]
+    top = 1.0 if step.qk_norm[1] == "l2" else 1e4  # unit keys: λ ≤ 1; raw keys: any norm
+    lam = torch.logspace(-3, math.log10(top), 50, dtype=torch.float64)[None, :]
+    mu = eigenvalue(rule, beta.expand(20, 50), lam.expand(20, 50))
+    assert bool((mu < -1e-6).any()) == step.negative_mu, (rule, mu.min().item())  # rounding
+    x = make_inputs(1, 3, 1, 3, 2, rule=rule, decay=reads_decay(rule))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        delta_rule(**x, rule=rule, negative_eigenvalues=True, backend="torch")
+    warned = any("maps mu below -1" in str(w.message) for w in caught)
+    assert warned == step.negative_mu

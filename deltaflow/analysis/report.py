@@ -41,16 +41,7 @@ FP32_MAX = 3.4028234663852886e38
 
 @dataclass
 class StudyConfig:
-    rules: list[str] = field(
-        default_factory=lambda: [
-            "delta",
-            "efla",
-            "longhorn",
-            "trapezoid",
-            "kaczmarz",
-            "relaxed_kaczmarz",
-        ]
-    )
+    rules: list[str] = field(default_factory=spectrum.default_rules)  # derived from RULES
     precisions: list[str] = field(
         default_factory=lambda: ["fp32", "bf16", "bf16/fp32", "fp32/bf16", "fp16"]
     )

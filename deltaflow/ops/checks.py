@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deltaflow.rules import StepRule
+from deltaflow.rules import RULES, StepRule
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 
@@ -86,7 +86,8 @@ def check_inputs(
             raise ValueError(
                 f"beta is None but rule {rule.name!r} needs beta of shape "
                 f"[B, T, H] = [{B}, {T}, {H}]; only rules without a gate "
-                "('linear', 'kaczmarz') accept beta=None"
+                f"({', '.join(repr(n) for n, r in RULES.items() if not r.needs_beta)}) accept "
+                "beta=None"
             )
     else:
         _check_tensor("beta", beta, 3, f"[B, T, H] = [{B}, {T}, {H}]")

@@ -66,7 +66,7 @@ def delta_rule(
 
     Args:
         q, k: ``[B, T, H, Dk]``. v: ``[B, T, H, Dv]``. beta: ``[B, T, H]``, ``>= 0``; may be None
-            for 'linear' and 'kaczmarz'.
+            for the rules that read no β (``StepRule.needs_beta`` False: linear, kaczmarz).
         rule: a name from :data:`deltaflow.rules.RULES`, a :class:`StepRule`, or a function
             ``(beta, lam, eps) -> (a, b)``.
         log_decay: ``[B, T, H]``, ``<= 0``; None means no decay.
@@ -105,11 +105,11 @@ def delta_rule(
         eps=eps,
         check_values=check_values,
     )
-    if negative_eigenvalues and step_rule.name == "trapezoid":
+    if negative_eigenvalues and step_rule.negative_mu:
         warnings.warn(
-            "rule='trapezoid' with negative_eigenvalues=True maps mu into (-3, 1] and is "
-            "unstable for large beta*||k||^2; trapezoid already reaches negative mu by itself "
-            "(see results/stability)",
+            f"rule={step_rule.name!r} with negative_eigenvalues=True maps mu below -1 and is "
+            f"unstable for large beta*||k||^2; {step_rule.name} already reaches negative mu by "
+            "itself (see results/stability)",
             stacklevel=2,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
