@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from deltaflow.ops.checks import BACKENDS
 from deltaflow.rules import RULES
 from deltaflow.validation import did_you_mean
 
@@ -106,7 +107,7 @@ _SECTION_FLAGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "--backend": (
         "model",
         "backend",
-        dict(choices=["auto", "reference", "torch", "triton"], help="delta_rule backend"),
+        dict(choices=list(BACKENDS), help="delta_rule backend"),
     ),
 }
 _FLAG_ALIASES = {"--negative-eigenvalues": ["--neg-eig"]}

@@ -200,3 +200,118 @@ def test_negative_mu_flag_matches_the_rule_and_the_ops_warning(rule):
         delta_rule(**x, rule=rule, negative_eigenvalues=True, backend="torch")
     warned = any("maps mu below -1" in str(w.message) for w in caught)
     assert warned == step.negative_mu
+
+
+# ---------------------------------------------------------------------------- chunk, backends
+def test_one_chunk_constant_and_one_default_chunk_size():
+    import ast
+
+    from deltaflow.ops.chunk import CPU_CHUNK_SIZE, TRITON_CHUNK_SIZE, default_chunk_size
+
+    assert default_chunk_size("cpu") == CPU_CHUNK_SIZE
+    assert default_chunk_size("cuda") == default_chunk_size(torch.device("meta")) == 64
+    assert TRITON_CHUNK_SIZE == 64
+    # the Triton common module takes its CHUNK from the one constant (read as text: no Triton
+    # needed), and no module writes the number 64 as a chunk length of its own
+    common = (ROOT / "deltaflow" / "ops" / "triton" / "common.py").read_text()
+    assert "CHUNK = tl.constexpr(TRITON_CHUNK_SIZE)" in common
+    for path in (ROOT / "deltaflow").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and "CHUNK" in t.id and t.id != "DEFAULT_CHUNK_SIZE"
+                for t in node.targets
+            ):
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                if path.relative_to(ROOT).as_posix() != "deltaflow/ops/chunk.py":
+                    assert "64" not in ast.unparse(node.value), where
+
+
+def test_the_flop_estimate_assumes_the_ops_chunk_on_the_models_device():
+    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+
+    def flops(chunk_size):
+        cfg = DeltaFlowConfig(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2)
+        cfg.chunk_size = chunk_size
+        return DeltaFlowForCausalLM(cfg).estimate_flops_per_token(256)
+
+    assert flops(None) == flops(32)  # on CPU the op runs 32-token chunks
+
+
+def test_chunk_size_and_backend_are_checked_by_the_ops_functions_everywhere():
+    from deltaflow.models import DeltaFlowConfig
+    from deltaflow.ops.checks import BACKENDS
+
+    x = make_inputs(1, 3, 1, 2, 2)
+    for bad in (48, 0, -4, 2.0, True):
+        for build in (
+            lambda c: delta_rule(**x, chunk_size=c),
+            lambda c: DeltaAttention(16, 2, chunk_size=c),
+            lambda c: DeltaFlowConfig(chunk_size=c),
+        ):
+            with pytest.raises(ValueError, match="chunk_size must be a positive"):
+                build(bad)
+    message = "unknown backend 'cuda'; choose one of " + ", ".join(BACKENDS)
+    for build in (
+        lambda: delta_rule(**x, backend="cuda"),
+        lambda: DeltaAttention(16, 2, backend="cuda"),
+        lambda: DeltaFlowConfig(backend="cuda"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            build()
+    from deltaflow.analysis.cli import OP_BACKENDS
+    from deltaflow.cli import build_parser
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    backend = next(a for a in train._actions if "--backend" in a.option_strings)
+    assert tuple(backend.choices) == BACKENDS and set(BACKENDS) < set(OP_BACKENDS)
+
+
+def test_the_layers_arguments_are_declared_once():
+    """DeltaAttention's signature is the declaration: build_mixer passes every argument by its
+    config name, and DeltaFlowConfig has each one with the same default."""
+    import inspect
+
+    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+    from deltaflow.models.config import LAYER_ONLY_ARGS, delta_attention_arg_names
+
+    layer = inspect.signature(DeltaAttention.__init__).parameters
+    config = inspect.signature(DeltaFlowConfig.__init__).parameters
+    for name in delta_attention_arg_names():
+        assert name in config, f"DeltaAttention({name}=...) has no DeltaFlowConfig field"
+        if layer[name].default is not inspect.Parameter.empty:
+            assert config[name].default == layer[name].default, name
+    assert set(layer) - {"self"} == set(delta_attention_arg_names()) | set(LAYER_ONLY_ARGS)
+    # every non-default value reaches the layer
+    given = dict(
+        num_heads=2, head_dim=8, expand_v=2.0, num_v_heads=4, rule="efla", use_decay=True,
+        negative_eigenvalues=True, beta_activation="softplus", qk_norm=["none", "l2"],
+        use_short_conv=True, conv_size=3, use_output_gate=False, norm_eps=1e-4, eps=1e-5,
+        chunk_size=8, backend="torch",
+    )  # fmt: skip
+    model = DeltaFlowForCausalLM(
+        DeltaFlowConfig(vocab_size=8, hidden_size=16, num_layers=1, **given)
+    )
+    mixer = model.model.layers[0].mixer
+    assert (mixer.head_dim, mixer.head_v_dim, mixer.o_norm.eps) == (8, 16, 1e-4)
+    assert (mixer.q_norm, mixer.k_norm) == ("none", "l2")
+    for name in ("num_heads", "num_v_heads", "rule", "use_decay", "negative_eigenvalues"):
+        assert getattr(mixer, name) == given[name], name
+    for name in ("beta_activation", "use_short_conv", "conv_size", "use_output_gate", "eps"):
+        assert getattr(mixer, name) == given[name], name
+    assert (mixer.chunk_size, mixer.backend) == (8, "torch")
+
+
+def test_every_doc_the_code_cites_exists():
+    """``docs/x.md`` and ``benchmarks/x.md`` cited in deltaflow's source are real files (a
+    renamed doc left segments.py citing DESIGN.md)."""
+    import re
+
+    cited = set()
+    for path in (ROOT / "deltaflow").rglob("*.py"):
+        for match in re.finditer(
+            r"\b((?:docs|benchmarks)/[\w./-]+\.md|[A-Z]+\.md)\b", path.read_text()
+        ):
+            cited.add((match.group(1), path.relative_to(ROOT).as_posix()))
+    assert cited
+    missing = [(doc, src) for doc, src in cited if not (ROOT / doc).is_file()]
+    assert not missing, missing

@@ -32,9 +32,9 @@ from deltaflow.layers.delta_attention import DeltaAttention
 from deltaflow.layers.mask import prepare_cu_seqlens, prepare_padding_mask
 from deltaflow.layers.norm import RMSNorm
 from deltaflow.layers.softmax_attention import SoftmaxAttention
-from deltaflow.models.config import DeltaFlowConfig
+from deltaflow.models.config import DeltaFlowConfig, delta_attention_kwargs
 from deltaflow.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
-from deltaflow.ops.delta_rule import TRITON_CHUNK_SIZE
+from deltaflow.ops.chunk import default_chunk_size
 
 # transformers 5.24 renamed the cache argument and output field ``past_key_values`` -> ``cache``
 # (the old names still work there, with a warning on every use). deltaflow accepts both names and
@@ -94,27 +94,8 @@ def build_mixer(config: DeltaFlowConfig, layer_idx: int) -> nn.Module:
     """The token mixer of layer ``layer_idx`` from ``config.mixer_types``."""
     kind = config.mixer_types[layer_idx]
     if kind == "delta":
-        mixer: nn.Module = DeltaAttention(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_heads,
-            head_dim=config.head_dim,
-            expand_v=config.expand_v,
-            head_v_dim=config.head_v_dim,
-            num_v_heads=config.num_v_heads,
-            rule=config.rule,
-            use_decay=config.use_decay,
-            negative_eigenvalues=config.negative_eigenvalues,
-            beta_activation=config.beta_activation,
-            qk_norm=config.qk_norm,
-            use_short_conv=config.use_short_conv,
-            conv_size=config.conv_size,
-            use_output_gate=config.use_output_gate,
-            norm_eps=config.norm_eps,
-            eps=config.eps,
-            chunk_size=config.chunk_size,
-            backend=config.backend,
-            layer_idx=layer_idx,
-        )
+        # every layer argument by its name in the config (declared once: the layer's signature)
+        mixer: nn.Module = DeltaAttention(**delta_attention_kwargs(config), layer_idx=layer_idx)
     else:
         mixer = SoftmaxAttention(
             hidden_size=config.hidden_size,
@@ -725,7 +706,8 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             elif isinstance(m, ShortConvolution):
                 flops += 2 * m.channels * m.kernel_size
             elif isinstance(m, DeltaAttention):
-                C = min(m.chunk_size or TRITON_CHUNK_SIZE, seq_len)  # None: the op's choice
+                chunk = m.chunk_size or default_chunk_size(m.q_proj.weight.device)  # the op's
+                C = min(chunk, seq_len)
                 Dk, Dv = m.head_dim, m.head_v_dim
                 flops += m.num_v_heads * (6 * Dk * Dv + 3 * C * Dk + 2 * C * Dv + C * C / 3)
             elif isinstance(m, SoftmaxAttention):

@@ -7,7 +7,26 @@ from torch import Tensor
 
 from deltaflow.rules import RULES, StepRule
 
-BACKENDS = ("auto", "reference", "torch", "triton")
+BACKENDS = ("auto", "reference", "torch", "triton")  # the op's backends, written once
+
+
+def check_chunk_size(chunk_size: object) -> None:
+    """The op's rule for ``chunk_size``: None or a positive power of two. The layer and the
+    model config call this at construction, so a bad value fails early with the op's words."""
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or chunk_size <= 0
+        or (chunk_size & (chunk_size - 1))
+    ):
+        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
+
+
+def check_backend(backend: object) -> None:
+    """The op's rule for ``backend``: one of :data:`BACKENDS` (the layer and the config call
+    it too)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def _shape(t: Tensor) -> str:
@@ -148,15 +167,8 @@ def check_inputs(
         if tuple(initial_state.shape) != (n_states, H, Dk, Dv):
             raise ValueError(f"initial_state must have shape {layout}, got {_shape(initial_state)}")
 
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int)
-        or chunk_size <= 0
-        or (chunk_size & (chunk_size - 1))
-    ):
-        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    check_chunk_size(chunk_size)
+    check_backend(backend)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
 

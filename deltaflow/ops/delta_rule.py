@@ -8,15 +8,14 @@ import torch
 from torch import Tensor
 
 from deltaflow.ops.checks import check_inputs, compute_dtype
-from deltaflow.ops.chunk import chunk_delta_rule
+from deltaflow.ops.chunk import (
+    CPU_CHUNK_SIZE,  # noqa: F401 (looked up here by callers)
+    TRITON_CHUNK_SIZE,
+    chunk_delta_rule,
+    default_chunk_size,
+)
 from deltaflow.ops.naive import recurrent_delta_rule
 from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_inputs
-
-# The torch backend's default chunk on CPU: with the forward-only path, 32-token chunks beat 64
-# by ~15% at B=1, T=4096, H=4, D=64 (less C×C work per token; the loop's extra steps are cheap
-# on CPU). Elsewhere 64, the Triton kernels' one chunk length (ops/triton/common.py CHUNK).
-CPU_CHUNK_SIZE = 32
-TRITON_CHUNK_SIZE = 64
 
 
 def _triton_backend():
@@ -161,7 +160,7 @@ def delta_rule(
         o, state = _reference(q, k, v, **options)
     else:
         if chunk_size is None:
-            chunk_size = CPU_CHUNK_SIZE if q.device.type == "cpu" else TRITON_CHUNK_SIZE
+            chunk_size = default_chunk_size(q.device)
         o, state = _torch_chunked(q, k, v, chunk_size=chunk_size, **options)
     return o.to(v.dtype), (state if output_final_state else None)
 
