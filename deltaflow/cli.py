@@ -32,6 +32,8 @@ from typing import Any
 
 import yaml
 
+from deltaflow.ops.checks import BACKENDS
+from deltaflow.rules import RULES
 from deltaflow.validation import did_you_mean
 
 # Shortcut flags for the most used keys of the task and model sections. The keys themselves are
@@ -66,7 +68,7 @@ _SECTION_FLAGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "--rule": (
         "model",
         "rule",
-        dict(help="step rule: linear, delta, efla, longhorn, trapezoid, kaczmarz, ..."),
+        dict(help="step rule: " + ", ".join(RULES)),
     ),
     "--decay": (
         "model",
@@ -105,7 +107,7 @@ _SECTION_FLAGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "--backend": (
         "model",
         "backend",
-        dict(choices=["auto", "reference", "torch", "triton"], help="delta_rule backend"),
+        dict(choices=list(BACKENDS), help="delta_rule backend"),
     ),
 }
 _FLAG_ALIASES = {"--negative-eigenvalues": ["--neg-eig"]}
@@ -760,7 +762,7 @@ def _csv(text: str, cast: type = str, *, flag: str = "", low: float | None = Non
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from deltaflow.lab import compare, expand_grid, get_preset
-    from deltaflow.lab.presets import PRESETS, VARIANTS
+    from deltaflow.lab.presets import PRESETS, VARIANTS, check_variants
 
     if args.list:
         for name, p in PRESETS.items():
@@ -781,12 +783,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     preset = get_preset(args.preset)
     if args.variants:
         wanted = _csv(args.variants, flag="--variants")
-        bad = [v for v in wanted if v not in VARIANTS]
-        if bad:
-            raise ValueError(
-                f"--variants: unknown variant {bad[0]!r}{did_you_mean(bad[0], VARIANTS)}; "
-                f"known: {', '.join(VARIANTS)}"
-            )
+        check_variants(wanted, "--variants")
         preset.variants = wanted
     if args.cells:
         wanted = _csv(args.cells, flag="--cells")

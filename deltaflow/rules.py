@@ -54,6 +54,9 @@ class StepRule:
             layer's gate and ``op_log_decay`` the ``log α`` of the op's recurrence (1). Used
             whenever a decay is given; ``coefficients`` is the rule at ``α = 1``.
         description, source: one line each, for tables and ``--help``.
+        negative_mu: whether the rule's own ``μ`` goes below 0 for large ``h`` (``trapezoid``:
+            ``μ → −1``); ``negative_eigenvalues`` (``μ → 2μ − 1``) then leaves ``[−1, 1]``, and
+            the op warns. Tested against the rule's maths (tests/test_one_source.py).
     """
 
     name: str
@@ -64,6 +67,7 @@ class StepRule:
     description: str = ""
     source: str = ""
     decay_coefficients: DecayCoefficientFn | None = None
+    negative_mu: bool = False
 
     def __post_init__(self) -> None:
         # The Triton table computes (a, b) from (β, λ) alone: a rule whose strengths read the
@@ -72,6 +76,17 @@ class StepRule:
             raise ValueError(
                 f"rule {self.name!r}: kernel_id and decay_coefficients together are not supported"
                 " (the Triton rule table does not read the decay); give one of them"
+            )
+
+    def check_decay(self, has_decay: bool, fix: str) -> None:
+        """The one answer, for the op and the layer alike, to a rule that reads the decay
+        (``decay_coefficients``) given none: refused with ``fix`` (what the caller must set).
+        Without a decay it would run as another rule (``gated_efla`` at α = 1 is ``efla``),
+        so results named after it would be that other rule's."""
+        if self.decay_coefficients is not None and not has_decay:
+            raise ValueError(
+                f"rule {self.name!r} reads the decay: {fix} (without a decay it is another "
+                "rule: gated_efla at alpha = 1 is rule 'efla')"
             )
 
     @property
@@ -222,6 +237,7 @@ RULES: dict[str, StepRule] = {
             kernel_id=4,
             description="a = b = β/(1 + h/2); μ = (1 − h/2)/(1 + h/2) (Crank–Nicolson)",
             source="deltaflow (A-stable, reaches (−1, 1))",
+            negative_mu=True,
         ),
         StepRule(
             "kaczmarz",

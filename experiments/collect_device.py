@@ -58,7 +58,7 @@ REPORT_ARGS = {
     # issue 24 adds four variants to the one-pass grid (their rows join the same table)
     "lm_corpus_1pass": (
         "--preset lm_corpus_1pass --shared shared --variants deltanet,efla,gated_deltanet,"
-        "longhorn,kaczmarz,relaxed_kaczmarz,gated_efla,gated_efla_paper,relaxed_kaczmarz_noqnorm,"
+        "longhorn,kaczmarz,relaxed_kaczmarz,efla_decay,gated_efla_paper,relaxed_kaczmarz_noqnorm,"
         "transformer,gated_relaxed_kaczmarz,deltanet_rawk,deltanet_noqnorm"
     ).split(),
     "state_tracking_15k": (

@@ -18,6 +18,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from deltaflow.lab.grid import upgrade_record  # noqa: E402
+from deltaflow.lab.presets import VARIANTS  # noqa: E402
+
 # the committed issue-11 results, whatever the working directory
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "issue11"
 REGIMES = {
@@ -28,7 +31,7 @@ ORDER = [  # the claims' variants first, in the order the claims name them
     "deltanet",
     "efla",
     "gated_deltanet",
-    "gated_efla",
+    "efla_decay",
     "kaczmarz",
     "longhorn",
     "relaxed_kaczmarz",
@@ -41,7 +44,7 @@ def load(grid: str) -> dict[str, list[float]]:
     """variant -> ppl@512 of each finished seed."""
     ppl: dict[str, list[float]] = {}
     for line in (RESULTS / grid / "runs.jsonl").read_text().splitlines():
-        run = json.loads(line)
+        run = upgrade_record(json.loads(line))  # committed under gated_efla: efla_decay
         if run.get("status") == "ok":
             ppl.setdefault(run["variant"], []).append(run["eval"]["ppl@512"])
     return ppl
@@ -56,7 +59,9 @@ def main() -> None:
             values = runs[grid].get(name)
             if not values:  # not trained in this regime (yet)
                 continue
-            ax.scatter([x] * len(values), values, color="C0" if "gated" not in name else "C3")
+            ax.scatter(
+                [x] * len(values), values, color="C3" if VARIANTS[name].get("use_decay") else "C0"
+            )
             ax.hlines(sum(values) / len(values), x - 0.25, x + 0.25, color="0.3")
         ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
         ax.set_title(title)

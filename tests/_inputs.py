@@ -14,6 +14,20 @@ def normalized_keys(rule: str) -> bool:
     return rule in RULES and RULES[rule].qk_norm[1] == "l2"
 
 
+def reads_decay(rule: str) -> bool:
+    """Rules whose strengths read the decay (``gated_efla``): refused without one."""
+    return RULES[rule].decay_coefficients is not None
+
+
+def rule_variants() -> list[dict]:
+    """One layer (or model) config per rule of ``RULES``, every rule included: the rules without
+    a decay of their own in RULES's order, a decay on every other one; then the rules that read
+    the decay, with it (the op and the layer refuse them without)."""
+    plain = [r for r in RULES if not reads_decay(r)]
+    variants = [dict(rule=r, use_decay=i % 2 == 1) for i, r in enumerate(plain)]
+    return variants + [dict(rule=r, use_decay=True) for r in RULES if reads_decay(r)]
+
+
 def make_inputs(
     B: int,
     T: int,

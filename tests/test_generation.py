@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _inputs import rule_variants
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from deltaflow.layers import DeltaFlowCache
@@ -23,10 +24,10 @@ from deltaflow.models.generation import (
     top_p_filter,
 )
 
-RULES = ["linear", "delta", "efla", "longhorn", "trapezoid", "kaczmarz", "relaxed_kaczmarz"]
 V = 53
 
-VARIANTS = [dict(rule=r, use_decay=i % 2 == 1) for i, r in enumerate(RULES)] + [
+VARIANTS = [
+    *rule_variants(),  # every rule of RULES
     dict(rule="delta", negative_eigenvalues=True, use_decay=True),
     dict(rule="delta", use_short_conv=False, use_output_gate=False),
     dict(mixer_types=["delta", "attention", "sliding_attention"], sliding_window=4),

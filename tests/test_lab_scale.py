@@ -117,7 +117,7 @@ def test_lm_50m_preset_budget_seeds_and_lengths():
     seeds = {v: sorted(s.seed for s in specs if s.variant == v) for v in preset.variants}
     for v in ("deltanet", "efla", "gated_deltanet", "longhorn", "kaczmarz", "relaxed_kaczmarz"):
         assert seeds[v] == [0, 1]
-    for v in ("gated_efla", "relaxed_kaczmarz_noqnorm", "transformer"):
+    for v in ("efla_decay", "relaxed_kaczmarz_noqnorm", "transformer"):
         assert seeds[v] == [0]
     assert cfg.task_kwargs["data_dir"] == "/shared/corpus"
 

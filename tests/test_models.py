@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _inputs import rule_variants
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from deltaflow.layers import DeltaFlowCache
 from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
 
-ALL_RULES = ["linear", "delta", "efla", "longhorn", "trapezoid", "kaczmarz", "relaxed_kaczmarz"]
 TOL = 1e-4
 V = 61  # odd vocabulary size
 
@@ -47,7 +47,8 @@ def step_logits(model, ids, mask=None, prefix: int = 0):
     return torch.cat(outs, 1)
 
 
-MODEL_VARIANTS = [dict(rule=r, use_decay=(i % 2 == 1)) for i, r in enumerate(ALL_RULES)] + [
+MODEL_VARIANTS = [
+    *rule_variants(),  # every rule of RULES
     dict(mixer_types=["attention", "attention"]),
     dict(mixer_types=["sliding_attention", "delta"], sliding_window=3, use_decay=True),
     dict(rule="efla", attn_every=2, num_v_heads=4, negative_eigenvalues=True, attn_num_kv_heads=1),

@@ -13,7 +13,7 @@ import torch
 from _inputs import make_inputs, rel_err
 
 from deltaflow import delta_rule
-from deltaflow.rules import RULES
+from deltaflow.rules import RULES, triton_rules
 
 # numpy (the Triton interpreter) warns about the NaN it is handed: that is the point here
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -104,7 +104,7 @@ class TestTriton:
         o, s = delta_rule(**x, rule=rule, output_final_state=True, backend="triton", **kwargs)
         return o.cpu(), s.cpu()
 
-    @pytest.mark.parametrize("rule", [r for r in sorted(RULES) if RULES[r].has_triton])
+    @pytest.mark.parametrize("rule", triton_rules())
     def test_every_rule(self, rule):
         # the interpreter is slow: one planted value per rule, k and v in turn
         name, value = BAD_INPUTS[sorted(RULES).index(rule) % len(BAD_INPUTS)]

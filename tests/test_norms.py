@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import deltaflow.layers.delta_attention as delta_attention
 from deltaflow.layers import DeltaAttention, RMSNorm, l2_normalize
 from deltaflow.layers.norm import rms_norm
-from deltaflow.models.modeling import SwiGLU, _SwiGLUProduct
+from deltaflow.models.block import SwiGLU, _SwiGLUProduct
 from deltaflow.ops import checks as op_checks
 
 

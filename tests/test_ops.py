@@ -25,6 +25,13 @@ def run(backend: str, inputs: dict, **kw):
 @pytest.mark.parametrize("initial_state", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_torch_matches_reference(rule, negative_eigenvalues, decay, initial_state, dtype):
+    if not decay and RULES[rule].decay_coefficients is not None:
+        # a rule that reads the decay is refused without one, by every backend (and the layer)
+        inputs = make_inputs(1, 5, 2, 8, 5, rule=rule, dtype=dtype, decay=False)
+        for backend in ("reference", "torch", "auto"):
+            with pytest.raises(ValueError, match=f"rule '{rule}' reads the decay: give log_decay"):
+                run(backend, inputs, rule=rule, negative_eigenvalues=negative_eigenvalues)
+        return
     for T in (1, 5, 63, 64, 65, 200):
         inputs = make_inputs(
             2, T, 2, 8, 5, rule=rule, dtype=dtype, decay=decay, initial_state=initial_state, seed=T
@@ -60,6 +67,7 @@ def test_chunk_sizes(chunk_size):
     seed=st.integers(0, 10_000),
 )
 def test_property_shapes(B, T, H, Dk, Dv, rule, log_chunk, decay, negative_eigenvalues, seed):
+    decay = decay or RULES[rule].decay_coefficients is not None  # refused without one
     inputs = make_inputs(B, T, H, Dk, Dv, rule=rule, decay=decay, seed=seed)
     kw = {"rule": rule, "negative_eigenvalues": negative_eigenvalues}
     o_ref, s_ref = run("reference", inputs, **kw)

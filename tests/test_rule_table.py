@@ -14,7 +14,14 @@ from _inputs import make_inputs, rel_err
 
 from deltaflow import delta_rule
 from deltaflow.layers import DeltaAttention
-from deltaflow.rules import EFLA_SERIES_CUTOFF, RAW_KEYS, RULES, StepRule, step_coefficients
+from deltaflow.rules import (
+    EFLA_SERIES_CUTOFF,
+    RAW_KEYS,
+    RULES,
+    StepRule,
+    step_coefficients,
+    triton_rules,
+)
 
 triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():
@@ -101,7 +108,7 @@ def assert_table_matches_definition(rule: StepRule) -> None:
         )
 
 
-@pytest.mark.parametrize("name", sorted(n for n, r in RULES.items() if r.has_triton))
+@pytest.mark.parametrize("name", triton_rules())
 def test_every_entry_matches_the_rules_definition_and_its_autograd(name):
     assert_table_matches_definition(RULES[name])
 

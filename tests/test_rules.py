@@ -21,7 +21,7 @@ def mu_closed_form(rule: str, beta: float, lam: float) -> float:
         "linear": 1.0,
         "delta": 1 - h,
         "efla": math.exp(-h),
-        "gated_efla": math.exp(-h),  # without a decay it is EFLA
+        "gated_efla": math.exp(-h),  # at α = 1 (log_decay = 0) it is EFLA
         "longhorn": 1 / (1 + h),
         "trapezoid": (1 - h / 2) / (1 + h / 2),
         "kaczmarz": 1 - lam / (lam + EPS),
@@ -57,6 +57,8 @@ def one_step(rule, k, v, beta, s0, log_decay=None, negative_eigenvalues=False, b
 def test_eigenvalue_along_k(rule, negative_eigenvalues, backend):
     g = torch.Generator().manual_seed(1)
     Dk, Dv = 6, 4
+    # a rule that reads the decay needs one (the op refuses None): α = 1, no decay in effect
+    no_decay = 0.0 if RULES[rule].decay_coefficients is not None else None
     for beta, norm in [(0.3, 0.5), (0.9, 1.0), (0.7, 2.5), (2.0, 1.3)]:
         k = torch.randn(Dk, generator=g, dtype=torch.float64)
         k = k / k.norm() * norm
@@ -69,10 +71,10 @@ def test_eigenvalue_along_k(rule, negative_eigenvalues, backend):
             mu = 2 * mu - 1
         # S_0 = k uᵀ is an eigen-direction with eigenvalue μ; w uᵀ with w ⊥ k has eigenvalue 1.
         s_along = one_step(
-            rule, k, zero_v, beta, torch.outer(k, u), None, negative_eigenvalues, backend
+            rule, k, zero_v, beta, torch.outer(k, u), no_decay, negative_eigenvalues, backend
         )
         s_perp = one_step(
-            rule, k, zero_v, beta, torch.outer(w, u), None, negative_eigenvalues, backend
+            rule, k, zero_v, beta, torch.outer(w, u), no_decay, negative_eigenvalues, backend
         )
         torch.testing.assert_close(s_along, mu * torch.outer(k, u), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(s_perp, torch.outer(w, u), rtol=1e-12, atol=1e-12)

@@ -5,7 +5,12 @@
 - :mod:`~deltaflow.analysis.growth`: long-run ||S_t|| of batched random chains in fp64, fp32,
   bf16 and fp16 (low precision emulated as a kernel rounds it), error against float64.
 - :mod:`~deltaflow.analysis.discretization`: one-token error against exp(-beta kk^T).
-- :mod:`~deltaflow.analysis.report`: the whole study, markdown summary and plots.
+- :mod:`~deltaflow.analysis.report`: the whole study (:func:`run_study`), markdown summary and
+  plots; its parts: :mod:`~deltaflow.analysis.config` (:class:`StudyConfig`),
+  :mod:`~deltaflow.analysis.verdicts` (a chain's verdict, table cells),
+  :mod:`~deltaflow.analysis.growth_section` (experiments A and B),
+  :mod:`~deltaflow.analysis.op_crosscheck` (experiment C: the real op) and
+  :mod:`~deltaflow.analysis.layer_section` (a trained model's mu per head).
 """
 
 from deltaflow.analysis.discretization import discretization_study, transition_errors

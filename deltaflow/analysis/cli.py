@@ -12,9 +12,10 @@ import sys
 
 from deltaflow.analysis.growth import BETA_REGIMES, KEY_REGIMES, check_regimes, parse_precision
 from deltaflow.analysis.report import StudyConfig, run_study
+from deltaflow.ops.checks import BACKENDS
 
 PARTS = ("spectrum", "growth", "discretization", "layer")
-OP_BACKENDS = ("torch", "triton", "reference", "auto", "none")
+OP_BACKENDS = (*BACKENDS, "none")  # the op's backends, or none: experiment C skipped
 
 
 def _csv(s: str) -> list[str]:

@@ -26,8 +26,12 @@ H_RULES = ("delta", "efla", "longhorn", "trapezoid")
 
 
 def default_rules() -> list[str]:
-    """Every registered rule except `linear` (mu = 1 always: nothing to see)."""
-    return [name for name in RULES if name != "linear"]
+    """The rules the stability study compares, from :data:`RULES`: every registered rule but
+    ``linear`` (mu = 1 always: nothing to see) and the rules that read the decay (the study runs
+    without one, where ``gated_efla`` is ``efla``: the same rows twice)."""
+    return [
+        name for name, rule in RULES.items() if name != "linear" and rule.decay_coefficients is None
+    ]
 
 
 def rule_mu(

@@ -16,14 +16,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from deltaflow.lab.presets import VARIANTS, Preset
+from deltaflow.lab.presets import RENAMED_VARIANTS, VARIANTS, Preset
 from deltaflow.train import TrainConfig
+from deltaflow.train.config import fields_left_out_of_run_ids
 
-# TrainConfig fields that came after grids were committed and say how a run is executed, not
-# what it trains (timed checkpoints; torch.compile of the same model; logging sinks; context
-# parallelism, which computes the same loss):
-# left out of run ids, so committed grids keep their ids (--resume, --report-only).
-RUNTIME_ONLY_FIELDS = ("ckpt_minutes", "compile", "tensorboard", "wandb", "context_parallel")
+# TrainConfig fields that say how a run is executed, not what it trains, and came after grids
+# were committed (marked in_run_id=False on the field itself, train/config.py): left out of run
+# ids, so committed grids keep their ids (--resume, --report-only).
+RUNTIME_ONLY_FIELDS = fields_left_out_of_run_ids()
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,21 @@ class RunSpec:
             f"{self.variant}-{self.cell}{width}-lr{self.lr:g}{wd}-s{self.seed}-"
             f"{digest.hexdigest()[:8]}"
         )
+
+
+def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A committed run record under today's names: a variant renamed since
+    (:data:`deltaflow.lab.presets.RENAMED_VARIANTS`) gets its new name in ``variant`` and in
+    its id's prefix. The config, and so the id's hash, is the same, so the record's id is the
+    one today's :class:`RunSpec` computes (--resume, --report-only find it)."""
+    old = record.get("variant")
+    if old not in RENAMED_VARIANTS:
+        return record
+    new = RENAMED_VARIANTS[old]
+    run_id = str(record.get("id", ""))
+    if run_id.startswith(old + "-"):
+        run_id = new + run_id[len(old) :]
+    return {**record, "variant": new, "id": run_id}
 
 
 def _fill(value: Any, shared: str | None) -> Any:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from deltaflow.lab.grid import RunSpec
+from deltaflow.lab.grid import RunSpec, upgrade_record
 from deltaflow.train import DivergenceError, TrainConfig, Trainer
 
 
@@ -45,6 +45,7 @@ def load_runs(path: Path) -> dict[str, dict[str, Any]]:
                 record = json.loads(line)
             except json.JSONDecodeError:  # torn last line of a killed grid
                 continue
+            record = upgrade_record(record)  # a renamed variant's record, under today's name
             runs[record["id"]] = record
     return runs
 

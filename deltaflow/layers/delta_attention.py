@@ -31,6 +31,7 @@ from deltaflow.layers.heads import resolve_head_dim
 from deltaflow.layers.mask import padding_as_identity_steps, prepare_mixer_inputs, zero_padding
 from deltaflow.layers.norm import RMSNorm, l2_normalize
 from deltaflow.ops import delta_rule, delta_rule_step
+from deltaflow.ops.checks import check_backend, check_chunk_size
 from deltaflow.rules import QK_NORMS, StepRule, get_rule
 
 BETA_ACTIVATIONS = ("sigmoid", "softplus")
@@ -130,24 +131,15 @@ class DeltaAttention(nn.Module):
                 f"num_heads ({num_heads})"
             )
         self.step_rule = get_rule(rule)  # raises ValueError naming the known rules
-        if self.step_rule.decay_coefficients is not None and not use_decay:
-            # without a decay such a rule is another rule (gated_efla: EFLA): say so, not run it
-            raise ValueError(
-                f"rule {self.step_rule.name!r} reads the decay: set use_decay=True "
-                "(without a decay it equals rule 'efla')"
-            )
+        self.step_rule.check_decay(use_decay, "set use_decay=True")  # as the op does
         if beta_activation not in BETA_ACTIVATIONS:
             raise ValueError(
                 f"beta_activation must be one of {BETA_ACTIVATIONS}, got {beta_activation!r}"
             )
         if use_short_conv and conv_size < 1:
             raise ValueError(f"conv_size must be >= 1, got {conv_size}")
-        if chunk_size is not None and (chunk_size <= 0 or chunk_size & (chunk_size - 1)):
-            raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size}")
-        if backend not in ("auto", "reference", "torch", "triton"):
-            raise ValueError(
-                f"backend must be 'auto', 'reference', 'torch' or 'triton', got {backend!r}"
-            )
+        check_chunk_size(chunk_size)  # the op's checks, at construction
+        check_backend(backend)
 
         self.hidden_size = hidden_size
         self.num_heads = num_heads

@@ -9,7 +9,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from deltaflow.layers.delta_attention import BETA_ACTIVATIONS, resolve_qk_norm
+from deltaflow.layers.delta_attention import BETA_ACTIVATIONS, DeltaAttention, resolve_qk_norm
+from deltaflow.ops.checks import check_backend, check_chunk_size
 from deltaflow.rules import RULES
 from deltaflow.validation import check_bool, check_float, check_known_keys, check_str
 
@@ -238,12 +239,8 @@ class DeltaFlowConfig(PretrainedConfig):
             )
         if self.use_short_conv:
             positive_int("conv_size")
-        if self.chunk_size is not None and self.chunk_size & (self.chunk_size - 1):
-            raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
-        if self.backend not in ("auto", "reference", "torch", "triton"):
-            raise ValueError(
-                f"backend must be 'auto', 'reference', 'torch' or 'triton', got {self.backend!r}"
-            )
+        check_chunk_size(self.chunk_size)  # the op's checks
+        check_backend(self.backend)
         if len(self.mixer_types) != self.num_layers:
             raise ValueError(
                 f"mixer_types has {len(self.mixer_types)} entries but num_layers={self.num_layers}"
@@ -287,6 +284,25 @@ _BOOL_ARGS = (
     "use_cache",
 )
 _FLOAT_ARGS = ("expand_v", "eps", "rope_theta", "norm_eps", "initializer_range")
+
+
+# DeltaAttention's arguments that are not DeltaFlowConfig fields: the layer's index (set per
+# layer by the model) and fused_projections (chosen from the device at run time).
+LAYER_ONLY_ARGS = ("layer_idx", "fused_projections")
+
+
+@functools.cache
+def delta_attention_arg_names() -> tuple[str, ...]:
+    """DeltaAttention's arguments that the config holds, under the same names: declared once, in
+    the layer's signature (tests/test_one_source.py checks that the config has each one, with
+    the same default)."""
+    params = inspect.signature(DeltaAttention.__init__).parameters
+    return tuple(n for n in params if n != "self" and n not in LAYER_ONLY_ARGS)
+
+
+def delta_attention_kwargs(config: DeltaFlowConfig) -> dict[str, Any]:
+    """The keyword arguments of a delta-rule layer of ``config``."""
+    return {name: getattr(config, name) for name in delta_attention_arg_names()}
 
 
 @functools.cache

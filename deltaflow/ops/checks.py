@@ -5,9 +5,28 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deltaflow.rules import StepRule
+from deltaflow.rules import RULES, StepRule
 
-BACKENDS = ("auto", "reference", "torch", "triton")
+BACKENDS = ("auto", "reference", "torch", "triton")  # the op's backends, written once
+
+
+def check_chunk_size(chunk_size: object) -> None:
+    """The op's rule for ``chunk_size``: None or a positive power of two. The layer and the
+    model config call this at construction, so a bad value fails early with the op's words."""
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or chunk_size <= 0
+        or (chunk_size & (chunk_size - 1))
+    ):
+        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
+
+
+def check_backend(backend: object) -> None:
+    """The op's rule for ``backend``: one of :data:`BACKENDS` (the layer and the config call
+    it too)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 def _shape(t: Tensor) -> str:
@@ -86,7 +105,8 @@ def check_inputs(
             raise ValueError(
                 f"beta is None but rule {rule.name!r} needs beta of shape "
                 f"[B, T, H] = [{B}, {T}, {H}]; only rules without a gate "
-                "('linear', 'kaczmarz') accept beta=None"
+                f"({', '.join(repr(n) for n, r in RULES.items() if not r.needs_beta)}) accept "
+                "beta=None"
             )
     else:
         _check_tensor("beta", beta, 3, f"[B, T, H] = [{B}, {T}, {H}]")
@@ -101,6 +121,7 @@ def check_inputs(
             _raise_not_finite("beta", beta)
             raise ValueError(f"beta must be >= 0 (a step size), got min {beta.min().item():.4g}")
 
+    rule.check_decay(log_decay is not None, "give log_decay")  # as the layer does
     if log_decay is not None:
         _check_tensor("log_decay", log_decay, 3, f"[B, T, H] = [{B}, {T}, {H}]")
         if log_decay.shape != q.shape[:3]:
@@ -146,15 +167,8 @@ def check_inputs(
         if tuple(initial_state.shape) != (n_states, H, Dk, Dv):
             raise ValueError(f"initial_state must have shape {layout}, got {_shape(initial_state)}")
 
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int)
-        or chunk_size <= 0
-        or (chunk_size & (chunk_size - 1))
-    ):
-        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    check_chunk_size(chunk_size)
+    check_backend(backend)
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
 

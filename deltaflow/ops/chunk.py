@@ -24,6 +24,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# Tokens per chunk, C of docs/design.md §3, written once: the Triton kernels' one chunk length
+# (ops/triton/common.py's CHUNK is this number) and the torch backend's default off CPU.
+TRITON_CHUNK_SIZE = 64
+# The torch backend's default chunk on CPU: with the forward-only path, 32-token chunks beat 64
+# by ~15% at B=1, T=4096, H=4, D=64 (less C×C work per token; the loop's extra steps are cheap
+# on CPU).
+CPU_CHUNK_SIZE = 32
+
+
+def default_chunk_size(device: torch.device | str) -> int:
+    """The chunk length the op uses on ``device`` when given ``chunk_size=None``: what
+    :func:`deltaflow.delta_rule` runs and what FLOP estimates assume."""
+    return CPU_CHUNK_SIZE if torch.device(device).type == "cpu" else TRITON_CHUNK_SIZE
+
 
 def _to_chunks(x: Tensor, n_chunks: int, chunk_size: int) -> Tensor:
     """[B, T, H, ...] -> [B, H, N, C, ...]."""

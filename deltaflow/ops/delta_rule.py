@@ -8,15 +8,14 @@ import torch
 from torch import Tensor
 
 from deltaflow.ops.checks import check_inputs, compute_dtype
-from deltaflow.ops.chunk import chunk_delta_rule
+from deltaflow.ops.chunk import (
+    CPU_CHUNK_SIZE,  # noqa: F401 (looked up here by callers)
+    TRITON_CHUNK_SIZE,
+    chunk_delta_rule,
+    default_chunk_size,
+)
 from deltaflow.ops.naive import recurrent_delta_rule
 from deltaflow.rules import CoefficientFn, StepRule, get_rule, step_inputs
-
-# The torch backend's default chunk on CPU: with the forward-only path, 32-token chunks beat 64
-# by ~15% at B=1, T=4096, H=4, D=64 (less C×C work per token; the loop's extra steps are cheap
-# on CPU). Elsewhere 64, the Triton kernels' one chunk length (ops/triton/common.py CHUNK).
-CPU_CHUNK_SIZE = 32
-TRITON_CHUNK_SIZE = 64
 
 
 def _triton_backend():
@@ -66,7 +65,7 @@ def delta_rule(
 
     Args:
         q, k: ``[B, T, H, Dk]``. v: ``[B, T, H, Dv]``. beta: ``[B, T, H]``, ``>= 0``; may be None
-            for 'linear' and 'kaczmarz'.
+            for the rules that read no β (``StepRule.needs_beta`` False: linear, kaczmarz).
         rule: a name from :data:`deltaflow.rules.RULES`, a :class:`StepRule`, or a function
             ``(beta, lam, eps) -> (a, b)``.
         log_decay: ``[B, T, H]``, ``<= 0``; None means no decay.
@@ -105,11 +104,11 @@ def delta_rule(
         eps=eps,
         check_values=check_values,
     )
-    if negative_eigenvalues and step_rule.name == "trapezoid":
+    if negative_eigenvalues and step_rule.negative_mu:
         warnings.warn(
-            "rule='trapezoid' with negative_eigenvalues=True maps mu into (-3, 1] and is "
-            "unstable for large beta*||k||^2; trapezoid already reaches negative mu by itself "
-            "(see results/stability)",
+            f"rule={step_rule.name!r} with negative_eigenvalues=True maps mu below -1 and is "
+            f"unstable for large beta*||k||^2; {step_rule.name} already reaches negative mu by "
+            "itself (see results/stability)",
             stacklevel=2,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -161,7 +160,7 @@ def delta_rule(
         o, state = _reference(q, k, v, **options)
     else:
         if chunk_size is None:
-            chunk_size = CPU_CHUNK_SIZE if q.device.type == "cpu" else TRITON_CHUNK_SIZE
+            chunk_size = default_chunk_size(q.device)
         o, state = _torch_chunked(q, k, v, chunk_size=chunk_size, **options)
     return o.to(v.dtype), (state if output_final_state else None)
 

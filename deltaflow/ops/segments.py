@@ -1,6 +1,6 @@
 """Segment decomposition: one sequence split into segments that are computed independently.
 
-The recurrence (DESIGN.md §1) is linear in the state, so a segment's effect on the state that
+The recurrence (docs/design.md §1) is linear in the state, so a segment's effect on the state that
 enters it is affine. For a segment of tokens ``t = 1..L`` and an incoming state ``S_in``::
 
     S_end = P · S_in + S_loc          P = Π_t α_t (I − a_t k_t k_tᵀ)   (Dk × Dk, ordered)

@@ -35,6 +35,7 @@ def delta_rule_step(
             f"in place, got {getattr(state, 'dtype', type(state).__name__)}"
         )
     _check_step_shapes(q, k, v, beta, step_rule, log_decay, state)
+    step_rule.check_decay(log_decay is not None, "give log_decay")  # as delta_rule does
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
 
     if q.is_cuda and step_rule.has_triton:

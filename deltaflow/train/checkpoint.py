@@ -346,7 +346,7 @@ def save_sharded_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from deltaflow.train.parallel import full_state_dict
+    from deltaflow.parallel.fsdp import full_state_dict
 
     root = checkpoint_dir(out_dir)
     final = root / f"{PREFIX}{step:07d}"

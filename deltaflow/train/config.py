@@ -34,9 +34,16 @@ def _field(default: Any = dataclasses.MISSING, help: str = "", **meta: Any) -> A
     """A dataclass field with its help text (``deltaflow train --help`` is built from these).
 
     ``meta``: ``group`` (help section), ``flag`` (CLI spelling; default ``--field-name``),
-    ``cli=False`` (no flag of its own: reached with ``--set``), ``factory`` (mutable default).
+    ``cli=False`` (no flag of its own: reached with ``--set``), ``factory`` (mutable default),
+    ``runtime=True`` (the field says how a run is executed or watched, not what it trains: it
+    may change when a run is resumed, :func:`runtime_fields`), ``in_run_id=False`` (a runtime
+    field that came after lab grids were committed: left out of their run ids,
+    :func:`fields_left_out_of_run_ids`).
     """
     factory = meta.pop("factory", None)
+    if meta.get("in_run_id", True) is False and not meta.get("runtime"):
+        # a field that changes what is trained must change the run's id
+        raise ValueError("in_run_id=False is for runtime=True fields only")
     metadata = {"help": help, **meta}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
@@ -66,7 +73,9 @@ class TrainConfig:
     batch_size: int = _field(
         64, "GLOBAL batch: all GPUs x all accumulation micro-steps", group="optimization"
     )
-    grad_accum: int = _field(1, "gradient-accumulation micro-steps per step", group="optimization")
+    grad_accum: int = _field(
+        1, "gradient-accumulation micro-steps per step", group="optimization", runtime=True
+    )
     lr: float = _field(1e-3, "peak learning rate (AdamW)", group="optimization")
     min_lr_ratio: float = _field(0.1, "cosine floor, as a fraction of lr", group="optimization")
     warmup_steps: int | None = _field(
@@ -84,20 +93,28 @@ class TrainConfig:
         1.0, "max global gradient norm (0: no clipping)", group="optimization"
     )
     # --- evaluation
-    eval_every: int = _field(0, "evaluate every N steps (0: only at the end)", group="evaluation")
+    eval_every: int = _field(
+        0, "evaluate every N steps (0: only at the end)", group="evaluation", runtime=True
+    )
     eval_split: str = _field(
-        "valid", "split evaluated during training", group="evaluation", choices=list(SPLITS)
+        "valid",
+        "split evaluated during training",
+        group="evaluation",
+        runtime=True,
+        choices=list(SPLITS),
     )
     eval_lengths: list[int] | None = _field(
         None,
         "comma-separated lengths, e.g. 512,1024 (default: the task's own, else its seq_len)",
         group="evaluation",
+        runtime=True,
     )
     eval_kwargs: dict[str, Any] = _field(
         help="evaluation-set options, e.g. {num_examples: 512, batch_size: 128}",
         factory=dict,
         cli=False,
         group="evaluation",
+        runtime=True,
     )
     # --- I/O and runtime
     out_dir: str | None = _field(
@@ -107,31 +124,41 @@ class TrainConfig:
         flag="--out",
         metavar="DIR",
         group="runtime",
+        runtime=True,
     )
-    log_every: int = _field(10, "log the mean training loss every N steps", group="runtime")
+    log_every: int = _field(
+        10, "log the mean training loss every N steps", group="runtime", runtime=True
+    )
     ckpt_every: int = _field(
         0,
         "checkpoint every N steps (0: no step-based checkpoints; --ckpt-minutes still applies)",
         group="runtime",
+        runtime=True,
     )
     ckpt_minutes: float = _field(
         10.0,
         "wall-clock minutes between checkpoints (at log steps), so a killed run loses minutes, "
         "not the run; 0 disables (the end, Ctrl-C and SIGTERM always save)",
         group="runtime",
+        runtime=True,
+        in_run_id=False,
     )
-    keep_checkpoints: int = _field(2, "newest checkpoints kept in --out", group="runtime")
+    keep_checkpoints: int = _field(
+        2, "newest checkpoints kept in --out", group="runtime", runtime=True
+    )
     resume: bool = _field(
         True,
         "continue from --out's latest checkpoint when there is one (--no-resume: a run already "
         "in --out is moved to --out/archive/<time>/)",
         group="runtime",
+        runtime=True,
     )
     seed: int = _field(0, "seed of the initialisation (and of the task's data)", group="runtime")
     device: str = _field(
         "auto",
         "auto (cuda:LOCAL_RANK if a GPU is there, else cpu), cpu, cuda, cuda:N",
         group="runtime",
+        runtime=True,
     )
     precision: str = _field(
         "auto",
@@ -139,22 +166,29 @@ class TrainConfig:
         group="runtime",
         choices=["auto", "bf16", "fp32"],
     )
-    progress: bool = _field(True, "progress bar with rate and ETA (rank 0)", group="runtime")
+    progress: bool = _field(
+        True, "progress bar with rate and ETA (rank 0)", group="runtime", runtime=True
+    )
     tensorboard: bool = _field(
         False,
         "also log to TensorBoard (<out>/tensorboard; needs the tensorboard package)",
         group="runtime",
+        runtime=True,
+        in_run_id=False,
     )
     wandb: bool = _field(
         False,
         "also log to Weights & Biases (<out>/wandb), offline unless WANDB_MODE is set",
         group="runtime",
+        runtime=True,
+        in_run_id=False,
     )
     parallel: str = _field(
         "ddp",
         "under torchrun: ddp (replicated model) or fsdp (FSDP2: sharded model and sharded "
         "checkpoints that resume on any number of GPUs)",
         group="runtime",
+        runtime=True,
         choices=["ddp", "fsdp"],
     )
     context_parallel: int = _field(
@@ -162,6 +196,8 @@ class TrainConfig:
         "under torchrun: groups of N ranks split every sequence along T (long sequences; "
         "delta-rule models only); world = data-parallel ranks x N",
         group="runtime",
+        runtime=True,
+        in_run_id=False,
         metavar="N",
     )
     compile: str = _field(
@@ -169,6 +205,8 @@ class TrainConfig:
         "torch.compile every model block (fused glue, selective activation checkpointing); "
         "auto is off for now and blocks is CPU-only: see benchmarks/NOTES.md",
         group="runtime",
+        runtime=True,
+        in_run_id=False,
         choices=["auto", "blocks", "off"],
     )
 
@@ -355,6 +393,25 @@ def check_model_section(model: dict[str, Any]) -> None:
 
 
 @functools.cache
+def runtime_fields() -> frozenset[str]:
+    """The TrainConfig fields marked ``runtime=True``: how a run is executed, watched or split
+    (evaluation, logging, checkpointing, placement), not what it trains. A resumed run may
+    change them (:func:`deltaflow.train.rundir.training_differences` skips them)."""
+    return frozenset(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("runtime"))
+
+
+def fields_left_out_of_run_ids() -> tuple[str, ...]:
+    """The runtime fields marked ``in_run_id=False``: they came after lab grids were committed,
+    so :class:`deltaflow.lab.grid.RunSpec` leaves them out of its ids and committed grids keep
+    theirs. The older runtime fields stay in the ids (dropping them would rename every
+    committed run)."""
+    return tuple(
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if f.metadata.get("runtime") and f.metadata.get("in_run_id", True) is False
+    )
+
+
 def field_types() -> dict[str, Any]:
     """TrainConfig's field annotations, evaluated (``int | None``, ``list[int] | None``, ...)."""
     return typing.get_type_hints(TrainConfig)

@@ -24,33 +24,17 @@ from typing import Any
 import yaml
 
 from deltaflow.train.checkpoint import atomic_write_text
+from deltaflow.train.config import runtime_fields
 
 RUN_CONFIG = "run_config.yaml"
 ARCHIVE = "archive"
 
-# Fields that may change when a run is resumed: evaluation, logging, checkpointing and
-# runtime placement. grad_accum and parallel split the same global batch differently, compile
-# runs the same model through torch.compile (equal up to float rounding; the checkpoint format
-# itself decides between ddp and fsdp).
-RUNTIME_FIELDS = frozenset(
-    {
-        "eval_every",
-        "eval_split",
-        "eval_lengths",
-        "eval_kwargs",
-        "out_dir",
-        "log_every",
-        "ckpt_every",
-        "ckpt_minutes",
-        "keep_checkpoints",
-        "resume",
-        "device",
-        "progress",
-        "grad_accum",
-        "parallel",
-        "compile",
-    }
-)
+# Fields that may change when a run is resumed: the TrainConfig fields marked runtime=True on
+# the field itself (train/config.py: evaluation, logging, checkpointing, runtime placement, how
+# the same global batch is split). grad_accum, parallel and context_parallel split the same
+# global batch differently, compile runs the same model through torch.compile (equal up to
+# float rounding; the checkpoint format itself decides between ddp and fsdp).
+RUNTIME_FIELDS = runtime_fields()
 # Keys inside sections that may change: the kernel backend (same maths; a GPU run may be
 # finished on a CPU) and where tokenized data is cached.
 RUNTIME_KEYS = frozenset({"model.backend", "task_kwargs.cache_dir"})

@@ -23,7 +23,7 @@ Design choices a user should know:
   state); every rank then takes part in evaluation (the forward all-gathers weights) and in
   the sharded checkpoint, and rank 0 still does all the logging.
 - ``context_parallel = N`` splits every sequence along T over groups of N ranks (delta-rule
-  models; ``deltaflow/train/context_parallel.py``): the world is data-parallel groups x N.
+  models; ``deltaflow/parallel/data_layout.py``): the world is data-parallel groups x N.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from deltaflow.models.compile import compile_blocks, resolve_compile
+from deltaflow.parallel.data_layout import DataLayout
 from deltaflow.train.checkpoint import (
     CheckpointSaveError,
     atomic_write_text,
@@ -67,7 +68,6 @@ from deltaflow.train.checkpoint import (
     save_sharded_checkpoint,
 )
 from deltaflow.train.config import TrainConfig
-from deltaflow.train.context_parallel import DataLayout
 from deltaflow.train.export import clean_stale_exports, export_checkpoint, write_pretrained
 from deltaflow.train.logging import RunLogger, read_log
 from deltaflow.train.packing import packed_forward
@@ -296,7 +296,7 @@ class Trainer:
         self.device = resolve_device(config.device, self.dist)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # context_parallel > 1: cp ranks share rows and split their tokens (context_parallel.py)
+        # context_parallel > 1: cp ranks share rows and split their tokens (parallel/data_layout.py)
         self.layout = DataLayout.create(
             config.context_parallel, self.dist.rank, self.dist.world_size
         )
@@ -324,7 +324,7 @@ class Trainer:
         _check_tokenizer_fits(base, self.task)
         self.layout.attach(base)
         if self.sharded:
-            from deltaflow.train.parallel import shard_model
+            from deltaflow.parallel.fsdp import shard_model
 
             bf16_weights = use_bf16 and self.device.type == "cuda"
             self.raw_model = shard_model(base, self.device, bf16=bf16_weights)

@@ -10,11 +10,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from deltaflow.ops.chunk import TRITON_CHUNK_SIZE
+
 # Tokens per chunk, C of docs/design.md §3. The prepare kernel's block substitution is built
 # for it (four sub-blocks of SUB tokens), so it is a constant, not a tunable; the torch backend's
 # chunk_size is free. Block widths (BK, BV: head-dimension columns a program holds) are not
 # chunk lengths: they are derived from the head dims and the launch settings.
-CHUNK = tl.constexpr(64)
+CHUNK = tl.constexpr(TRITON_CHUNK_SIZE)  # the number lives in ops/chunk.py
 SUB = tl.constexpr(16)  # tokens per sub-block of the prepare kernel (CHUNK = 4 · SUB)
 
 
