@@ -304,16 +304,12 @@ class Corpus:
             if only is not None and self.every is None and whole != only:
                 continue
             for text in iter_documents(source, self.text_field, self.skip_empty):
-                if only is not None and self.every is not None:
+                split = whole
+                if self.every is not None:
+                    split = "valid" if index % self.every == 0 else "train"
                     index += 1
-                    if ("valid" if (index - 1) % self.every == 0 else "train") == only:
-                        yield only, text
-                    continue
-                if self.every is None:
-                    yield whole, text
-                else:
-                    yield ("valid" if index % self.every == 0 else "train"), text
-                index += 1
+                if only is None or split == only:
+                    yield split, text
 
     def fingerprint(self) -> str:
         """Changes whenever a source file or a split option changes."""

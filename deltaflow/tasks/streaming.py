@@ -78,9 +78,13 @@ def mixed(sources: Sequence[Units], weights: Sequence[float], seed: int) -> Unit
     p = np.asarray(weights, dtype=np.float64)
     p = p / p.sum()
     rng = np.random.default_rng(seed)
-    while True:
-        for i in rng.choice(len(sources), size=1024, p=p):
-            yield next(sources[i])
+    try:
+        while True:
+            for i in rng.choice(len(sources), size=1024, p=p):
+                yield next(sources[i])
+    finally:  # closing the mixture ends every source's tokenizer workers now, not at GC
+        for source in sources:
+            source.close()
 
 
 class RowPacker:
