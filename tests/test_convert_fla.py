@@ -219,8 +219,19 @@ def test_converted_model_matches_fla_semantics(tmp_path: Path, cfg: dict) -> Non
     got = _converted_logits(out, ids)
     assert torch.allclose(got, want, atol=2e-4, rtol=1e-4), (got - want).abs().max()
     config = json.loads((out / "config.json").read_text())
-    assert config["eos_token_id"] == cfg.get("eos_token_id")
+    assert config["eos_token_id"] == cfg.get("eos_token_id", 2)  # fla's default: 2
     assert config["tie_word_embeddings"] == cfg["tie_word_embeddings"]
+
+
+def test_absent_config_fields_take_fla_defaults(tmp_path: Path) -> None:
+    """save_pretrained may leave out fields at their defaults: fla's defaults apply."""
+    cfg = _dn_config()
+    sd = _fla_state(cfg)
+    defaults = ("expand_k", "use_beta", "qk_norm", "qk_activation", "hidden_act", "use_short_conv")
+    short = {k: v for k, v in cfg.items() if k not in defaults}
+    out = convert_fla(_write(tmp_path / "fla", short, sd), tmp_path / "df")
+    ids = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(2))
+    assert torch.allclose(_converted_logits(out, ids), _fla_forward(cfg, sd, ids), atol=2e-4)
 
 
 def test_bf16_weights_stay_bf16(tmp_path: Path) -> None:

@@ -92,6 +92,51 @@ _REQUIRED = {
 }
 
 
+# fla 0.6.0's config defaults (GatedDeltaNetConfig, DeltaNetConfig): a config.json without a
+# field means this value.
+_COMMON_DEFAULTS = {
+    "hidden_size": 2048,
+    "use_short_conv": True,
+    "allow_neg_eigval": False,
+    "conv_size": 4,
+    "hidden_ratio": 4,
+    "intermediate_size": None,
+    "hidden_act": "swish",
+    "norm_eps": 1e-6,
+    "attn": None,
+    "pad_token_id": None,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "vocab_size": 32000,
+    "attnres_block_size": None,
+}
+FLA_DEFAULTS = {
+    "gated_deltanet": _COMMON_DEFAULTS
+    | {
+        "expand_v": 2.0,
+        "use_gate": True,
+        "head_dim": 256,
+        "num_heads": 6,
+        "num_v_heads": None,
+        "num_hidden_layers": 21,
+        "output_gate_activation": "swish",
+    },
+    "delta_net": _COMMON_DEFAULTS
+    | {
+        "expand_k": 1.0,
+        "expand_v": 1.0,
+        "use_gate": False,
+        "use_beta": True,
+        "num_heads": 16,
+        "qk_norm": "l2",
+        "qk_activation": "silu",
+        "num_hidden_layers": 24,
+    },
+}
+
+
 def _refuse(model_type: str, field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"cannot convert this fla {model_type} model: {field}={value!r}: {why}")
 
@@ -121,18 +166,24 @@ def _integer(model_type: str, field: str, value: float) -> int:
     return int(round(value))
 
 
-def config_from_fla(fla: dict[str, Any]) -> dict[str, Any]:
-    """DeltaFlowConfig keyword arguments for an fla ``config.json`` (as a dict); one
-    ``ValueError`` line for a model type or a setting deltaflow cannot represent."""
-    from deltaflow.models.config import _transformers_keys
-
-    model_type = fla.get("model_type")
+def read_fla_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """An fla ``config.json`` (as a dict) with fla's defaults filled in for absent fields."""
+    model_type = raw.get("model_type")
     if model_type not in FLA_MODEL_TYPES:
         raise ValueError(
             f"config.json has model_type {model_type!r}; convert-fla reads fla's "
             f"{' or '.join(repr(t) for t in FLA_MODEL_TYPES)} checkpoints "
             f"({', '.join(FLA_MODEL_TYPES.values())})"
         )
+    return FLA_DEFAULTS[model_type] | raw
+
+
+def config_from_fla(fla: dict[str, Any]) -> dict[str, Any]:
+    """DeltaFlowConfig keyword arguments for an fla config (`read_fla_config`); one
+    ``ValueError`` line for a setting deltaflow cannot represent."""
+    from deltaflow.models.config import _transformers_keys
+
+    model_type = fla["model_type"]
     known = set(_RENAMED) | _NO_EFFECT | _DERIVED[model_type] | set(_REQUIRED) | {"model_type"}
     unknown = sorted(k for k in fla if k not in known and k not in _transformers_keys())
     if unknown:
@@ -285,7 +336,7 @@ def convert_fla(src: str | os.PathLike, out: str | os.PathLike) -> Path:
         )
     if out.exists():
         raise FileExistsError(f"--out {out} exists; give a new folder")
-    fla = json.loads((src / "config.json").read_text())
+    fla = read_fla_config(json.loads((src / "config.json").read_text()))
     config = DeltaFlowConfig(**config_from_fla(fla))
     state = read_fla_weights(src)
     with torch.device("meta"):  # shapes only: the weights come from the checkpoint
