@@ -22,15 +22,20 @@ by the tokenizer's separator ``eot_id``) and ``….docs.npy`` (int64 offsets ``[
 ``i`` is ``tokens[o[i] : o[i + 1]]``, its separator last). The key covers the tokenizer, the
 split options and every source file's path, size and mtime, so an edited corpus is tokenized
 again and an unchanged one never is. Files are written to temporaries and renamed into place.
+Tokenizing runs in ``workers`` processes when asked (`encode_batches`: in order, so the cache's
+bytes do not depend on the count); `tokenized_documents` is the same pass without a cache,
+for streaming (`deltaflow.tasks.streaming`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -290,17 +295,21 @@ class Corpus:
         want = split == "valid"
         return [s.path for s in self.sources if (s.rel in self.valid_sources) == want]
 
-    def documents(self) -> Iterator[tuple[str, str]]:
-        """``(split, text)`` for every document, in source order."""
+    def documents(self, only: str | None = None) -> Iterator[tuple[str, str]]:
+        """``(split, text)`` for every document, in source order; ``only`` ("train" or
+        "valid") skips the documents of the other split, and whole sources of it unread."""
         index = 0
         for source in self.sources:
             whole = "valid" if source.rel in self.valid_sources else "train"
+            if only is not None and self.every is None and whole != only:
+                continue
             for text in iter_documents(source, self.text_field, self.skip_empty):
-                if self.every is None:
-                    yield whole, text
-                else:
-                    yield ("valid" if index % self.every == 0 else "train"), text
-                index += 1
+                split = whole
+                if self.every is not None:
+                    split = "valid" if index % self.every == 0 else "train"
+                    index += 1
+                if only is None or split == only:
+                    yield split, text
 
     def fingerprint(self) -> str:
         """Changes whenever a source file or a split option changes."""
@@ -392,16 +401,102 @@ def _encode_many(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
     return [tokenizer.encode_array(t) for t in texts]
 
 
+_WORKER_TOKENIZER: Any = None  # the tokenizer of a tokenizing worker process
+
+
+def _start_worker(tokenizer: Any) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    # one text at a time: the processes are the parallelism (a batch call would start a
+    # thread pool per worker: tiktoken's 8 threads each, oversubscribing the cores)
+    return [_WORKER_TOKENIZER.encode_array(t) for t in texts]
+
+
+def check_workers(workers: object) -> int:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers (tokenizer processes) must be an int >= 1, got {workers!r}")
+    return workers
+
+
+def encode_batches(
+    tokenizer: Any, batches: Iterable[list[str]], workers: int = 1
+) -> Iterator[list[np.ndarray]]:
+    """Each batch of texts tokenized, in order, by ``workers`` processes: the results (and so
+    a cache's bytes) are the same for any worker count. At most ``2 * workers`` batches are in
+    flight, so memory stays bounded however long ``batches`` is."""
+    if check_workers(workers) == 1:
+        for texts in batches:
+            yield _encode_many(tokenizer, texts)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    # fork: workers inherit the tokenizer and the imports (spawn would re-import torch, ~s each)
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    # Hugging Face tokenizers warn (and go serial) in a forked child after the parent used
+    # their thread pool; the workers are the parallelism here
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = context.Pool(workers, initializer=_start_worker, initargs=(tokenizer,))
+    finally:
+        if saved is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    try:
+        pending: deque = deque()
+        for texts in batches:
+            pending.append(pool.apply_async(_encode_in_worker, (texts,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    finally:
+        pool.terminate()  # also when the consumer stops early (a generator closed)
+        pool.join()
+
+
+def _batched(items: Iterable[Any], n: int) -> Iterator[list[Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def tokenized_documents(
+    corpus: Corpus, tokenizer: Any, split: str, workers: int = 1
+) -> Iterator[np.ndarray]:
+    """One pass over ``split``'s documents, each tokenized and followed by the separator (the
+    cache's layout), with no cache: what streaming reads."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    sep = np.array([tokenizer.eot_id], dtype=dtype)
+    texts = ([t for _, t in chunk] for chunk in _batched(corpus.documents(split), _BATCH_DOCS))
+    for encoded in encode_batches(tokenizer, texts, workers):
+        for ids in encoded:
+            yield np.concatenate([np.asarray(ids, dtype=dtype), sep])
+
+
 def cache_paths(corpus: Corpus, tokenizer: Any, cache_dir: Path, split: str) -> tuple[Path, Path]:
     stem = f"{split}-{tokenizer.name}-{corpus.fingerprint()}"
     return cache_dir / f"{stem}.npy", cache_dir / f"{stem}.docs.npy"
 
 
 def tokenize_corpus(
-    corpus: Corpus, tokenizer: Any, cache_dir: str | os.PathLike, progress: bool = True
+    corpus: Corpus,
+    tokenizer: Any,
+    cache_dir: str | os.PathLike,
+    progress: bool = True,
+    workers: int = 1,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """``{split: (tokens, offsets)}`` for "train" and "valid", memory-mapped from the cache;
-    tokenizes every document once (both splits in one pass) when the cache lacks them."""
+    tokenizes every document once (both splits in one pass, in ``workers`` processes: the same
+    bytes for any count) when the cache lacks them."""
     cache_dir = Path(cache_dir)
     paths = {s: cache_paths(corpus, tokenizer, cache_dir, s) for s in ("train", "valid")}
     if not all(p.exists() for pair in paths.values() for p in pair):
@@ -416,20 +511,17 @@ def tokenize_corpus(
                 disable=not progress,
                 dynamic_ncols=True,
             )
-            pending: list[tuple[str, str]] = []
+            splits: deque[list[str]] = deque()  # each batch's splits, in the batches' order
 
-            def flush() -> None:
-                encoded = _encode_many(tokenizer, [text for _, text in pending])
-                for (split, _), ids in zip(pending, encoded):
+            def texts() -> Iterator[list[str]]:
+                for chunk in _batched(corpus.documents(), _BATCH_DOCS):
+                    splits.append([split for split, _ in chunk])
+                    yield [text for _, text in chunk]
+
+            for encoded in encode_batches(tokenizer, texts(), workers):
+                for split, ids in zip(splits.popleft(), encoded):
                     writers[split].add(ids)
-                bar.update(len(pending))
-                pending.clear()
-
-            for item in corpus.documents():
-                pending.append(item)
-                if len(pending) >= _BATCH_DOCS:
-                    flush()
-            flush()
+                bar.update(len(encoded))
             bar.close()
         except BaseException:
             for w in writers.values():

@@ -11,6 +11,9 @@
   token sees another document. Evaluation scores consecutive non-overlapping rows of the
   training length; at a longer length L each row is scored with up to L tokens of context, so
   perplexity and bits per byte at 1x, 2x and 4x the training length cover the same tokens.
+- ``streaming=True`` (no token cache) and ``mixture={source: weight}`` (several sources drawn
+  by weight) read training rows from one seeded sequence (`deltaflow.tasks.streaming`);
+  ``workers=N`` tokenizes in N processes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from deltaflow.tasks.base import IGNORE_INDEX, Batch, Task, check_int, check_split, derive_seed
-from deltaflow.tasks.corpus import DEFAULT_VALID_FILES, Corpus, tokenize_corpus
+from deltaflow.tasks.corpus import (
+    DEFAULT_VALID_FILES,
+    Corpus,
+    check_workers,
+    tokenize_corpus,
+    tokenized_documents,
+)
+from deltaflow.tasks.streaming import RowPacker, cached_epochs, epochs, mixed, shuffled
 from deltaflow.tasks.tokenizers import (
     EOT_TEXT,
     GPT2_PATTERN,
@@ -50,6 +60,29 @@ __all__ = [
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("DELTAFLOW_CACHE", Path.home() / ".cache" / "deltaflow"))
+
+
+def mixture_sources(
+    data_dir: Path, mixture: dict[str, float] | None
+) -> list[tuple[str, float, Path]]:
+    """``(name, weight, path)`` per source: data_dir alone, or each mixture entry (a path
+    relative to data_dir, or absolute) with its weight (> 0; normalized to sum to 1)."""
+    if mixture is None:
+        return [(data_dir.name, 1.0, data_dir)]
+    if not isinstance(mixture, dict) or not mixture:
+        raise ValueError(
+            "mixture must be a non-empty mapping {source: weight} (paths under data_dir), e.g. "
+            f"--task-arg 'mixture={{web.jsonl: 0.7, books: 0.3}}', got {mixture!r}"
+        )
+    out = []
+    for name, weight in mixture.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ValueError(f"mixture weight of {name!r} must be a number > 0, got {weight!r}")
+        path = data_dir / str(name)
+        if not path.exists():
+            raise FileNotFoundError(f"mixture source {name!r} not found: {path}")
+        out.append((str(name), float(weight), path))
+    return out
 
 
 class LanguageModeling(Task):
@@ -93,41 +126,119 @@ class LanguageModeling(Task):
         valid_fraction: float = 0.01,
         skip_empty: bool = False,
         pack: bool | None = None,
+        workers: int = 1,
+        streaming: bool = False,
+        mixture: dict[str, float] | None = None,
+        shuffle_buffer: int = 1000,
     ) -> None:
         super().__init__(seed)
         self.data_dir = Path(data_dir)
         if not self.data_dir.exists():
             raise FileNotFoundError(f"data_dir not found: {self.data_dir}")
         self.seq_len = check_int("seq_len", seq_len, 1)
+        self.workers = check_workers(workers)
+        if not isinstance(streaming, bool):
+            raise TypeError(f"streaming must be true or false, got {streaming!r}")
+        self.streaming = streaming
+        self.shuffle_buffer = check_int("shuffle_buffer", shuffle_buffer, 1)
         self.tokenizer = get_tokenizer(tokenizer, tokenizer_path)
         self.vocab_size = self.tokenizer.vocab_size
         self.chance = 1.0 / self.vocab_size
-        self.corpus = Corpus(
-            self.data_dir,
+        # (name, weight, corpus) per source: data_dir itself, or each mixture entry under it
+        split_kw = dict(
             text_field=text_field,
             valid_files=valid_files,
             valid_fraction=valid_fraction,
             skip_empty=skip_empty,
         )
-        self.files = {"train": self.corpus.files("train"), "valid": self.corpus.files("valid")}
+        self.sources = [
+            (name, weight, Corpus(path, **split_kw))
+            for name, weight, path in mixture_sources(self.data_dir, mixture)
+        ]
+        self.corpus = self.sources[0][2]
+        self.files = {
+            split: [f for _, _, c in self.sources for f in c.files(split)]
+            for split in ("train", "valid")
+        }
+        # streaming and mixtures read training rows from one sequence (deltaflow.tasks.streaming)
+        self.sequential = streaming or mixture is not None
         if pack is None:
-            pack = self.corpus.packs_by_default
+            pack = self.sequential or self.corpus.packs_by_default
         if not isinstance(pack, bool):
             raise TypeError(f"pack must be true, false or None (auto), got {pack!r}")
+        if self.sequential and not pack:
+            raise ValueError(
+                "pack=false (random windows) needs the whole token stream: it does not combine "
+                "with streaming or mixture; drop pack=false (documents are then packed)"
+            )
         self.pack = pack
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self._data: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+        self._source_data: dict[int, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+        self._packer = RowPacker(self._train_units, self.seq_len, self.tokenizer.eot_id)
         self._epochs: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
         self._token_bytes = torch.from_numpy(self.tokenizer.token_bytes())
         # length extrapolation: evaluate with eval_batches(split, length=L) for each of these
         self.extrapolation_lengths = [seq_len, 2 * seq_len, 4 * seq_len]
 
     # ---------------------------------------------------------------- the cached splits
+    def _cached(self, index: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Source ``index``'s cached splits (tokenized on first use)."""
+        if index not in self._source_data:
+            self._source_data[index] = tokenize_corpus(
+                self.sources[index][2],
+                self.tokenizer,
+                self.cache_dir / "tokens",
+                workers=self.workers,
+            )
+        return self._source_data[index]
+
     def _split(self, split: str) -> tuple[np.ndarray, np.ndarray]:
         part = "train" if check_split(split) == "train" else "valid"
-        if self._data is None:
-            self._data = tokenize_corpus(self.corpus, self.tokenizer, self.cache_dir / "tokens")
-        return self._data[part]
+        if not self.sequential:
+            if self._data is None:
+                self._data = self._cached(0)
+            return self._data[part]
+        if part == "train":
+            raise ValueError(
+                "with streaming or a mixture the training split is a sequence, not one stream: "
+                "read it through get_batch"
+            )
+        if self._data is None:  # the sources' validation documents, one after another
+            if self.streaming:  # read and tokenized into memory, no cache
+                docs = [
+                    doc
+                    for _, _, corpus in self.sources
+                    for doc in tokenized_documents(corpus, self.tokenizer, "valid", self.workers)
+                ]
+            else:
+                docs = []
+                for i in range(len(self.sources)):
+                    tokens, offsets = self._cached(i)["valid"]
+                    docs += [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+            offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+            np.cumsum([len(d) for d in docs], out=offsets[1:])
+            tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.uint16)
+            self._data = {"valid": (tokens, offsets)}
+        return self._data["valid"]
+
+    def _train_units(self) -> Iterator[np.ndarray]:
+        """The training documents of a streaming or mixture task, in their seeded order."""
+        per_source = []
+        for i, (name, _, corpus) in enumerate(self.sources):
+            parts = (self.name, self.seed, "train", name)
+            if self.streaming:
+
+                def one_epoch(epoch: int, corpus: Corpus = corpus, parts: tuple = parts):
+                    rng = np.random.default_rng(derive_seed(*parts, "epoch", epoch))
+                    docs = tokenized_documents(corpus, self.tokenizer, "train", self.workers)
+                    return shuffled(docs, self.shuffle_buffer, rng)
+
+                per_source.append(epochs(one_epoch, f"data {corpus.root}"))
+            else:
+                per_source.append(cached_epochs(*self._cached(i)["train"], parts))
+        weights = [w for _, w, _ in self.sources]
+        return mixed(per_source, weights, derive_seed(self.name, self.seed, "mixture"))
 
     def stream(self, split: str) -> np.ndarray:
         """The split's token ids (memory-mapped), each document followed by the separator."""
@@ -204,6 +315,8 @@ class LanguageModeling(Task):
     def get_batch(self, batch_size: int, split: str = "train", step: int = 0) -> Batch:
         check_int("batch_size", batch_size, 1)
         check_int("step", step, 0)
+        if self.sequential and check_split(split) == "train":
+            return self._packer.rows(step * batch_size, batch_size)
         stream = self.stream(split)
         T = self.seq_len
         need = batch_size * T + (0 if self.pack else 1)
@@ -224,10 +337,21 @@ class LanguageModeling(Task):
         starts = torch.randint(0, len(stream) - T, (batch_size,), generator=g).tolist()
         return self._windows(stream, starts, T)
 
-    def train_passes(self, steps: int, batch_size: int) -> float:
+    def train_passes(self, steps: int, batch_size: int) -> float | None:
         """How many times ``steps`` batches of ``batch_size`` rows read the training split
-        (random windows: in expectation); above 1 a model can memorise the split."""
-        return steps * batch_size * self.seq_len / len(self.stream("train"))
+        (random windows: in expectation); above 1 a model can memorise the split. A mixture:
+        the most-read source, counting its share of the tokens as its weight. Streaming:
+        None (the size is unknown without a pass over the data)."""
+        tokens = steps * batch_size * self.seq_len
+        if self.streaming:
+            return None
+        if not self.sequential:
+            return tokens / len(self.stream("train"))
+        total = sum(w for _, w, _ in self.sources)
+        return max(
+            tokens * w / total / len(self._cached(i)["train"][0])
+            for i, (_, w, _) in enumerate(self.sources)
+        )
 
     def _eval_tokens(self, split: str) -> int:
         # windows need one token past the end for the last label; packed units carry their own

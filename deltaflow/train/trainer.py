@@ -700,6 +700,8 @@ class Trainer:
         if not hasattr(self.task, "train_passes"):
             return {}  # synthetic tasks draw fresh examples (or say their size in their config)
         passes = self.task.train_passes(self.config.steps, self.config.batch_size)
+        if passes is None:
+            return {}  # a streamed split: its size is unknown
         if passes > 1:
             warnings.warn(
                 f"{self.config.steps} steps x batch {self.config.batch_size} read the training "
