@@ -52,8 +52,11 @@ def device_name(dev: str) -> str:
 
 
 def git_commit() -> str:
-    """This checkout's commit, with '-dirty' when the files differ from it (a copy synced onto a
-    device machine may carry an older .git than its working tree); 'unknown' without git."""
+    """This checkout's commit, with '-dirty' when the files differ from it; 'unknown' without
+    git. ``DELTAFLOW_COMMIT`` overrides it: a copy synced onto a device machine may carry an
+    older .git than its working tree, so the sender names the commit it sent."""
+    if os.environ.get("DELTAFLOW_COMMIT"):
+        return os.environ["DELTAFLOW_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty"],
