@@ -117,3 +117,18 @@ def bench_ms(fn: Any, dev: str, **do_bench_kw: Any) -> float:
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1e3
+
+
+def output_dir(out: str | None, smoke: bool, default: str = "benchmarks/results") -> Path:
+    """Where a script writes its report: ``--out`` when given; else, in smoke mode, a fresh
+    temporary folder (a smoke report must never land in benchmarks/results/); else ``default``."""
+    import tempfile
+
+    if out:
+        path = Path(out)
+    elif smoke:
+        path = Path(tempfile.mkdtemp(prefix="deltaflow_smoke_"))
+    else:
+        path = Path(default)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
