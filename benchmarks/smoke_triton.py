@@ -1,7 +1,7 @@
 """Smallest GPU smoke test of the Triton forward (for compute-sanitizer runs).
 
-    compute-sanitizer python benchmarks/smoke_triton.py
-    python benchmarks/smoke_triton.py --smoke   # CPU, Triton interpreter, tiny shapes
+compute-sanitizer python benchmarks/smoke_triton.py
+python benchmarks/smoke_triton.py --smoke   # CPU, Triton interpreter, tiny shapes
 """
 
 from __future__ import annotations
