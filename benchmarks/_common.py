@@ -63,7 +63,7 @@ def git_commit() -> str:
 
 
 def load_fla(*names: str) -> Any:
-    """fla's functions or classes by dotted name (``"fla.ops.gated_delta_rule:chunk_gated_delta_rule"``),
+    """fla's functions or classes by name (``"fla.ops.gated_delta_rule:chunk_gated_delta_rule"``),
     or None with one printed line when fla is not installed. Timing only: fla's output kernel
     takes its fast path on the Triton here (``TRITON_ABOVE_3_7_1``)."""
     import importlib

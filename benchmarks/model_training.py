@@ -80,10 +80,12 @@ def build_deltaflow(
     compiled: bool = False,
     no_fused: bool = False,
     checkpoint: str = "mixer,mlp",
+    backend: str = "inductor",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
     output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
-    ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default)."""
+    ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default);
+    ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen)."""
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
     from deltaflow.models.compile import compile_blocks
 
@@ -103,7 +105,8 @@ def build_deltaflow(
             if hasattr(m, "fused_projections"):
                 m.fused_projections = False
     if compiled:
-        compile_blocks(model, selective_checkpointing=tuple(p for p in checkpoint.split(",") if p))
+        parts = tuple(p for p in checkpoint.split(",") if p)
+        compile_blocks(model, selective_checkpointing=parts, backend=backend)
     return model, config.to_dict()
 
 
