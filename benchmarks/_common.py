@@ -132,3 +132,14 @@ def output_dir(out: str | None, smoke: bool, default: str = "benchmarks/results"
         path = Path(default)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def smoke_corpus(folder: Path) -> Path:
+    """A tiny corpus for smoke runs of the LM-training scripts (byte tokenizer): 12 .txt
+    documents, so the corpus loader's every-tenth-file validation split has one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    words = "the delta rule writes keys to values and reads them back with a query".split()
+    for i in range(12):
+        text = " ".join(words[(i * j) % len(words)] for j in range(400))
+        (folder / f"doc{i:02d}.txt").write_text(text + "\n")
+    return folder

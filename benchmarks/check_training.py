@@ -26,7 +26,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from _common import device, device_name, git_commit, output_dir, smoke_env, smoke_requested
+from _common import (
+    device,
+    device_name,
+    git_commit,
+    output_dir,
+    smoke_corpus,
+    smoke_env,
+    smoke_requested,
+)
 
 if smoke_requested():
     smoke_env()  # before torch/triton are imported
@@ -122,17 +130,6 @@ def _gradient_row(
             "grad_err_compiled_vs_fp32": rel_error(g_f, g_ref),
             "grad_err_compiled_vs_eager": rel_error(g_f, g_e),
         }
-
-
-def smoke_corpus(folder: Path) -> Path:
-    """A tiny byte-tokenized corpus for --smoke: 12 .txt documents (every tenth one is
-    validation, so there is one)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    words = "the delta rule writes keys to values and reads them back with a query".split()
-    for i in range(12):
-        text = " ".join(words[(i * j) % len(words)] for j in range(400))
-        (folder / f"doc{i:02d}.txt").write_text(text + "\n")
-    return folder
 
 
 def lm_curves(args: argparse.Namespace, out: Path, lm: dict[str, int]) -> dict[str, Any]:
