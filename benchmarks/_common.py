@@ -102,3 +102,52 @@ def copy_bandwidth(dev: str = "cuda") -> float:
     y = torch.empty_like(x)
     ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
     return 2 * x.numel() / (ms * 1e-3)
+
+
+def low_precision(smoke: bool) -> Any:
+    """The low-precision dtype a script checks: bf16 on the GPU; fp16 in smoke mode, because the
+    CPU interpreter's bf16 ``tl.dot`` is wrong (numpy has no bf16; tests/test_triton_interpret.py
+    does the same)."""
+    import torch
+
+    return torch.float16 if smoke else torch.bfloat16
+
+
+def bench_ms(fn: Any, dev: str, **do_bench_kw: Any) -> float:
+    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on the GPU (CUDA events);
+    off it (smoke mode) one ``perf_counter`` call, which checks the plumbing, not the speed."""
+    if dev == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median", **do_bench_kw)
+    import time
+
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def output_dir(out: str | None, smoke: bool, default: str = "benchmarks/results") -> Path:
+    """Where a script writes its report: ``--out`` when given; else, in smoke mode, a fresh
+    temporary folder (a smoke report must never land in benchmarks/results/); else ``default``."""
+    import tempfile
+
+    if out:
+        path = Path(out)
+    elif smoke:
+        path = Path(tempfile.mkdtemp(prefix="deltaflow_smoke_"))
+    else:
+        path = Path(default)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def smoke_corpus(folder: Path) -> Path:
+    """A tiny corpus for smoke runs of the LM-training scripts (byte tokenizer): 12 .txt
+    documents, so the corpus loader's every-tenth-file validation split has one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    words = "the delta rule writes keys to values and reads them back with a query".split()
+    for i in range(12):
+        text = " ".join(words[(i * j) % len(words)] for j in range(400))
+        (folder / f"doc{i:02d}.txt").write_text(text + "\n")
+    return folder

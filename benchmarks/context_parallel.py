@@ -19,6 +19,10 @@ file as worker processes, ``torchrun`` for the 2-GPU ones), it measures:
 Results go to ``context_parallel.json`` / ``.md`` under ``--out``, merged with what earlier
 invocations wrote (``--runs cp-speed`` and ``--runs cp-search`` can run as separate commands).
 
+CPU smoke run of the orchestration (gloo, tiny model; what CI runs):
+
+    python3 benchmarks/context_parallel.py --smoke [--out DIR]
+
 Worker usage (what the orchestrator runs; ``--device cpu`` runs the same on gloo):
 
     python benchmarks/context_parallel.py measure --seq 32768 --out DIR [--save-grads F]
@@ -39,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from _common import git_commit, output_dir, smoke_requested
 
 REPO = Path(__file__).resolve().parent.parent
 # NVLink multicast (NVLS) and symmetric-memory multicast stay off on the lent machines.
@@ -560,7 +566,6 @@ def markdown(report: dict[str, Any]) -> str:
 def run_benchmark(args: argparse.Namespace, parts: list[str]) -> dict[str, Any]:
     """``parts`` from ('speed', 'search'); results merged into ``--out/context_parallel.json``."""
     import torch
-    from model_training import git_commit
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -647,5 +652,38 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp-vocab", type=int, default=32000)
 
 
+# --smoke: the orchestration end to end on the CPU (gloo): 1 process vs 2, one tiny length,
+# then the search from it (what `multigpu.py --runs cp` runs on the GPUs, in seconds)
+SMOKE = dict(
+    cp_layers=2,
+    cp_hidden=32,
+    cp_heads=2,
+    cp_head_dim=16,
+    cp_vocab=256,
+    cp_lengths=[64],
+    cp_steps=1,
+    cp_warmup=1,
+    cp_search_start=64,
+    cp_search_max=128,
+)
+
+
+def smoke_main() -> None:
+    p = argparse.ArgumentParser(description="context-parallel benchmark, CPU smoke run")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--out", default=None, help="report folder (default: a temp dir)")
+    add_benchmark_args(p)
+    p.set_defaults(**SMOKE)
+    args = p.parse_args()
+    args.out = output_dir(args.out, smoke=True)
+    args.gpus, args.device, args.timeout = 2, "cpu", 300
+    report = run_benchmark(args, ["speed", "search"])
+    failed = [f"speed T={r['seq']} on {r['gpus']}" for r in report["speed"] if "error" in r]
+    failed += [f"search on {r['gpus']}" for r in report["search"] if not r.get("largest_seq")]
+    if failed:
+        raise SystemExit(f"context_parallel: failed: {', '.join(failed)}")
+    print("context_parallel: done")
+
+
 if __name__ == "__main__":
-    worker_main()
+    smoke_main() if smoke_requested() else worker_main()

@@ -1,9 +1,10 @@
 """Reference loop vs chunked torch backend on CPU (issue 2's speed goal: >= 20x).
 
     python benchmarks/cpu_backends.py [--T 4096 --H 4 --D 64 --repeats 3]
+    python benchmarks/cpu_backends.py --smoke   # tiny shapes, the table in a temporary folder
 
 Prints a markdown table and writes it with the machine, shapes and commit to
-benchmarks/results/cpu_backends.md.
+benchmarks/results/cpu_backends.md (or ``--out``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+from _common import git_commit, output_dir, smoke_requested
 
 from deltaflow import delta_rule
+
+# --smoke's defaults (flags still override): the same code at a size that runs in a second
+SMOKE = dict(T=64, H=2, D=16, repeats=1)
 
 
 def timed(fn, repeats: int, warmup: bool = True) -> float:
@@ -40,8 +44,14 @@ def main() -> None:
     parser.add_argument("--rule", default="delta")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_backends.md"))
+    parser.add_argument("--out", default=None, help="default benchmarks/results/cpu_backends.md")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, temporary folder")
+    if smoke_requested():
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args()
+    if args.out is None:
+        folder = None if args.smoke else str(Path(__file__).parent / "results")
+        args.out = str(output_dir(folder, args.smoke) / "cpu_backends.md")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -76,9 +86,7 @@ def main() -> None:
         )
 
     ref = rows[0]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    commit = git_commit()
     lines = [
         f"CPU: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, commit {commit}",
@@ -96,6 +104,7 @@ def main() -> None:
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

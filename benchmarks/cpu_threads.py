@@ -7,6 +7,7 @@ median seconds per step over the repeats is reported with the load average aroun
 
     python benchmarks/cpu_threads.py                       # parity and mqar, tiny and small
     python benchmarks/cpu_threads.py --repeats 7 --threads 1,2 --json out.json
+    python benchmarks/cpu_threads.py --smoke   # one tiny case, one step per process, temp JSON
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from _common import output_dir, smoke_requested
 
 # name -> TrainConfig fields. "tiny": the quick preset's models (1 layer, width 64); "small":
 # the shipped configs' models (2 layers, width 128).
@@ -49,6 +52,8 @@ CASES: dict[str, dict] = {
     "mqar/default": dict(task="mqar", model=dict(rule="efla", use_decay=True), batch_size=8),
 }
 DEFAULT_CASES = ["parity/tiny", "parity/small", "mqar/tiny", "mqar/small"]
+# --smoke's defaults (flags still override): one tiny case, one thread, one timed step
+SMOKE = dict(cases="parity/tiny", threads="1", repeats=1, warmup=1, steps=1)
 
 _CHILD = """
 import json, sys, time, torch
@@ -89,7 +94,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per process")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per process")
     parser.add_argument("--json", help="also write the raw measurements here")
+    parser.add_argument("--smoke", action="store_true", help="tiny; the JSON in a temp folder")
+    if smoke_requested():
+        parser.set_defaults(**SMOKE)
     args = parser.parse_args()
+    if args.smoke and not args.json:
+        args.json = str(output_dir(None, smoke=True) / "cpu_threads.json")
     threads = [int(t) for t in args.threads.split(",")]
     results = []
     for case in args.cases.split(","):
@@ -124,6 +134,7 @@ def main() -> None:
             json.dump(
                 {"time": time.ctime(), "cpus": os.cpu_count(), "results": results}, f, indent=2
             )
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ and in bf16 the graphed step's logits agree with the dynamic-cache step's within
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl   # fla
     PYTHONPATH=/tmp/site:. python3 benchmarks/generation.py --check --out benchmarks/results
+    python3 benchmarks/generation.py --smoke   # CPU, tiny model, checks + eager decoding, no fla
 
 Writes ``generation_<device>.md`` / ``.json`` under ``--out``.
 """
@@ -30,7 +31,6 @@ import argparse
 import gc
 import importlib.util
 import json
-import os
 import statistics
 import time
 import traceback
@@ -38,10 +38,34 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn as nn
+from _common import copy_bandwidth, git_commit, output_dir, smoke_env, smoke_requested
+
+if smoke_requested():
+    smoke_env()  # before torch/triton are imported
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 _HERE = Path(__file__).resolve().parent
+# --smoke's defaults (flags still override): a tiny model on the CPU, the checks included
+SMOKE = dict(
+    device="cpu",
+    dtype="fp32",
+    layers=4,  # the hybrid check's softmax attention is every 4th layer
+    hidden=32,
+    heads=2,
+    head_dim=16,
+    vocab=256,
+    prompt=16,
+    new=4,
+    new_large=2,
+    batches="1,2",
+    prefill="16",
+    repeats=1,
+    modes="eager",  # graph/compile need CUDA; transformers' loop is in the checks
+    skip_fla=True,
+    check=True,
+)
 
 
 def _model_training() -> Any:
@@ -73,17 +97,6 @@ def wall(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
         sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a large device copy (read + write counted), the floor's denominator."""
-    if device.type != "cuda":
-        return float("nan")
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    t = wall(lambda: y.copy_(x), device, 10)
-    return 2 * x.numel() / t
 
 
 def step_bytes(model: nn.Module, batch: int) -> int:
@@ -154,8 +167,16 @@ def per_token_ms(gen, ids: torch.Tensor, n_new: int, device, repeats: int) -> fl
 # ------------------------------------------------------------------------------- checks
 
 
+# The checks' sizes: left-padded fp32 batch, its prompt and new tokens; the bf16 teacher-forced
+# prompt and forced tokens (--smoke: smaller, the same paths)
+CHECK = dict(batch=4, prompt=96, new=64, bf16_prompt=128, forced=16)
+SMOKE_CHECK = dict(batch=2, prompt=24, new=8, bf16_prompt=16, forced=4)
+
+
 @torch.no_grad()
-def run_checks(arch: dict[str, Any], device: torch.device, modes: list[str]) -> dict[str, Any]:
+def run_checks(
+    arch: dict[str, Any], device: torch.device, modes: list[str], sizes: dict[str, int]
+) -> dict[str, Any]:
     from deltaflow.layers import DeltaFlowCache
     from deltaflow.models.generation import Sampling, StaticDecoder
 
@@ -163,11 +184,11 @@ def run_checks(arch: dict[str, Any], device: torch.device, modes: list[str]) -> 
     # fp32: identical greedy tokens across decode paths (pure and hybrid models)
     for label, extra in (("gated_deltanet", {}), ("hybrid_attn_every_4", {"attn_every": 4})):
         model = build("deltaflow", arch, torch.float32, device, **extra)
-        ids, mask = left_padded(4, 96, arch["vocab_size"], device)
-        want = generator_for(model, "transformers")(ids, 64, mask)
+        ids, mask = left_padded(sizes["batch"], sizes["prompt"], arch["vocab_size"], device)
+        want = generator_for(model, "transformers")(ids, sizes["new"], mask)
         row = {}
         for mode in ["eager"] + modes:
-            got = generator_for(model, mode)(ids, 64, mask)
+            got = generator_for(model, mode)(ids, sizes["new"], mask)
             row[mode] = bool(got.shape == want.shape and torch.equal(got, want))
         report[f"fp32_tokens_equal_{label}"] = row
         print(f"[check] fp32 {label}: tokens equal to transformers' loop: {row}")
@@ -177,8 +198,8 @@ def run_checks(arch: dict[str, Any], device: torch.device, modes: list[str]) -> 
     # bf16: teacher-forced logits of each decode path against the fp32 model with the same
     # weights; the static paths must be as close to it as the dynamic-cache step is (bf16
     # rounding differs between paths, e.g. the conv accumulates in fp32 in the static step).
-    ids = prompt(2, 128, arch["vocab_size"], device)
-    forced = prompt(2, 16, arch["vocab_size"], device)
+    ids = prompt(2, sizes["bf16_prompt"], arch["vocab_size"], device)
+    forced = prompt(2, sizes["forced"], arch["vocab_size"], device)
 
     def dynamic_logits(model: nn.Module) -> list[torch.Tensor]:
         cache = DeltaFlowCache(model.config.num_layers)
@@ -337,7 +358,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", default=None, help="default benchmarks/results (smoke: a temp dir)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     MT.add_architecture_args(p)
@@ -351,7 +372,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip-fla", action="store_true")
     p.add_argument("--check", action="store_true", help="run the GPU checks first")
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, --check, no fla")
+    if smoke_requested(argv):
+        p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
+    args.out = output_dir(args.out, args.smoke)
     args.batches = [int(x) for x in args.batches.split(",") if x]
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
@@ -360,8 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {
         "device": name,
-        # the device copy's git metadata can be stale: COMMIT=<sha> overrides it
-        "commit": os.environ.get("COMMIT") or MT.git_commit(),
+        "commit": git_commit(),
         "torch": torch.__version__,
         "dtype": args.dtype,
         "architecture": arch,
@@ -373,7 +397,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prefill": args.prefill,
         "results": {},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "generation_" + name.replace(" ", "_").replace("/", "_")
 
     def save() -> None:  # after every stage: a run cut off by a time limit keeps what it has
@@ -383,10 +406,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["bandwidth_gbs"] = float("nan")
     if args.check or args.check_only:
         graph_modes = [m for m in modes if m in ("graph", "compile")]
-        report["checks"] = run_checks(arch, device, graph_modes if device.type == "cuda" else [])
+        modes_checked = graph_modes if device.type == "cuda" else []
+        sizes = SMOKE_CHECK if args.smoke else CHECK
+        report["checks"] = run_checks(arch, device, modes_checked, sizes)
         save()
     if not args.check_only:
-        bandwidth = copy_bandwidth(device)
+        bandwidth = copy_bandwidth(device.type)
         report["bandwidth_gbs"] = bandwidth / 1e9
 
         def floor(model: nn.Module, batch: int) -> float:
@@ -396,11 +421,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             modes = [m for m in modes if m not in ("graph", "compile")]
         report["results"]["deltaflow"] = bench_model("deltaflow", modes, arch, args, device, floor)
         save()
-        if not args.skip_fla:
+        if args.skip_fla:
+            print("fla skipped (--skip-fla)")
+        else:
             report["results"]["fla"] = bench_model("fla", ["fla"], arch, args, device, floor)
     save()
     print(markdown(report))
+    print(f"wrote {args.out / stem}.md")
+    failed = failures(report)
+    if failed:  # the report is written; the exit status says something is wrong
+        raise SystemExit(f"generation: failed: {'; '.join(failed)}")
+    print("generation: done")
     return report
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """What went wrong in deltaflow's part (fla is optional): a decode mode or prefill that
+    raised, a check that did not hold."""
+    found = []
+    ours = report["results"].get("deltaflow", {})
+    if "error" in ours:
+        found.append(f"deltaflow not built: {ours['error']}")
+    for mode, row in ours.get("modes", {}).items():
+        if "error" in row:
+            found.append(f"{mode}: {row['error']}")
+    for length, ms in ours.get("prefill_ms", {}).items():
+        if not isinstance(ms, float):
+            found.append(f"prefill {length}: {ms}")
+    for name, value in (report.get("checks") or {}).items():
+        if not isinstance(value, dict):  # a number reported beside the checks
+            continue
+        if not (value["ok"] if name.startswith("bf16_") else all(value.values())):
+            found.append(f"check {name}: {value}")
+    return found
 
 
 if __name__ == "__main__":

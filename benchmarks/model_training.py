@@ -10,9 +10,8 @@ B=8, T=2048 (~390M parameters with untied embeddings). A run fits in ~5 minutes 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:. python3 benchmarks/model_training.py --out benchmarks/results
 
-    # CPU smoke run (no GPU, no fla):
-    python3 benchmarks/model_training.py --device cpu --layers 2 --seq 64 --batch 2 \\
-        --steps 2 --skip-fla
+    # CPU smoke run (no GPU, no fla; tiny model, report in a temporary folder or --out):
+    python3 benchmarks/model_training.py --smoke [--llama]
 
 Writes ``model_training_<device>.md`` and ``.json`` (device, shapes, dtype, commit, both
 models' numbers and their ratio) and ``model_training_<device>_profile.txt`` under ``--out``.
@@ -28,14 +27,18 @@ import gc
 import json
 import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn as nn
+from _common import git_commit, load_fla, output_dir, smoke_env, smoke_requested
+
+if smoke_requested():
+    smoke_env()  # before torch/triton are imported
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 # --------------------------------------------------------------------------------- models
 
@@ -77,10 +80,12 @@ def build_deltaflow(
     compiled: bool = False,
     no_fused: bool = False,
     checkpoint: str = "mixer,mlp",
+    backend: str = "inductor",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
     output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
-    ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default)."""
+    ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default);
+    ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen)."""
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
     from deltaflow.models.compile import compile_blocks
 
@@ -100,7 +105,8 @@ def build_deltaflow(
             if hasattr(m, "fused_projections"):
                 m.fused_projections = False
     if compiled:
-        compile_blocks(model, selective_checkpointing=tuple(p for p in checkpoint.split(",") if p))
+        parts = tuple(p for p in checkpoint.split(",") if p)
+        compile_blocks(model, selective_checkpointing=parts, backend=backend)
     return model, config.to_dict()
 
 
@@ -129,17 +135,12 @@ def build_llama(arch: dict[str, Any], compiled: bool = False) -> tuple[nn.Module
     return model, config.to_dict()
 
 
-def load_fla() -> Any:
-    """fla's model classes, or raise ImportError. Imported lazily: fla is optional."""
-    import fla.ops.common.chunk_o as chunk_o
-    from fla.models import GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-
-    chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: see the module docstring
-    return GatedDeltaNetConfig, GatedDeltaNetForCausalLM
-
-
 def build_fla(arch: dict[str, Any], linear_ce: bool) -> tuple[nn.Module, dict[str, Any]]:
-    GatedDeltaNetConfig, GatedDeltaNetForCausalLM = load_fla()
+    """fla's Gated DeltaNet of ``arch``; ImportError without fla (optional: callers report it)."""
+    classes = load_fla("fla.models:GatedDeltaNetConfig", "fla.models:GatedDeltaNetForCausalLM")
+    if classes is None:
+        raise ImportError("fla is not installed")
+    GatedDeltaNetConfig, GatedDeltaNetForCausalLM = classes
     config = GatedDeltaNetConfig(
         attn_mode="chunk",
         hidden_size=arch["hidden_size"],
@@ -164,6 +165,21 @@ def build_fla(arch: dict[str, Any], linear_ce: bool) -> tuple[nn.Module, dict[st
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# --smoke's defaults: the CPU plumbing check CI runs (tests/test_gpu_scripts.py), in seconds
+SMOKE = dict(
+    device="cpu",
+    layers=2,
+    hidden=64,
+    heads=2,
+    head_dim=32,
+    vocab=256,
+    seq=64,
+    batch=2,
+    steps=2,
+    warmup=1,
+    top=5,
+    skip_fla=True,
+)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -382,22 +398,6 @@ def benchmark(
 # --------------------------------------------------------------------------------- report
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            # '-dirty' when the files differ from that commit (a copy synced onto a device
-            # machine may carry an older .git than its working tree)
-            ["git", "describe", "--always", "--dirty"],
-            cwd=Path(__file__).resolve().parent,  # this checkout's commit, from any directory
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip() or "unknown"
-    except Exception:  # noqa: BLE001 - a copy without .git still benchmarks
-        return "unknown"
-
-
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Model training: {report['device']}",
@@ -488,7 +488,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="parameter dtype: bf16 (default on GPU), fp32 (default on CPU: bf16 matmuls are slow)",
     )
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=None, help="default benchmarks/results (smoke: a temp dir)")
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU, tiny model, no fla (flags above still apply)"
+    )
+    if smoke_requested(argv):
+        p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "fp32" if args.device == "cpu" else "bf16"
@@ -519,7 +524,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         if args.llama:
             runs.append((f"llama-sdpa{suffix}", lambda c=c: build_llama(arch, c)))
-    if not args.skip_fla:
+    if args.skip_fla:
+        print("fla skipped (--skip-fla)")
+    else:
         runs.append(("fla", lambda: build_fla(arch, args.fla_linear_ce)))
     results: dict[str, Any] = {}
     for name, build in runs:
@@ -559,8 +566,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio": ratio,
     }
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out, args.smoke)
     tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name) + f"_B{args.batch}_T{args.seq}"
     stem = out / f"model_training_{tag}"
     tables = "\n\n".join(

@@ -28,15 +28,12 @@ tokens, 1 GPU vs the row split over ``--gpus`` GPUs: tokens/s and peak memory at
 
     python3 benchmarks/multigpu.py --runs cp --timeout 600 --out benchmarks/results/context_parallel
 
-CPU smoke run (gloo, tiny model; checks the plumbing, not the speed):
+CPU smoke run (gloo, tiny model, a tiny byte-tokenized corpus it writes, the report in a
+temporary folder; checks the plumbing, not the speed): the 1-GPU run and the FSDP2 resume check
+(2 processes) by default, any ``--runs`` on request; the context-parallel one is
+``benchmarks/context_parallel.py --smoke``.
 
-    python3 benchmarks/multigpu.py --device cpu --corpus ../shared/corpus \\
-        --tokenizer ../shared/tokenizers/gpt2.tiktoken --out /tmp/mg --hidden 32 --layers 2 \\
-        --heads 2 --seq-len 64 --batch-size 4 --steps 8 --skip-steps 2 --log-every 2 \\
-        --resume-steps 4
-    python3 benchmarks/multigpu.py --device cpu --runs cp --out /tmp/cp --cp-layers 2 \
-        --cp-hidden 32 --cp-heads 2 --cp-head-dim 16 --cp-vocab 256 --cp-lengths 64 \
-        --cp-steps 2 --cp-warmup 1 --cp-search-start 64 --cp-search-max 256
+    python3 benchmarks/multigpu.py --smoke [--runs 1gpu,ddp,fsdp,resume]
 """
 
 from __future__ import annotations
@@ -52,9 +49,24 @@ from pathlib import Path
 from typing import Any
 
 import context_parallel  # run as a script: benchmarks/ is on sys.path
+from _common import git_commit, output_dir, smoke_corpus, smoke_requested
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINING_RUNS = ("1gpu", "ddp", "fsdp", "resume")
+# --smoke's defaults (flags still override): the docstring's CPU plumbing check, in seconds
+SMOKE = dict(
+    device="cpu",
+    runs="1gpu,resume",
+    hidden=32,
+    layers=2,
+    heads=2,
+    seq_len=64,
+    batch_size=4,
+    steps=4,
+    skip_steps=2,
+    log_every=2,
+    resume_steps=4,
+)
 
 
 # --------------------------------------------------------------------------------- commands
@@ -79,8 +91,7 @@ def train_command(
         "train",
         "--task=lm",
         f"--data-dir={args.corpus}",
-        "--tokenizer=bpe",
-        f"--tokenizer-path={args.tokenizer}",
+        *(["--tokenizer=bpe", f"--tokenizer-path={args.tokenizer}"] if args.tokenizer else []),
         f"--seq-len={args.seq_len}",
         f"--hidden-size={args.hidden}",
         f"--num-layers={args.layers}",
@@ -293,7 +304,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--corpus", type=Path, help="directory of .txt files (training runs)")
     p.add_argument("--tokenizer", type=Path, help="GPT-2 .tiktoken file (training runs)")
-    p.add_argument("--out", type=Path, required=True, help="report and run directories")
+    p.add_argument("--out", type=Path, help="report and run directories (smoke: a temp dir)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model and corpus (see above)")
     p.add_argument("--gpus", type=int, default=2, help="GPUs of the multi-GPU runs")
     p.add_argument("--steps", type=int, default=150, help="steps of each timing run")
     p.add_argument("--skip-steps", type=int, default=30, help="warm-up steps not timed")
@@ -314,7 +326,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=int, default=240, help="seconds per training process")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     context_parallel.add_benchmark_args(p)
+    if smoke_requested(argv):
+        p.set_defaults(**SMOKE)
     args = p.parse_args(argv)
+    if args.out is None and not args.smoke:
+        p.error("--out is required")
+    args.out = output_dir(args.out, args.smoke)
+    if args.smoke and args.corpus is None:
+        args.corpus = smoke_corpus(args.out / "corpus")  # byte tokenizer: no --tokenizer
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if "cp" in args.runs:
         args.runs[args.runs.index("cp") : args.runs.index("cp") + 1] = ["cp-speed", "cp-search"]
@@ -324,9 +343,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if set(args.runs) & set(TRAINING_RUNS):
         if args.corpus is None or not args.corpus.is_dir():
             p.error(f"--corpus {args.corpus} is not a directory (needed by the training runs)")
-        if args.tokenizer is None or not args.tokenizer.is_file():
+        if not args.smoke and (args.tokenizer is None or not args.tokenizer.is_file()):
             p.error(f"--tokenizer {args.tokenizer} is not a file (needed by the training runs)")
-        args.corpus, args.tokenizer = args.corpus.resolve(), args.tokenizer.resolve()
+        args.corpus = args.corpus.resolve()
+        args.tokenizer = args.tokenizer and args.tokenizer.resolve()
     for name in ("gpus", "steps", "log_every", "resume_steps", "batch_size", "timeout"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -346,10 +366,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
-    from model_training import git_commit  # run as a script: benchmarks/ is on sys.path
 
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
     args.out = args.out.resolve()
     setup = {
         k: getattr(args, k)
@@ -380,6 +398,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["total_s"] = round(time.perf_counter() - start, 1)
     write_report(report, args.out)
     print(f"\n{markdown(report)}\nwrote {args.out / 'multigpu.md'} ({report['total_s']} s)")
+    failed = [r["name"] for r in report["runs"] if "error" in r]
+    if "error" in (report.get("resume_check") or {}):  # not bit-identical is a result
+        failed.append("resume")
+    if failed:  # the report is written; the exit status says what failed
+        raise SystemExit(f"multigpu: failed: {', '.join(failed)}")
+    print("multigpu: done")
     return report
 
 

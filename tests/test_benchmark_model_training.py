@@ -64,3 +64,25 @@ def test_compiled_blocks_match_eager_on_cpu():
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_compiled_blocks_evaluate_under_no_grad_on_cpu():
+    """A compiled model's no-grad forward (the trainer's evaluation) traces the torch backend's
+    forward-only path: its chunk copy used to be an ``out=`` op whose traced strides a view
+    refused (BackendCompilerFailed at the first evaluation of `--compile blocks` on CPU)."""
+    import torch
+
+    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+    from deltaflow.models.compile import compile_blocks
+
+    torch.manual_seed(0)
+    cfg = DeltaFlowConfig(
+        vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, rule="delta", use_decay=True
+    )
+    ref = DeltaFlowForCausalLM(cfg).eval()
+    fast = DeltaFlowForCausalLM(cfg).eval()
+    fast.load_state_dict(ref.state_dict())
+    compile_blocks(fast, backend="aot_eager")  # the same trace as inductor, no C++ codegen
+    ids = torch.randint(0, 61, (2, 70))
+    with torch.no_grad():
+        torch.testing.assert_close(fast(input_ids=ids).logits, ref(input_ids=ids).logits)

@@ -46,6 +46,7 @@ def compile_blocks(
     selective_checkpointing: tuple[str, ...] | bool = ("mixer", "mlp"),
     fullgraph: bool = True,
     dynamic: bool | None = None,
+    backend: str = "inductor",
 ) -> int:
     """Compile every block of a DeltaFlow model in place (``nn.Module.compile``: parameter
     names and ``state_dict`` keys are unchanged). Returns the number of blocks compiled.
@@ -55,7 +56,11 @@ def compile_blocks(
     backward (``DeltaFlowBlock.selective_checkpointing``).
 
     ``dynamic=None`` (dynamo's default): the first shape compiles static; a second one (an
-    evaluation length, packed documents) recompiles once with dynamic sizes."""
+    evaluation length, packed documents) recompiles once with dynamic sizes.
+
+    ``backend``: torch.compile's; ``"aot_eager"`` traces the same graphs (fullgraph, the
+    checkpointing policy, AOTAutograd) without generating code, for CPU smoke runs of the GPU
+    checks (inductor's C++ compile takes minutes on a small CPU)."""
     backbone = getattr(model, "model", model)
     layers = getattr(backbone, "layers", None)
     if layers is None:
@@ -73,5 +78,5 @@ def compile_blocks(
     for block in layers:
         if hasattr(block, "selective_checkpointing"):
             block.selective_checkpointing = tuple(parts)
-        block.compile(fullgraph=fullgraph, dynamic=dynamic)
+        block.compile(fullgraph=fullgraph, dynamic=dynamic, backend=backend)
     return len(layers)

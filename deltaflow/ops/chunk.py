@@ -153,11 +153,9 @@ def _forward_only(q, k, v, a, b, log_decay, S, scale, C, poison):
         x = x.reshape(B, N, C, H, *x.shape[3:]).movedim(2, 3).transpose(0, 1)
         # the one copy of each input (contiguous also when B == 1 would allow a strided view);
         # zeroing non-finite entries rides on that copy
-        out = x.new_empty(x.shape)
+        out = x.clone(memory_format=torch.contiguous_format)
         if finite:
-            torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=out)  # as _finite
-        else:
-            out.copy_(x)
+            torch.nan_to_num_(out, nan=0.0, posinf=0.0, neginf=0.0)  # as _finite
         return out.view(N, BH, C, *x.shape[4:])
 
     q = chunks(q, finite=False)  # q is never summed over tokens: it needs no finite copy

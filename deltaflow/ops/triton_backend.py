@@ -40,7 +40,8 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
 # Checking scripts set this to fill outputs with NaN before each launch, so that any element a
-# kernel fails to write shows up as NaN instead of stale memory.
+# kernel fails to write shows up as NaN instead of stale memory (integer tables, which cannot
+# hold NaN, get their dtype's minimum).
 POISON_OUTPUTS = False
 # "auto" | "fused" | "two_pass": which forward (see _use_two_pass); tests and sweeps pin it.
 FORWARD_MODE = "auto"
