@@ -46,6 +46,15 @@ def test_chunk_sizes(chunk_size):
     assert rel_err(o, o_ref) <= 1e-10 and rel_err(s, s_ref) <= 1e-10
 
 
+def test_a_chunk_longer_than_the_sequence_is_capped_at_it():
+    """Issue 34 item 11: chunk_size=2**20 at T=10 asked for 1 TiB of padding (65536: 16 GB)."""
+    inputs = make_inputs(1, 10, 2, 6, 7, rule="efla", seed=3)
+    o_ref, s_ref = run("reference", inputs, rule="efla")
+    for chunk_size in (2**16, 2**20):
+        o, s = run("torch", inputs, rule="efla", chunk_size=chunk_size)
+        assert rel_err(o, o_ref) <= 1e-10 and rel_err(s, s_ref) <= 1e-10
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     B=st.integers(1, 3),

@@ -77,6 +77,7 @@ def delta_rule(
         output_final_state: also return the final state (float32, float64 for float64 inputs).
         cu_seqlens: int ``[N + 1]`` offsets of ``N`` sequences packed along T; requires B == 1.
         chunk_size: tokens per chunk (positive power of two); it changes speed, not the result.
+            One larger than the sequence is capped at it (rounded up to a power of two).
             None lets the backend choose: the torch backend takes 32 on CPU (fastest there,
             benchmarks/NOTES.md) and 64 elsewhere; the Triton kernels compute in chunks of 64
             only, so backend='triton' refuses any other value and 'auto' then picks 'torch'.
@@ -162,6 +163,9 @@ def delta_rule(
     else:
         if chunk_size is None:
             chunk_size = CPU_CHUNK_SIZE if q.device.type == "cpu" else TRITON_CHUNK_SIZE
+        # A chunk past the sequence is only padding (chunk_size=65536 at T=10 asked for 16 GB
+        # of it): the smallest power of two that holds all T tokens gives the same result.
+        chunk_size = min(chunk_size, 1 << max(0, q.shape[1] - 1).bit_length())
         o, state = _torch_chunked(q, k, v, chunk_size=chunk_size, **options)
     return o.to(v.dtype), (state if output_final_state else None)
 
