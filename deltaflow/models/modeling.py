@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -239,11 +240,19 @@ class DeltaFlowPreTrainedModel(PreTrainedModel):
         one dropped) with only a load report to say so. ``strict=False`` loads anyway (e.g.
         to fine-tune a new head); ``output_loading_info=True`` also returns the report."""
         want_info = kwargs.pop("output_loading_info", False)
+        # transformers would raise "look at the above report!" itself; the check below names
+        # the tensors (and strict=False loads anyway, as it says)
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path", "")
+        if where and Path(str(where)).is_dir() and not (Path(str(where)) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{where} has no config.json: not a save_pretrained folder (deltaflow export "
+                "writes one)"
+            )
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if strict:
             problems = _weight_problems(cls, info)
             if problems:
-                where = args[0] if args else kwargs.get("pretrained_model_name_or_path", "")
                 raise ValueError(
                     f"{where}: the weights do not match config.json ({'; '.join(problems)}); "
                     "refusing to load a partly random model (pass strict=False to load anyway)"
