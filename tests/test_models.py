@@ -483,3 +483,12 @@ def test_a_folder_that_does_not_match_its_config_is_one_error_naming_the_tensors
         DeltaFlowForCausalLM.from_pretrained(folders["noconfig"])
     loaded = DeltaFlowForCausalLM.from_pretrained(folders["shape"], strict=False)
     assert loaded.model.norm.weight.shape == model.model.norm.weight.shape  # re-initialised
+
+
+def test_labels_outside_the_vocabulary_are_a_value_error():
+    """Issue 34 item 12: labels >= vocab_size gave a raw IndexError from the loss."""
+    model = tiny()
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"labels must be token ids in \[0, vocab_size={V}\)"):
+        model(input_ids=ids, labels=torch.full((1, 4), V))
+    model(input_ids=ids, labels=torch.tensor([[1, -100, 2, -100]]))  # -100: not scored

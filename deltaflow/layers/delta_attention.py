@@ -142,6 +142,9 @@ class DeltaAttention(nn.Module):
             )
         if use_short_conv and conv_size < 1:
             raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+        for name, value in (("norm_eps", norm_eps), ("eps", eps)):
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if chunk_size is not None and (chunk_size <= 0 or chunk_size & (chunk_size - 1)):
             raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size}")
         if backend not in ("auto", "reference", "torch", "triton"):
@@ -353,6 +356,13 @@ class DeltaAttention(nn.Module):
             cu_seqlens,
             mask_prepared,
         )
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"DeltaAttention: hidden_states are {x.dtype} but the layer's weights are "
+                f"{weight.dtype}: convert one (layer.to({x.dtype}) or x.to({weight.dtype})), "
+                "or run under torch.autocast"
+            )
         x = zero_padding(x, mask)  # a nan at a padded position must not reach real tokens
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
         cp = self._active_context_parallel()

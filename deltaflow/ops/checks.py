@@ -155,8 +155,10 @@ def check_inputs(
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+    if not eps > 0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite number > 0, got {eps}")
+    if not isinstance(check_values, bool):  # None or 0 must not turn the checks off unseen
+        raise TypeError(f"check_values must be True or False, got {check_values!r}")
 
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -114,6 +115,8 @@ def delta_rule(
             stacklevel=2,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
     backend = resolve_backend(backend, q, step_rule, chunk_size)
     dtype = compute_dtype(q, k, v, beta, initial_state)
     if backend == "triton" and not step_rule.has_triton:
