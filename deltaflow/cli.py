@@ -296,7 +296,15 @@ def resolve_train_config(args: argparse.Namespace) -> Any:
         key, raw = item.split("=", 1)
         data["task_kwargs"][key] = parse_value(f"--task-arg {key}", raw)
     data = apply_overrides(data, args.overrides)
-    return TrainConfig.from_dict(data)
+    config = TrainConfig.from_dict(data)
+    from deltaflow.tasks import TASKS  # a Trainer may be handed its own task; the CLI may not
+
+    if config.task.strip().lower().replace("-", "_") not in TASKS:
+        raise ValueError(
+            f"--task: unknown task {config.task!r}{did_you_mean(config.task, TASKS)}; "
+            f"known: {', '.join(TASKS)}"
+        )
+    return config
 
 
 def cmd_train(args: argparse.Namespace) -> int:

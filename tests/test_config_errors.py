@@ -441,3 +441,30 @@ def test_ctrl_c_reaching_the_command_line_is_one_line(monkeypatch, capsys):
     assert cli.main(["eval", "anything"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "deltaflow eval: interrupted"
+
+
+def test_configs_that_built_something_else_or_raised_raw_errors_are_one_line(tmp_path, capsys):
+    """Issue 34 item 13: attn_every past num_layers built a model with no attention;
+    num_layers 2.5 did not name the key; a YAML key given twice silently took the last;
+    --print-config took an unknown --task; a huge hidden_size was a traceback."""
+    with pytest.raises(ValueError, match="attn_every=5 with num_layers=2 makes no layer"):
+        DeltaFlowConfig(vocab_size=8, hidden_size=16, num_heads=2, num_layers=2, attn_every=5)
+    with pytest.raises(ValueError, match="num_layers must be a positive int, got 2.5"):
+        DeltaFlowConfig(vocab_size=8, hidden_size=16, num_heads=2, num_layers=2.5)
+    with pytest.raises(ValueError, match="eps must be > 0, got 0"):
+        DeltaFlowConfig(vocab_size=8, hidden_size=16, num_heads=2, eps=0)
+    config = tmp_path / "twice.yaml"
+    config.write_text("steps: 3\nlr: 1.0e-3\nsteps: 5\n")
+    one_line_error(
+        capsys,
+        ["train", "--config", str(config), "--print-config"],
+        "line 3, column 1: key 'steps' is given twice",
+    )
+    one_line_error(
+        capsys, ["train", "--task", "mqarr", "--print-config"], "unknown task 'mqarr'", "'mqar'"
+    )
+    one_line_error(
+        capsys,
+        ["train", *TINY_MQAR, *FAST, "--set", "model.hidden_size=1000000000", "--steps", "1"],
+        "is too large to create here",
+    )

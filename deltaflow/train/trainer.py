@@ -113,7 +113,19 @@ def task_vocab_size(config: TrainConfig) -> int:
 def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
 
-    return DeltaFlowForCausalLM(DeltaFlowConfig(vocab_size=vocab_size, **config.model))
+    model_config = DeltaFlowConfig(vocab_size=vocab_size, **config.model)
+    try:
+        return DeltaFlowForCausalLM(model_config)
+    except (RuntimeError, MemoryError) as err:  # torch: "can't allocate", "size ... overflowed"
+        text = str(err)
+        if not isinstance(err, MemoryError) and "allocate" not in text and "overflow" not in text:
+            raise
+        reason = text.splitlines()[0] if text else type(err).__name__
+        raise ValueError(
+            f"the model (hidden_size {model_config.hidden_size}, {model_config.num_layers} "
+            f"layers, vocabulary {vocab_size}) is too large to create here ({reason}); "
+            "make model.hidden_size or model.num_layers smaller"
+        ) from None
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
