@@ -69,6 +69,7 @@ def write_pretrained(
     ``guard``: ``dest`` is a user's ``--out``: refuse it unless it is new, empty or an
     earlier export whose files the new one all replaces (nothing else is ever deleted).
     """
+    from deltaflow.train.checkpoint import pause_point
     from deltaflow.train.safety import (
         aside_name,
         check_export_dest,
@@ -87,6 +88,7 @@ def write_pretrained(
     try:
         with _quiet_transformers():
             model.save_pretrained(str(tmp), safe_serialization=True)
+        pause_point()  # tests: a kill here leaves a half-written .DEST.tmp-PID
         tokenizer = hf_tokenizer(train_config["task"], train_config.get("task_kwargs", {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

@@ -129,14 +129,18 @@ def aside_name(dest: Path, kind: str) -> Path:
 def swap_in(tmp: Path, dest: Path) -> None:
     """Put the finished ``tmp`` at ``dest``; an existing ``dest`` is deleted after the swap.
     At no moment is ``dest`` missing (where ``renameat2`` exists)."""
+    from deltaflow.train.checkpoint import pause_point  # tests: widen the windows below
+
     if not dest.exists():
         os.replace(tmp, dest)
         return
     if exchange(tmp, dest):
+        pause_point()  # a kill here leaves the old folder as .DEST.tmp-PID: cleaned next time
         shutil.rmtree(tmp)  # the old folder, now under the temporary name
         return
     old = aside_name(dest, "old")  # a kill between these renames: recover_aside puts it back
     os.replace(dest, old)
+    pause_point()
     os.replace(tmp, dest)
     shutil.rmtree(old)
 
