@@ -310,15 +310,25 @@ def test_eval_of_a_truncated_checkpoint_is_one_line(tmp_path, capsys):
     weights = ckpt / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
+    # the manifest catches it before the file is read (issue 34 item 6) ...
     one_line_error(
         capsys,
         ["eval", str(out), "--device", "cpu"],
+        "model.safetensors does not match its SHA-256 in manifest.json (changed or truncated)",
+        command="eval",
+    )
+    # ... and unchecked (--trust-checkpoint) reading it fails with one line too
+    one_line_error(
+        capsys,
+        ["eval", str(out), "--device", "cpu", "--trust-checkpoint"],
         "model.safetensors cannot be read",
         "truncated or corrupt",
         command="eval",
     )
     weights.write_bytes(data[:50])
-    one_line_error(capsys, ["eval", str(out)], "model.safetensors", command="eval")
+    one_line_error(
+        capsys, ["eval", str(out), "--trust-checkpoint"], "model.safetensors", command="eval"
+    )
     # generate on a checkpoint that is not a language model: one line too.
     weights.write_bytes(data)
     one_line_error(capsys, ["generate", str(out)], "language-model", command="generate")
