@@ -155,7 +155,7 @@ def test_a_second_run_in_a_folder_is_refused_and_a_killed_runs_lock_is_taken_ove
     while not (run / "log.jsonl").is_file() and time.time() < deadline:
         time.sleep(0.02)
     a_config = (run / "run_config.yaml").read_bytes()
-    code, out = train(cli, tmp_path, "--steps", "3000", "--lr", "0.003", "--out", str(run))
+    code, out = train(cli, tmp_path, "--steps", "5", "--lr", "0.003", "--out", str(run))
     line = error_line(out)
     assert code == 2 and f"in use by another deltaflow run (PID {pid})" in line, line
     assert (run / "run_config.yaml").read_bytes() == a_config

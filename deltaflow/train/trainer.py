@@ -370,7 +370,11 @@ class Trainer:
         start = self.plan.resume or self.plan.fork
         log_state: dict[str, Any] = {}
         if start is not None:
-            log_state = self._resume(Path(start))
+            try:
+                log_state = self._resume(Path(start))
+            except BaseException:  # a refused checkpoint: the folder is free for a retry
+                self._release_lock()
+                raise
         log_dir = config.out_dir if self.dist.is_main else None
         sinks = dict(
             tensorboard=config.tensorboard, wandb=config.wandb, run_config=config.to_dict()
