@@ -173,6 +173,15 @@ def _threads_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive_int, metavar="N", help=DEFAULT_THREADS_HELP)
 
 
+def _trust_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load a checkpoint that has no manifest.json (or one that does not verify) "
+        "unchecked: only a folder whose writer you trust",
+    )
+
+
 def _config_flags() -> list[tuple[str, dataclasses.Field, dict[str, Any]]]:
     """(flag, field, argparse keywords) for every TrainConfig field that has a flag: the
     flags are derived from the dataclass, so a field and its help are declared once."""
@@ -259,8 +268,8 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     groups["runtime"].add_argument(
         "--trust-checkpoint",
         action="store_true",
-        help="resume an FSDP checkpoint whose signed manifest does not verify (its "
-        "dcp/.metadata is a pickle: only for folders whose writer you trust)",
+        help="resume a checkpoint that has no manifest.json or whose (for FSDP: signed) "
+        "manifest does not verify, unchecked: only for folders whose writer you trust",
     )
     p.set_defaults(func=cmd_train)
 
@@ -289,7 +298,15 @@ def resolve_train_config(args: argparse.Namespace) -> Any:
         key, raw = item.split("=", 1)
         data["task_kwargs"][key] = parse_value(f"--task-arg {key}", raw)
     data = apply_overrides(data, args.overrides)
-    return TrainConfig.from_dict(data)
+    config = TrainConfig.from_dict(data)
+    from deltaflow.tasks import TASKS  # a Trainer may be handed its own task; the CLI may not
+
+    if config.task.strip().lower().replace("-", "_") not in TASKS:
+        raise ValueError(
+            f"--task: unknown task {config.task!r}{did_you_mean(config.task, TASKS)}; "
+            f"known: {', '.join(TASKS)}"
+        )
+    return config
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -372,21 +389,22 @@ def _resume_command(argv: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------------- eval / generate
-def _load_trained(path: str, device: str) -> tuple[Any, Any, Path]:
-    """(config, model with checkpoint weights, checkpoint dir) for a run or checkpoint dir."""
+def _load_trained(path: str, device: str, trusted: bool = False) -> tuple[Any, Any, Path]:
+    """(config, model with checkpoint weights, checkpoint dir) for a run or checkpoint dir;
+    the checkpoint's files are checked against its manifest before any is read."""
     from deltaflow.train import TrainConfig, build_model, load_checkpoint, resolve_checkpoint
+    from deltaflow.train.checkpoint import read_config, verify_checkpoint
     from deltaflow.train.trainer import DistInfo, resolve_device
 
     if not Path(path).exists():
         raise FileNotFoundError(f"{path} does not exist: give a run folder or a checkpoint")
     ckpt = resolve_checkpoint(path)
-    if not (ckpt / "config.yaml").is_file():
-        raise FileNotFoundError(f"{ckpt} has no config.yaml: not a deltaflow checkpoint")
-    config = TrainConfig.from_yaml(ckpt / "config.yaml").replace(device=device, out_dir=None)
+    verify_checkpoint(ckpt, trusted=trusted)
+    config = TrainConfig.from_dict(read_config(ckpt)).replace(device=device, out_dir=None)
     vocab = _vocab_size(config, ckpt)
     model = build_model(config, vocab).to(resolve_device(device, DistInfo()))
     try:
-        load_checkpoint(ckpt, model=model, restore_rng=False)
+        load_checkpoint(ckpt, model=model, restore_rng=False, trusted=True)  # verified above
     except Exception as err:  # safetensors' and torch's error types differ between versions
         name = _unreadable_file(err)
         if name is None:
@@ -462,6 +480,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     _threads_flag(p)
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
+    _trust_flag(p)
     g = p.add_argument_group("lm-evaluation-harness (pip install 'deltaflow[eval]')")
     g.add_argument(
         "--lm-eval",
@@ -489,7 +508,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.lm_eval:
         return _cmd_lm_eval(args)
 
-    config, model, ckpt = _load_trained(args.checkpoint, args.device)
+    config, model, ckpt = _load_trained(args.checkpoint, args.device, args.trust_checkpoint)
     changes: dict[str, Any] = {"resume": False, "progress": False}
     task_kwargs = dict(config.task_kwargs)
     for item in args.task_args:
@@ -561,6 +580,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     _threads_flag(p)
+    _trust_flag(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -572,7 +592,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from deltaflow.train.cpu import set_threads
 
     set_threads(args.threads, _resolved_device(args.device))
-    config, model, ckpt = _load_trained(args.checkpoint, args.device)
+    config, model, ckpt = _load_trained(args.checkpoint, args.device, args.trust_checkpoint)
     if config.task != "lm":
         raise ValueError(
             f"generate needs a language-model checkpoint (task 'lm'); {args.checkpoint} was "
@@ -613,7 +633,13 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         "runs already have one: RUN/final/.",
     )
     p.add_argument("checkpoint", help="run dir (its latest checkpoint) or checkpoint dir")
-    p.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="a new or empty folder, or an earlier export (replaced atomically); never a run, "
+        "a checkpoint, a folder inside one, a file or a folder of other files",
+    )
+    _trust_flag(p)
     p.set_defaults(func=cmd_export)
 
 
@@ -621,10 +647,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from deltaflow.train.checkpoint import resolve_checkpoint
     from deltaflow.train.export import export_checkpoint
 
+    if not Path(args.checkpoint).exists():
+        raise FileNotFoundError(f"{args.checkpoint} does not exist: give a run or a checkpoint")
     ckpt = resolve_checkpoint(args.checkpoint)
-    if Path(args.out).resolve() in (Path(args.checkpoint).resolve(), ckpt.resolve()):
-        raise ValueError("--out must be a new folder, not the run or checkpoint itself")
-    dest = export_checkpoint(ckpt, args.out)
+    dest = export_checkpoint(ckpt, args.out, trusted=args.trust_checkpoint)
     print(f"exported {ckpt} to {dest}")
     return 0
 
@@ -962,42 +988,51 @@ def _one_line(err: BaseException) -> str:
 
 
 def _close_progress_bars() -> None:
+    if "tqdm" not in sys.modules:  # no bar can be open
+        return
     from tqdm import tqdm
 
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args, extras = parser.parse_known_args(argv)
-    if extras:
-        _unknown_flags_error(parser, args.command, extras)
-    args.argv = argv  # recorded with results (results/*/command.txt)
-    if not hasattr(args, "func"):
-        parser.print_help()
-        return 0
-    debug = getattr(args, "traceback", False) or os.environ.get("DELTAFLOW_DEBUG", "") not in (
-        "",
-        "0",
-    )
-    from deltaflow.train import DivergenceError
+def _diverged(err: BaseException) -> bool:
+    """A DivergenceError (one line, exit 1); without the trainer imported it cannot be one."""
+    trainer = sys.modules.get("deltaflow.train.trainer")
+    return trainer is not None and isinstance(err, trainer.DivergenceError)
 
+
+def main(argv: list[str] | None = None) -> int:
+    # Everything inside the try, the parser too: building it imports torch and transformers
+    # (seconds), and a Ctrl-C then is one line and exit 130 like at any later moment.
+    command, debug = None, False
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        debug = "--traceback" in argv or os.environ.get("DELTAFLOW_DEBUG", "") not in ("", "0")
+        command = next((a for a in argv if not a.startswith("-")), None)  # until argparse says
+        parser = build_parser()
+        args, extras = parser.parse_known_args(argv)
+        command = args.command
+        if extras:
+            _unknown_flags_error(parser, args.command, extras)
+        args.argv = argv  # recorded with results (results/*/command.txt)
+        if not hasattr(args, "func"):
+            parser.print_help()
+            return 0
+        debug = debug or getattr(args, "traceback", False)
         return int(args.func(args) or 0)
-    except (*USER_ERRORS, DivergenceError) as err:
-        if debug:
-            raise
-        _close_progress_bars()  # else the error line starts after a half-drawn bar
-        print(f"deltaflow {args.command}: error: {_one_line(err)}", file=sys.stderr)
-        return 1 if isinstance(err, DivergenceError) else 2
     except KeyboardInterrupt:
         if debug:
             raise
         _close_progress_bars()
-        print(f"deltaflow {args.command}: interrupted", file=sys.stderr)
+        print(f"deltaflow{f' {command}' if command else ''}: interrupted", file=sys.stderr)
         return 130  # the shell's code for a SIGINT
+    except Exception as err:
+        if debug or not (isinstance(err, USER_ERRORS) or _diverged(err)):
+            raise
+        _close_progress_bars()  # else the error line starts after a half-drawn bar
+        print(f"deltaflow {command}: error: {_one_line(err)}", file=sys.stderr)
+        return 1 if _diverged(err) else 2
 
 
 if __name__ == "__main__":

@@ -322,9 +322,25 @@ def step_coefficients(
     if beta is None and step_rule.needs_beta:
         raise ValueError(f"beta is None but rule {step_rule.name!r} needs beta of shape [B, T, H]")
     a, b = step_rule.coefficients(beta, lam, eps)
+    if step_rule.source == "user":
+        _check_user_coefficients(step_rule.name, a, b, lam)
     if negative_eigenvalues:
         a, b = 2 * a, 2 * b
     return a, b
+
+
+def _check_user_coefficients(name: str, a: Tensor, b: Tensor, lam: Tensor) -> None:
+    """What a user's rule function returns: two tensors of ``lam``'s shape [B, T, H], finite
+    (a NaN would spread through the state silently). Built-in rules are tested instead."""
+    for label, x in (("a", a), ("b", b)):
+        if not isinstance(x, Tensor) or x.shape != lam.shape:
+            got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"rule {name!r} must return (a, b) tensors of shape {list(lam.shape)} "
+                f"([B, T, H], like beta), got {label} {got}"
+            )
+        if not torch.compiler.is_compiling() and not bool(torch.isfinite(x).all()):
+            raise ValueError(f"rule {name!r} returned NaN or inf in {label}")
 
 
 def step_inputs(

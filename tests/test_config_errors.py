@@ -310,15 +310,25 @@ def test_eval_of_a_truncated_checkpoint_is_one_line(tmp_path, capsys):
     weights = ckpt / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
+    # the manifest catches it before the file is read (issue 34 item 6) ...
     one_line_error(
         capsys,
         ["eval", str(out), "--device", "cpu"],
+        "model.safetensors does not match its SHA-256 in manifest.json (changed or truncated)",
+        command="eval",
+    )
+    # ... and unchecked (--trust-checkpoint) reading it fails with one line too
+    one_line_error(
+        capsys,
+        ["eval", str(out), "--device", "cpu", "--trust-checkpoint"],
         "model.safetensors cannot be read",
         "truncated or corrupt",
         command="eval",
     )
     weights.write_bytes(data[:50])
-    one_line_error(capsys, ["eval", str(out)], "model.safetensors", command="eval")
+    one_line_error(
+        capsys, ["eval", str(out), "--trust-checkpoint"], "model.safetensors", command="eval"
+    )
     # generate on a checkpoint that is not a language model: one line too.
     weights.write_bytes(data)
     one_line_error(capsys, ["generate", str(out)], "language-model", command="generate")
@@ -441,3 +451,30 @@ def test_ctrl_c_reaching_the_command_line_is_one_line(monkeypatch, capsys):
     assert cli.main(["eval", "anything"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "deltaflow eval: interrupted"
+
+
+def test_configs_that_built_something_else_or_raised_raw_errors_are_one_line(tmp_path, capsys):
+    """Issue 34 item 13: attn_every past num_layers built a model with no attention;
+    num_layers 2.5 did not name the key; a YAML key given twice silently took the last;
+    --print-config took an unknown --task; a huge hidden_size was a traceback."""
+    with pytest.raises(ValueError, match="attn_every=5 with num_layers=2 makes no layer"):
+        DeltaFlowConfig(vocab_size=8, hidden_size=16, num_heads=2, num_layers=2, attn_every=5)
+    with pytest.raises(ValueError, match="num_layers must be a positive int, got 2.5"):
+        DeltaFlowConfig(vocab_size=8, hidden_size=16, num_heads=2, num_layers=2.5)
+    with pytest.raises(ValueError, match="eps must be > 0, got 0"):
+        DeltaFlowConfig(vocab_size=8, hidden_size=16, num_heads=2, eps=0)
+    config = tmp_path / "twice.yaml"
+    config.write_text("steps: 3\nlr: 1.0e-3\nsteps: 5\n")
+    one_line_error(
+        capsys,
+        ["train", "--config", str(config), "--print-config"],
+        "line 3, column 1: key 'steps' is given twice",
+    )
+    one_line_error(
+        capsys, ["train", "--task", "mqarr", "--print-config"], "unknown task 'mqarr'", "'mqar'"
+    )
+    one_line_error(
+        capsys,
+        ["train", *TINY_MQAR, *FAST, "--set", "model.hidden_size=1000000000", "--steps", "1"],
+        "is too large to create here",
+    )

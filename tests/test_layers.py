@@ -219,8 +219,10 @@ def test_layer_lets_the_op_choose_the_chunk_size(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(op, "chunk_delta_rule", spy)
-    DeltaAttention(32, num_heads=2, backend="torch")(torch.randn(1, 9, 32))
-    DeltaAttention(32, num_heads=2, backend="torch", chunk_size=8)(torch.randn(1, 9, 32))
+    # T longer than the default chunk: a chunk past T is capped at it (issue 34 item 11)
+    T = 2 * op.CPU_CHUNK_SIZE + 1
+    DeltaAttention(32, num_heads=2, backend="torch")(torch.randn(1, T, 32))
+    DeltaAttention(32, num_heads=2, backend="torch", chunk_size=8)(torch.randn(1, T, 32))
     assert seen == [op.CPU_CHUNK_SIZE, 8]
 
 
@@ -404,3 +406,22 @@ def test_mask_helper_and_norms():
     assert l2_normalize(torch.zeros(2, 3)).abs().sum() == 0
     norm = RMSNorm(7)
     torch.testing.assert_close(norm(x).pow(2).mean(-1), torch.ones(3), atol=1e-3, rtol=0)
+
+
+def test_inputs_that_gave_raw_errors_are_one_clear_error():
+    """Issue 34 item 12: T = 0 failed in the conv; meta-device input, fp64 input to an fp32
+    layer and a non-dict state gave raw errors; norm_eps=-1 and eps=0 were accepted."""
+    layer = DeltaAttention(16, num_heads=2, backend="torch")
+    with pytest.raises(ValueError, match="DeltaAttention: the input has no tokens"):
+        layer(torch.zeros(1, 0, 16))
+    with pytest.raises(ValueError, match="on the meta device"):
+        layer(torch.zeros(1, 3, 16, device="meta"))
+    with pytest.raises(TypeError, match="hidden_states are torch.float64 but the layer's"):
+        layer(torch.zeros(1, 3, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="state must be the dict a previous call returned"):
+        layer(torch.zeros(1, 3, 16), state=[1, 2])
+    for kwargs in (dict(norm_eps=-1), dict(eps=0), dict(eps=float("nan"))):
+        with pytest.raises(ValueError, match="must be a finite number > 0"):
+            DeltaAttention(16, num_heads=2, **kwargs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed dtypes are autocast's job
+        assert layer(torch.zeros(1, 3, 16))[0].shape == (1, 3, 16)

@@ -455,3 +455,41 @@ def test_conventional_name_contradicting_the_native_one_raises():
     with pytest.raises(ValueError, match="num_attention_heads"):
         DeltaFlowConfig(num_heads=2, num_attention_heads=8)
     assert DeltaFlowConfig(num_layers=3, num_hidden_layers=3).num_layers == 3
+
+
+def test_a_folder_that_does_not_match_its_config_is_one_error_naming_the_tensors(tmp_path):
+    """Issue 34 item 9: a wrong-shape tensor, an edited hidden_size or no config.json raised
+    transformers' "look at the above report!" instead of the ValueError naming the tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    model = tiny()
+    folders = {name: tmp_path / name for name in ("shape", "hidden", "noconfig")}
+    for folder in folders.values():
+        model.save_pretrained(folder)
+    weights = load_file(folders["shape"] / "model.safetensors")
+    weights["model.norm.weight"] = torch.ones(7)
+    save_file(weights, folders["shape"] / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folders["hidden"] / "config.json").read_text())
+    config["hidden_size"] *= 2
+    (folders["hidden"] / "config.json").write_text(json.dumps(config))
+    (folders["noconfig"] / "config.json").unlink()
+    for load in (DeltaFlowForCausalLM.from_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match=r"wrong shape model\.norm\.weight\);"):
+            load(folders["shape"])
+        with pytest.raises(ValueError, match=r"wrong shape model\.embed_tokens\.weight, .* more"):
+            load(folders["hidden"])
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        DeltaFlowForCausalLM.from_pretrained(folders["noconfig"])
+    loaded = DeltaFlowForCausalLM.from_pretrained(folders["shape"], strict=False)
+    assert loaded.model.norm.weight.shape == model.model.norm.weight.shape  # re-initialised
+
+
+def test_labels_outside_the_vocabulary_are_a_value_error():
+    """Issue 34 item 12: labels >= vocab_size gave a raw IndexError from the loss."""
+    model = tiny()
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"labels must be token ids in \[0, vocab_size={V}\)"):
+        model(input_ids=ids, labels=torch.full((1, 4), V))
+    model(input_ids=ids, labels=torch.tensor([[1, -100, 2, -100]]))  # -100: not scored

@@ -53,6 +53,15 @@ def test_chunk_sizes(chunk_size):
     assert rel_err(o, o_ref) <= 1e-10 and rel_err(s, s_ref) <= 1e-10
 
 
+def test_a_chunk_longer_than_the_sequence_is_capped_at_it():
+    """Issue 34 item 11: chunk_size=2**20 at T=10 asked for 1 TiB of padding (65536: 16 GB)."""
+    inputs = make_inputs(1, 10, 2, 6, 7, rule="efla", seed=3)
+    o_ref, s_ref = run("reference", inputs, rule="efla")
+    for chunk_size in (2**16, 2**20):
+        o, s = run("torch", inputs, rule="efla", chunk_size=chunk_size)
+        assert rel_err(o, o_ref) <= 1e-10 and rel_err(s, s_ref) <= 1e-10
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     B=st.integers(1, 3),
@@ -161,3 +170,27 @@ def test_forward_only_path_equals_the_autograd_path_and_the_reference(B, decay, 
         assert (got - ref_o).abs().max() < 1e-12
     for got in (s, s_grad):
         assert (got - ref_s).abs().max() < 1e-12
+
+
+def test_arguments_that_switched_checks_off_or_were_taken_are_refused():
+    """Issue 34 item 12: check_values=None/0 turned the value checks off unseen; scale nan/inf
+    was taken; a user rule returning NaN was taken silently and the wrong shape gave a raw
+    error."""
+    inputs = make_inputs(1, 6, 2, 4, 4, rule="delta", seed=0)
+    for value in (None, 0, "no"):
+        with pytest.raises(TypeError, match="check_values must be True or False"):
+            delta_rule(**inputs, rule="delta", check_values=value)
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            delta_rule(**inputs, rule="delta", scale=scale)
+
+    def nan_rule(beta, lam, eps):
+        return beta * float("nan"), beta
+
+    def flat_rule(beta, lam, eps):
+        return beta.flatten(), beta.flatten()
+
+    with pytest.raises(ValueError, match="rule 'nan_rule' returned NaN or inf in a"):
+        delta_rule(**inputs, rule=nan_rule, backend="torch")
+    with pytest.raises(ValueError, match=r"rule 'flat_rule' must return \(a, b\) tensors of"):
+        delta_rule(**inputs, rule=flat_rule, backend="torch")

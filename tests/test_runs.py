@@ -317,7 +317,7 @@ def test_export_opens_with_auto_model_with_identical_logits(cli, tmp_path):
         assert tokenizer("the quick brown fox")["input_ids"] == ids[0].tolist()
         assert tokenizer.eos_token_id == 256
     code, out = cli.run(["export", str(run), "--out", str(run)], cwd=tmp_path)
-    assert code == 2 and "--out must be a new folder" in error_line(out)
+    assert code == 2 and "is a run folder" in error_line(out)
 
 
 def test_a_bpe_tokenizer_exports_to_an_equal_transformers_tokenizer(tmp_path):

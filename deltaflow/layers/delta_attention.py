@@ -138,6 +138,9 @@ class DeltaAttention(nn.Module):
             )
         if use_short_conv and conv_size < 1:
             raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+        for name, value in (("norm_eps", norm_eps), ("eps", eps)):
+            if not (isinstance(value, int | float) and 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         check_chunk_size(chunk_size)  # the op's checks, at construction
         check_backend(backend)
 
@@ -345,6 +348,13 @@ class DeltaAttention(nn.Module):
             cu_seqlens,
             mask_prepared,
         )
+        weight = self.q_proj.weight
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"DeltaAttention: hidden_states are {x.dtype} but the layer's weights are "
+                f"{weight.dtype}: convert one (layer.to({x.dtype}) or x.to({weight.dtype})), "
+                "or run under torch.autocast"
+            )
         x = zero_padding(x, mask)  # a nan at a padded position must not reach real tokens
         new_state: dict[str, torch.Tensor] = state if use_cache else {}
         cp = self._active_context_parallel()

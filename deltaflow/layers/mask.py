@@ -91,6 +91,18 @@ def prepare_mixer_inputs(
             f"{name}: hidden_states must be [B, T, {hidden_size}], got {tuple(x.shape)}"
         )
     B, T, _ = x.shape
+    if T == 0:
+        raise ValueError(f"{name}: the input has no tokens (sequence length 0)")
+    if x.device.type == "meta":
+        raise ValueError(
+            f"{name}: hidden_states are on the meta device (shapes without data): move the "
+            "module and its inputs to cpu or cuda"
+        )
+    if state is not None and not isinstance(state, dict):
+        raise TypeError(
+            f"{name}: state must be the dict a previous call returned (or None), got "
+            f"{type(state).__name__}"
+        )
     if mask_prepared:  # a model already checked the mask / offsets once for all layers
         mask = attention_mask
     else:

@@ -175,8 +175,15 @@ class DeltaFlowConfig(PretrainedConfig):
     def _resolve_mixer_types(
         mixer_types: list[str] | None, attn_every: int, num_layers: int
     ) -> list[str]:
-        if not isinstance(attn_every, int) or attn_every < 0:
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+        if not isinstance(attn_every, int) or isinstance(attn_every, bool) or attn_every < 0:
             raise ValueError(f"attn_every must be an int >= 0, got {attn_every!r}")
+        if attn_every > num_layers:  # every k-th layer of fewer than k: none at all
+            raise ValueError(
+                f"attn_every={attn_every} with num_layers={num_layers} makes no layer softmax "
+                "attention; give attn_every <= num_layers (0: no attention layers)"
+            )
         from_every = [
             "attention" if attn_every and (i + 1) % attn_every == 0 else "delta"
             for i in range(num_layers)
@@ -262,8 +269,9 @@ class DeltaFlowConfig(PretrainedConfig):
                 raise ValueError("the softmax-attention head dim must be even (RoPE)")
         if "sliding_attention" in self.mixer_types and self.sliding_window is None:
             raise ValueError("mixer_types has 'sliding_attention' but sliding_window is None")
-        if self.norm_eps <= 0 or self.initializer_range <= 0:
-            raise ValueError("norm_eps and initializer_range must be positive")
+        for name in ("norm_eps", "initializer_range", "eps"):
+            if not getattr(self, name) > 0:  # also NaN
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def mlp_hidden_size(self) -> int:

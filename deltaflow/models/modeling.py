@@ -12,6 +12,7 @@ that does not depend on transformers' generation code is :meth:`generate_greedy`
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,11 +80,19 @@ class DeltaFlowPreTrainedModel(PreTrainedModel):
         one dropped) with only a load report to say so. ``strict=False`` loads anyway (e.g.
         to fine-tune a new head); ``output_loading_info=True`` also returns the report."""
         want_info = kwargs.pop("output_loading_info", False)
+        # transformers would raise "look at the above report!" itself; the check below names
+        # the tensors (and strict=False loads anyway, as it says)
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+        where = args[0] if args else kwargs.get("pretrained_model_name_or_path", "")
+        if where and Path(str(where)).is_dir() and not (Path(str(where)) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{where} has no config.json: not a save_pretrained folder (deltaflow export "
+                "writes one)"
+            )
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if strict:
             problems = _weight_problems(cls, info)
             if problems:
-                where = args[0] if args else kwargs.get("pretrained_model_name_or_path", "")
                 raise ValueError(
                     f"{where}: the weights do not match config.json ({'; '.join(problems)}); "
                     "refusing to load a partly random model (pass strict=False to load anyway)"
@@ -134,20 +143,27 @@ def _weight_problems(cls: type, info: dict[str, Any]) -> list[str]:
     return problems
 
 
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
-    """Token ids must index the embedding: an id >= vocab_size is otherwise an IndexError
-    from the embedding on CPU, and a device-side assert that kills the process on CUDA.
-    One reduction and one host sync; skipped while compiling or capturing a CUDA graph."""
+def check_token_ids(
+    input_ids: torch.Tensor, vocab_size: int, *, name: str = "input_ids", ignore: int | None = None
+) -> None:
+    """Token ids must index the embedding (labels: the logits, ``ignore`` = -100 aside): an id
+    >= vocab_size is otherwise an IndexError on CPU, and a device-side assert that kills the
+    process on CUDA. One reduction and one host sync; skipped while compiling or capturing a
+    CUDA graph."""
     if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
-        raise TypeError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-    if input_ids.numel() == 0 or torch.compiler.is_compiling():
+        raise TypeError(f"{name} must be an integer tensor, got {input_ids.dtype}")
+    if input_ids.numel() == 0 or torch.compiler.is_compiling() or input_ids.is_meta:
         return
     if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    if bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
-        lo, hi = int(input_ids.min()), int(input_ids.max())
+    bad = (input_ids < 0) | (input_ids >= vocab_size)
+    if ignore is not None:
+        bad &= input_ids != ignore
+    if bool(bad.any()):
+        lo, hi = int(input_ids[bad].min()), int(input_ids[bad].max())
+        also = f" or {ignore} (not scored)" if ignore is not None else ""
         raise ValueError(
-            f"input_ids must be token ids in [0, vocab_size={vocab_size}), got values from "
+            f"{name} must be token ids in [0, vocab_size={vocab_size}){also}, got values from "
             f"{lo} to {hi} (a tokenizer or task with a larger vocabulary than the model's?)"
         )
 
@@ -346,6 +362,8 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"labels must be [B, T] = {list(h.shape[:2])}, got {list(labels.shape)}"
             )
+        if labels is not None:
+            check_token_ids(labels, self.config.vocab_size, name="labels", ignore=-100)
         if fuse_linear_cross_entropy is None:
             fuse_linear_cross_entropy = getattr(self.config, "fuse_linear_cross_entropy", None)
         if fuse_linear_cross_entropy is None:  # default: lean loss while training

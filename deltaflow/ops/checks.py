@@ -169,8 +169,10 @@ def check_inputs(
 
     check_chunk_size(chunk_size)
     check_backend(backend)
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
+    if not eps > 0 or eps == float("inf"):
+        raise ValueError(f"eps must be a finite number > 0, got {eps}")
+    if not isinstance(check_values, bool):  # None or 0 must not turn the checks off unseen
+        raise TypeError(f"check_values must be True or False, got {check_values!r}")
 
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:

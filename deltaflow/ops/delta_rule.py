@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -76,6 +77,7 @@ def delta_rule(
         output_final_state: also return the final state (float32, float64 for float64 inputs).
         cu_seqlens: int ``[N + 1]`` offsets of ``N`` sequences packed along T; requires B == 1.
         chunk_size: tokens per chunk (positive power of two); it changes speed, not the result.
+            One larger than the sequence is capped at it (rounded up to a power of two).
             None lets the backend choose: the torch backend takes 32 on CPU (fastest there,
             benchmarks/NOTES.md) and 64 elsewhere; the Triton kernels compute in chunks of 64
             only, so backend='triton' refuses any other value and 'auto' then picks 'torch'.
@@ -112,6 +114,8 @@ def delta_rule(
             stacklevel=2,
         )
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
     backend = resolve_backend(backend, q, step_rule, chunk_size)
     dtype = compute_dtype(q, k, v, beta, initial_state)
     if backend == "triton" and not step_rule.has_triton:
@@ -161,6 +165,9 @@ def delta_rule(
     else:
         if chunk_size is None:
             chunk_size = default_chunk_size(q.device)
+        # A chunk past the sequence is only padding (chunk_size=65536 at T=10 asked for 16 GB
+        # of it): the smallest power of two that holds all T tokens gives the same result.
+        chunk_size = min(chunk_size, 1 << max(0, q.shape[1] - 1).bit_length())
         o, state = _torch_chunked(q, k, v, chunk_size=chunk_size, **options)
     return o.to(v.dtype), (state if output_final_state else None)
 

@@ -59,7 +59,12 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import load_model, save_file, save_model
 
-from deltaflow.train.manifest import CheckpointVerifyError, verify_manifest, write_manifest
+from deltaflow.train.manifest import (
+    MANIFEST,
+    CheckpointVerifyError,
+    verify_manifest,
+    write_manifest,
+)
 
 LATEST = "latest"
 PREFIX = "step_"
@@ -74,7 +79,7 @@ class CheckpointSaveError(OSError):
         return str(self.strerror)
 
 
-def _pause() -> None:
+def pause_point() -> None:
     """Test hook: widen the windows between the steps of a save, so that random kills of a
     test land inside saves (``DELTAFLOW_TEST_SAVE_PAUSE=0.05``). Nothing happens without it."""
     seconds = float(os.environ.get(PAUSE_ENV) or 0)
@@ -155,16 +160,24 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
         save_model(model, str(tmp / "model.safetensors"))
-        _pause()
+        pause_point()
         trainer_state = {"step": step, "rng": rng_per_rank or [rng_state()], **(extra or {})}
         if optimizer is not None:
             trainer_state["optimizer"] = optimizer.state_dict()
-        torch.save(trainer_state, tmp / "trainer_state.pt")
+        _torch_save(trainer_state, tmp / "trainer_state.pt")
         _write_metadata(tmp, step, config, info, tokenizer)
         write_manifest(tmp)
-        _pause()
+        pause_point()
         _commit(tmp, final, keep)
     return final
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` into a file we opened: its writes then fail as Python's own, so a full
+    disk is ``OSError(ENOSPC)``; given a path, torch reports it as ``RuntimeError: [enforce
+    fail at inline_container.cc] unexpected pos``."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 @contextlib.contextmanager
@@ -211,15 +224,15 @@ def _commit(tmp: Path, final: Path, keep: int) -> None:
     if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
         trash = root / f".old-{final.name}-{os.getpid()}"
         os.replace(final, trash)
-        _pause()  # a kill here leaves only .old-step_N: recover_checkpoints() puts it back
+        pause_point()  # a kill here leaves only .old-step_N: recover_checkpoints() puts it back
         os.replace(tmp, final)
-        _pause()
+        pause_point()
         shutil.rmtree(trash)
     else:
         os.replace(tmp, final)
-        _pause()  # a kill here leaves step_N uncommitted: the next start removes it
+        pause_point()  # a kill here leaves step_N uncommitted: the next start removes it
     atomic_write_text(root / LATEST, final.name + "\n")
-    _pause()
+    pause_point()
     prune_checkpoints(root.parent, final, keep)
 
 
@@ -234,7 +247,7 @@ def prune_checkpoints(out_dir: str | Path, current: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def recover_checkpoints(out_dir: str | Path) -> list[str]:
+def recover_checkpoints(out_dir: str | Path, keep: int | None = None) -> list[str]:
     """Bring ``out_dir/checkpoints`` back to a committed state after a kill (call before
     resuming, on one process); returns what it did, one line each.
 
@@ -245,6 +258,7 @@ def recover_checkpoints(out_dir: str | Path) -> list[str]:
       are deleted; so are checkpoints newer than the one ``latest`` names (renamed into place
       by a save killed before it committed).
     - ``latest`` missing (a kill before the first pointer was written): the newest checkpoint.
+    - ``keep`` (resuming): a kill during a save's pruning left too many; the oldest go.
     """
     root = checkpoint_dir(out_dir)
     if not root.is_dir():
@@ -275,6 +289,8 @@ def recover_checkpoints(out_dir: str | Path) -> list[str]:
             if step_of(path) > step_of(root / committed):
                 shutil.rmtree(path, ignore_errors=True)
                 notes.append(f"removed {path.name}: written by a save killed before it committed")
+        if keep is not None:
+            prune_checkpoints(out_dir, root / committed, keep)
     return notes
 
 
@@ -377,10 +393,10 @@ def save_sharded_checkpoint(
                 if error is not None:
                     raise OSError(error)
                 save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-                torch.save({"step": step, "rng": rng, **(extra or {})}, tmp / "trainer_state.pt")
+                _torch_save({"step": step, "rng": rng, **(extra or {})}, tmp / "trainer_state.pt")
                 _write_metadata(tmp, step, config, info, tokenizer)
                 write_manifest(tmp)  # every rank's shards are in: dcp.save returned everywhere
-                _pause()
+                pause_point()
                 _commit(tmp, final, keep)
         except CheckpointSaveError as err:
             error = str(err)
@@ -438,10 +454,72 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def read_trainer_state(path: Path) -> dict[str, Any]:
+# The files of a checkpoint its loaders read: its manifest must list each of them.
+LOADED_FILES = ("model.safetensors", "trainer_state.pt", "config.yaml", "state.json")
+TRUST_HINT = "pass --trust-checkpoint to load it unchecked (only a folder you trust)"
+
+
+def verify_checkpoint(path: Path, *, trusted: bool = False) -> None:
+    """Check a checkpoint's files against its manifest (corruption: a flipped byte, a
+    truncated copy). Every checkpoint this version writes has one, so a missing manifest is
+    an error too (deleting it must not turn the check off), unless ``trusted``."""
+    if trusted:
+        return
+    if not (path / MANIFEST).is_file():
+        raise CheckpointVerifyError(
+            f"{path} has no {MANIFEST}, so its files cannot be checked (deltaflow writes one "
+            f"into every checkpoint: it was deleted, or the folder is from an old version); "
+            f"{TRUST_HINT}"
+        )
+    try:
+        verify_manifest(path, require_signature=False, required=LOADED_FILES)
+    except CheckpointVerifyError as err:
+        raise CheckpointVerifyError(f"{err}; {TRUST_HINT}") from None
+
+
+def _read_state_file(file: Path) -> dict[str, Any]:
+    """``trainer_state.pt`` (``weights_only``: tensors, numbers, containers; never code)."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 -- pickle, zip and torch errors differ by version
+        reason = f"{type(err).__name__}: {err}".splitlines()[0]
+        raise CheckpointVerifyError(
+            f"{file} cannot be read as a checkpoint's trainer state ({reason}); it holds more "
+            "than tensors and numbers, or is corrupt: not a file deltaflow wrote"
+        ) from None
+
+
+def read_state_json(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``state.json`` (one error line naming the file when it is not JSON)."""
+    file = Path(path) / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err}): the checkpoint is damaged") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError(f"{file} has no 'step': the checkpoint is damaged")
+    return state
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``config.yaml`` (the TrainConfig dict), with a named error."""
+    file = Path(path) / "config.yaml"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no config.yaml: not a deltaflow checkpoint")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as err:
+        reason = " ".join(str(err).split())
+        raise ValueError(f"{file} is not valid YAML ({reason})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} is not a config (a YAML mapping of TrainConfig fields)")
+    return data
+
+
+def read_trainer_state(path: Path, *, trusted: bool = False) -> dict[str, Any]:
     """``trainer_state.pt`` of a checkpoint, after checking the manifest's hashes."""
-    verify_manifest(path, require_signature=False)  # corruption (no pickle beyond weights_only)
-    return torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    verify_checkpoint(path, trusted=trusted)
+    return _read_state_file(path / "trainer_state.pt")
 
 
 def load_checkpoint(
@@ -450,16 +528,17 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     restore_rng: bool = True,
+    trusted: bool = False,
 ) -> dict[str, Any]:
     """Load weights (strict) and, if given, optimizer state; returns the trainer state dict.
 
     Weights come from ``model.safetensors``, so this reads any checkpoint into an unsharded
     model, including a sharded one's consolidated weights. Resuming a sharded checkpoint's
     optimizer state needs :func:`load_sharded_checkpoint`. The files are checked against the
-    checkpoint's manifest first (when it has one).
+    checkpoint's manifest first, which must exist unless ``trusted`` (:func:`verify_checkpoint`).
     """
     path = resolve_checkpoint(path)
-    state = read_trainer_state(path)
+    state = read_trainer_state(path, trusted=trusted)
     if optimizer is not None and "optimizer" not in state:
         hint = " (sharded: resume it with parallel='fsdp')" if is_sharded_checkpoint(path) else ""
         raise ValueError(f"{path} has no optimizer state; cannot resume training from it{hint}")
@@ -515,7 +594,7 @@ def load_sharded_checkpoint(
             no_dist=not _distributed(),
         )
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    state = _read_state_file(path / "trainer_state.pt")
     if restore_rng:
         _restore_rng(state["rng"])
     return state
@@ -531,4 +610,4 @@ def _restore_rng(states: dict[str, Any] | list[dict[str, Any]]) -> None:
 
 def load_config(path: str | Path) -> dict[str, Any]:
     """The TrainConfig dict stored with a checkpoint."""
-    return yaml.safe_load((resolve_checkpoint(path) / "config.yaml").read_text())
+    return read_config(resolve_checkpoint(path))

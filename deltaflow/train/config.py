@@ -340,9 +340,25 @@ def read_yaml(path: str | Path) -> Any:
             f"{path} is not a UTF-8 text file ({err.reason} at byte {err.start})"
         ) from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: invalid YAML: {_yaml_error_text(err)}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the
+    last silently: ``lr: 1e-3`` further down a file would override an earlier one unseen)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_error_text(err: yaml.YAMLError) -> str:

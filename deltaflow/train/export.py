@@ -14,13 +14,15 @@ the GPT-2 BPE of a ``.tiktoken`` file, or the byte tokenizer (ids 0-255 are the 
 256 is ``<|endoftext|>``). Synthetic tasks have no text and no tokenizer. The trainer writes
 this folder for every finished run as ``<out>/final/``.
 
-It is written into a temporary folder and renamed into place, like a checkpoint.
+It is written beside the destination (``.DEST.tmp-PID``) and swapped into place atomically;
+``deltaflow export`` writes only to a new or empty folder or over an earlier export
+(:func:`deltaflow.train.safety.check_export_dest`): never over a run, a checkpoint or a
+folder of other files.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,27 +59,47 @@ def _bytes_to_unicode() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def write_pretrained(model: nn.Module, dest: str | Path, train_config: dict[str, Any]) -> Path:
-    """``model.save_pretrained`` + tokenizer + ``train_config.yaml`` into ``dest``, atomically
-    (an existing ``dest`` is replaced only once the new folder is complete)."""
-    dest = Path(dest)
+def write_pretrained(
+    model: nn.Module, dest: str | Path, train_config: dict[str, Any], *, guard: bool = False
+) -> Path:
+    """``model.save_pretrained`` + tokenizer + ``train_config.yaml`` into ``dest``, written
+    beside it and swapped in atomically (:func:`deltaflow.train.safety.swap_in`): a kill at
+    any moment leaves the old folder or the new one, and the next export cleans up.
+
+    ``guard``: ``dest`` is a user's ``--out``: refuse it unless it is new, empty or an
+    earlier export whose files the new one all replaces (nothing else is ever deleted).
+    """
+    from deltaflow.train.checkpoint import pause_point
+    from deltaflow.train.safety import (
+        aside_name,
+        check_export_dest,
+        recover_aside,
+        swap_in,
+        unexpected_files,
+    )
+
+    dest = check_export_dest(dest) if guard else Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    recover_aside(dest)  # what a killed export of this folder left beside it
+    if guard:
+        check_export_dest(dest)  # recover_aside may have put an old export back
+    tmp = aside_name(dest, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with _quiet_transformers():
             model.save_pretrained(str(tmp), safe_serialization=True)
+        pause_point()  # tests: a kill here leaves a half-written .DEST.tmp-PID
         tokenizer = hf_tokenizer(train_config["task"], train_config.get("task_kwargs", {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         (tmp / "train_config.yaml").write_text(yaml.safe_dump(train_config, sort_keys=False))
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dest)
+        extra = unexpected_files(dest, tmp) if guard else []
+        if extra:
+            raise ValueError(
+                f"--out {dest} holds files an export does not write ({', '.join(extra[:3])}); "
+                "it is left as it was: give a new folder"
+            )
+        swap_in(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -97,21 +119,37 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def export_checkpoint(path: str | Path, dest: str | Path) -> Path:
-    """Export a run's latest checkpoint (or a given checkpoint folder) to ``dest``."""
-    from deltaflow.train.checkpoint import load_checkpoint, resolve_checkpoint
+def export_checkpoint(
+    path: str | Path, dest: str | Path, *, trusted: bool = False, guard: bool = True
+) -> Path:
+    """Export a run's latest checkpoint (or a given checkpoint folder) to ``dest``, a new
+    folder or an earlier export (``guard``, see :func:`write_pretrained`; the trainer's own
+    ``final/`` is written with ``guard=False``). The checkpoint is verified against its
+    manifest before any of its files is read (``trusted``: see ``load_checkpoint``)."""
+    from deltaflow.train.checkpoint import (
+        load_checkpoint,
+        read_config,
+        resolve_checkpoint,
+        verify_checkpoint,
+    )
     from deltaflow.train.config import TrainConfig
+    from deltaflow.train.safety import check_export_dest
     from deltaflow.train.trainer import build_model, task_vocab_size
 
     ckpt = resolve_checkpoint(path)
-    data = yaml.safe_load((ckpt / "config.yaml").read_text())
+    if guard:
+        check_export_dest(dest)  # before the slow part: a refusal costs nothing
+    verify_checkpoint(ckpt, trusted=trusted)  # before config.yaml is parsed
+    data = read_config(ckpt)
     config = TrainConfig.from_dict(data)
     model = build_model(config, task_vocab_size(config))
-    load_checkpoint(ckpt, model=model, restore_rng=False)
-    return write_pretrained(model, dest, data)
+    load_checkpoint(ckpt, model=model, restore_rng=False, trusted=True)  # verified just now
+    return write_pretrained(model, dest, data, guard=guard)
 
 
-def clean_stale_exports(out_dir: str | Path) -> None:
-    """Temporary export folders left by a killed process (``.final.tmp-*``, ``.final.old-*``)."""
-    for path in Path(out_dir).glob(".final.*-*"):
-        shutil.rmtree(path, ignore_errors=True)
+def clean_stale_exports(out_dir: str | Path) -> list[str]:
+    """What a killed export of ``<out_dir>/final`` left beside it (see
+    :func:`deltaflow.train.safety.recover_aside`)."""
+    from deltaflow.train.safety import recover_aside
+
+    return recover_aside(Path(out_dir) / "final")

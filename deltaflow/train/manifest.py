@@ -99,7 +99,11 @@ def write_manifest(folder: str | Path) -> None:
 
 
 def verify_manifest(
-    folder: str | Path, *, require_signature: bool, strict_under: str | None = None
+    folder: str | Path,
+    *,
+    require_signature: bool,
+    strict_under: str | None = None,
+    required: tuple[str, ...] = (),
 ) -> bool:
     """Check ``folder`` against its manifest; raise :class:`CheckpointVerifyError` if it does not
     match. Returns False (nothing checked) when there is no manifest and none is required.
@@ -108,7 +112,8 @@ def verify_manifest(
     thing that tells a manifest we wrote from one written next to a planted file); without
     it, a manifest with no signature or another key's is accepted and its hashes checked.
     ``strict_under``: a subfolder in which every file must be listed (``dcp``: nothing planted
-    beside the shards).
+    beside the shards). ``required``: files that must be listed (a manifest edited to leave
+    out the file that was changed is caught).
     """
     folder = Path(folder)
     path = folder / MANIFEST
@@ -130,6 +135,9 @@ def verify_manifest(
                 f"{path} is not signed with this user's checkpoint key ({key_path()} or "
                 f"${KEY_ENV}): it was written elsewhere or edited"
             )
+    unlisted = [name for name in required if (folder / name).exists() and name not in files]
+    if unlisted:
+        raise CheckpointVerifyError(f"{folder}: {unlisted[0]} is not listed in {MANIFEST}")
     for name, digest in files.items():
         file = folder / name
         if ".." in Path(name).parts or not file.is_file():

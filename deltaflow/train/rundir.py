@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from deltaflow.train.checkpoint import atomic_write_text
+from deltaflow.train.checkpoint import atomic_write_text, pause_point
 from deltaflow.train.config import runtime_fields
 
 RUN_CONFIG = "run_config.yaml"
@@ -40,8 +40,25 @@ RUNTIME_FIELDS = runtime_fields()
 RUNTIME_KEYS = frozenset({"model.backend", "task_kwargs.cache_dir"})
 UNSET = "<unset>"
 
-# Everything of a run that an archive takes away (a top-level config.yaml may be the user's).
-RUN_FILES = ("log.jsonl", "train.csv", "eval.csv", RUN_CONFIG, "final.json", "final")
+# Everything of a run that an archive takes away (a top-level config.yaml may be the user's),
+# its TensorBoard and W&B logs included.
+RUN_FILES = (
+    "log.jsonl",
+    "train.csv",
+    "eval.csv",
+    RUN_CONFIG,
+    "final.json",
+    "final",
+    "tensorboard",
+    "wandb",
+    "wandb_run_id",
+)
+# Names an archive in progress writes first (the folder it moves the run into) and removes
+# last: a kill in between is undone by the next start (undo_interrupted_archive).
+ARCHIVING = ".archiving"
+# Temporary files of a run folder (atomic_write_text, RunLogger); under the run lock, any
+# that exist were left by a killed run.
+RUN_TEMPORARIES = (f".{RUN_CONFIG}.tmp-*", ".final.json.tmp-*", ".log.jsonl.tmp", ".*.csv.tmp")
 
 
 def _flat(config: dict[str, Any]) -> dict[str, Any]:
@@ -78,11 +95,16 @@ def describe(differences: list[tuple[str, Any, Any]]) -> str:
 def read_run_config(out_dir: str | Path, checkpoint: Path | None) -> dict[str, Any] | None:
     """The config a run was started with: ``run_config.yaml``, or for runs from before it
     existed, the config stored in its latest checkpoint."""
+    from deltaflow.train.checkpoint import read_config
+
     path = Path(out_dir) / RUN_CONFIG
     if path.is_file():
-        return yaml.safe_load(path.read_text())
+        try:
+            return yaml.safe_load(path.read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path} is not valid YAML ({' '.join(str(err).split())})") from None
     if checkpoint is not None and (checkpoint / "config.yaml").is_file():
-        return yaml.safe_load((checkpoint / "config.yaml").read_text())
+        return read_config(checkpoint)
     return None
 
 
@@ -113,8 +135,39 @@ def archive_run(out_dir: str | Path) -> Path | None:
         n += 1
         dest = out / ARCHIVE / f"{stamp}-{n}"
     dest.mkdir(parents=True)
-    # checkpoints last: a kill in between leaves them in place, so the run is still resumable
+    atomic_write_text(out / ARCHIVING, str(dest.relative_to(out)) + "\n")
     for name in (*RUN_FILES, "checkpoints"):
         if (out / name).exists():
             os.replace(out / name, dest / name)
+            pause_point()
+    (out / ARCHIVING).unlink()
     return dest
+
+
+def undo_interrupted_archive(out_dir: str | Path) -> list[str]:
+    """An archive killed half-way (``.archiving`` still there) is moved back: the run is as
+    it was before that command, whole in ``out_dir`` (never split over two archives)."""
+    out = Path(out_dir)
+    journal = out / ARCHIVING
+    if not journal.is_file():
+        return []
+    dest = out / journal.read_text().strip()
+    if dest.is_dir() and out in dest.parents:
+        for name in (*RUN_FILES, "checkpoints"):
+            if (dest / name).exists() and not (out / name).exists():
+                os.replace(dest / name, out / name)
+        if not any(dest.iterdir()):
+            dest.rmdir()
+        if not any(dest.parent.iterdir()):  # archive/, made for this archive
+            dest.parent.rmdir()
+    journal.unlink()
+    return [f"moved back the run that a killed --no-resume had begun to archive into {dest}"]
+
+
+def clean_run_temporaries(out_dir: str | Path) -> list[str]:
+    """Delete the run folder's temporary files left by a killed run (call with the lock)."""
+    out = Path(out_dir)
+    stale = [p for pattern in RUN_TEMPORARIES for p in out.glob(pattern) if p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return [f"removed {len(stale)} temporary file(s) left by a killed run"] if stale else []

@@ -48,7 +48,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
@@ -63,6 +62,8 @@ from deltaflow.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_sharded_checkpoint,
+    read_config,
+    read_state_json,
     recover_checkpoints,
     save_checkpoint,
     save_sharded_checkpoint,
@@ -74,12 +75,15 @@ from deltaflow.train.packing import packed_forward
 from deltaflow.train.rundir import (
     RUN_CONFIG,
     archive_run,
+    clean_run_temporaries,
     describe,
     has_run,
     read_run_config,
     training_differences,
+    undo_interrupted_archive,
     write_run_config,
 )
+from deltaflow.train.safety import RunLock
 from deltaflow.train.schedule import lr_at
 
 IGNORE_INDEX = -100
@@ -109,7 +113,19 @@ def task_vocab_size(config: TrainConfig) -> int:
 def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
 
-    return DeltaFlowForCausalLM(DeltaFlowConfig(vocab_size=vocab_size, **config.model))
+    model_config = DeltaFlowConfig(vocab_size=vocab_size, **config.model)
+    try:
+        return DeltaFlowForCausalLM(model_config)
+    except (RuntimeError, MemoryError) as err:  # torch: "can't allocate", "size ... overflowed"
+        text = str(err)
+        if not isinstance(err, MemoryError) and "allocate" not in text and "overflow" not in text:
+            raise
+        reason = text.splitlines()[0] if text else type(err).__name__
+        raise ValueError(
+            f"the model (hidden_size {model_config.hidden_size}, {model_config.num_layers} "
+            f"layers, vocabulary {vocab_size}) is too large to create here ({reason}); "
+            "make model.hidden_size or model.num_layers smaller"
+        ) from None
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -287,11 +303,14 @@ class Trainer:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend=backend)
             self._owns_process_group = True
-        # Before anything expensive: may this run use out_dir, and how?
+        # Before anything expensive: may this run use out_dir, and how? Rank 0 locks out_dir
+        # for the life of the run (released at the end of train() and by close()).
+        self._lock = RunLock(config.out_dir) if config.out_dir is not None else None
         self.plan = self._plan_run(fork_from)
         for note in self.plan.notes:
             self.note(note)
         if self.plan.error is not None:
+            self._release_lock()
             raise ValueError(self.plan.error)
         self.device = resolve_device(config.device, self.dist)
         if self.device.type == "cuda":
@@ -351,7 +370,11 @@ class Trainer:
         start = self.plan.resume or self.plan.fork
         log_state: dict[str, Any] = {}
         if start is not None:
-            log_state = self._resume(Path(start))
+            try:
+                log_state = self._resume(Path(start))
+            except BaseException:  # a refused checkpoint: the folder is free for a retry
+                self._release_lock()
+                raise
         log_dir = config.out_dir if self.dist.is_main else None
         sinks = dict(
             tensorboard=config.tensorboard, wandb=config.wandb, run_config=config.to_dict()
@@ -401,8 +424,13 @@ class Trainer:
         cfg = self.config
         if out.exists() and not out.is_dir():
             return RunPlan(error=f"out_dir {out} is a file; give a folder (it is created)")
-        plan = RunPlan(notes=recover_checkpoints(out))
-        clean_stale_exports(out)
+        assert self._lock is not None
+        self._lock.acquire()  # RunLockedError (a ValueError) names the other run's PID
+        # With the lock held, every temporary file in the folder is a killed run's leftover.
+        notes = undo_interrupted_archive(out)  # an archive is never left split in two
+        notes += recover_checkpoints(out, keep=cfg.keep_checkpoints if cfg.resume else None)
+        notes += clean_stale_exports(out) + clean_run_temporaries(out)
+        plan = RunPlan(notes=notes)
         if not cfg.resume and has_run(out):
             dest = archive_run(out)
             plan.notes.append(f"--no-resume: moved the previous run of {out} to {dest}")
@@ -413,7 +441,7 @@ class Trainer:
             source = latest_checkpoint(fork_from)
             if source is None:
                 return RunPlan(error=f"--fork: {fork_from} has no checkpoint to start from")
-            saved = yaml.safe_load((source / "config.yaml").read_text())
+            saved = read_config(source)
             diffs = [
                 d
                 for d in training_differences(saved, cfg.to_dict())
@@ -432,7 +460,7 @@ class Trainer:
     def _check_resume(self, out: Path, latest: Path, plan: RunPlan) -> RunPlan:
         cfg = self.config
         saved = read_run_config(out, latest) or {}
-        state = json.loads((latest / "state.json").read_text())
+        state = read_state_json(latest)
         diffs = training_differences(saved, cfg.to_dict())
         old_steps = int(saved.get("steps", cfg.steps))
         trained_out = int(state["step"]) >= old_steps  # every step of the old schedule is done
@@ -476,7 +504,12 @@ class Trainer:
                 path, model=self.raw_model, optimizer=self.optimizer, trusted=self._trust_checkpoint
             )
         else:
-            state = load_checkpoint(path, model=self.raw_model, optimizer=self.optimizer)
+            state = load_checkpoint(
+                path,
+                model=self.raw_model,
+                optimizer=self.optimizer,
+                trusted=self._trust_checkpoint,
+            )
         # The optimizer's state_dict carries its hyperparameters; this run's config decides.
         for i, group in enumerate(self.optimizer.param_groups):  # [decay, no_decay]
             group.update(
@@ -485,7 +518,7 @@ class Trainer:
                 weight_decay=self.config.weight_decay if i == 0 else 0.0,
             )
         self.step = int(state["step"])
-        saved_info = json.loads((path / "state.json").read_text())
+        saved_info = read_state_json(path)
         self.seconds_before = float(saved_info.get("seconds", 0.0))
         self.last_eval = dict(saved_info.get("eval") or {})
         if "window_loss" in state:
@@ -711,8 +744,21 @@ class Trainer:
             )
         return {"train_passes": passes}
 
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+
     def train(self) -> dict[str, Any]:
-        """Run (or continue) training to ``config.steps``; returns a summary dict."""
+        """Run (or continue) training to ``config.steps``; returns a summary dict. The run
+        folder stays locked until it returns (or raises)."""
+        if self._lock is not None and self.dist.is_main:
+            self._lock.acquire()  # again, for a second train() of this trainer
+        try:
+            return self._train()
+        finally:
+            self._release_lock()
+
+    def _train(self) -> dict[str, Any]:
         cfg = self.config
         main = self.dist.is_main
         passes = self._data_passes() if main and self.step == 0 else {}  # warns past one pass
@@ -839,7 +885,7 @@ class Trainer:
         if exportable:
             if self.sharded:
                 if self.dist.is_main:
-                    export_checkpoint(latest_checkpoint(out), final_dir)
+                    export_checkpoint(latest_checkpoint(out), final_dir, guard=False)
             elif self.dist.is_main:
                 write_pretrained(self.raw_model, final_dir, self.config.to_dict())
             if self.dist.world_size > 1:
@@ -946,6 +992,7 @@ class Trainer:
         machines. So a barrier first (all earlier work freed), then the wrapper goes while the
         group is still registered, then the group. ``clean=False`` (after an error) skips the
         barrier: the other ranks may be inside another collective."""
+        self._release_lock()
         distributed = self.dist.world_size > 1 and dist.is_initialized()
         if clean and distributed:
             dist.barrier()
