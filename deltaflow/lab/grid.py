@@ -18,12 +18,16 @@ from typing import Any
 
 from deltaflow.lab.presets import VARIANTS, Preset
 from deltaflow.train import TrainConfig
+from deltaflow.train.schedule import effective_warmup
 
 # TrainConfig fields that came after grids were committed and say how a run is executed, not
 # what it trains (timed checkpoints; torch.compile of the same model; logging sinks; context
 # parallelism, which computes the same loss):
 # left out of run ids, so committed grids keep their ids (--resume, --report-only).
 RUNTIME_ONLY_FIELDS = ("ckpt_minutes", "compile", "tensorboard", "wandb", "context_parallel")
+# Fields that came later and do change training, at the value every older grid trained with:
+# left out of run ids at that value only (a wsd grid gets ids of its own).
+LATER_FIELD_DEFAULTS = {"schedule": "cosine", "decay_fraction": 0.2}
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,9 @@ class RunSpec:
         config = self.config.to_dict()
         for name in RUNTIME_ONLY_FIELDS:  # added after grids were committed; ids stay valid
             config.pop(name, None)
+        for name, old in LATER_FIELD_DEFAULTS.items():
+            if config.get(name) == old:
+                config.pop(name)
         if str(config.get("device", "")).startswith("cuda:"):  # which GPU of a host ran it is
             config["device"] = "cuda"  # not part of the run: 'cuda:1' resumes a 'cuda' run
         text = json.dumps(config, sort_keys=True)
@@ -87,8 +94,9 @@ def expand_grid(
             base[key] = value
     n_steps = steps if steps is not None else max(1, round(base.get("steps", 1000) * scale))
     base["steps"] = n_steps
-    if base.get("warmup_steps") is not None:
-        base["warmup_steps"] = min(base["warmup_steps"], n_steps)
+    if base.get("warmup_steps") is not None:  # what the trainer would use, written down (the
+        # stored configs of grids run before it did so keep resuming)
+        base["warmup_steps"] = effective_warmup(base["warmup_steps"], n_steps)
     if base.get("eval_every"):
         base["eval_every"] = min(base["eval_every"], n_steps)
     base.update(device=device, progress=False, out_dir=None)

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from deltaflow.train.schedule import SCHEDULES, effective_warmup
 from deltaflow.validation import (
     check_bool,
     check_float,
@@ -68,9 +69,24 @@ class TrainConfig:
     )
     grad_accum: int = _field(1, "gradient-accumulation micro-steps per step", group="optimization")
     lr: float = _field(1e-3, "peak learning rate (AdamW)", group="optimization")
-    min_lr_ratio: float = _field(0.1, "cosine floor, as a fraction of lr", group="optimization")
+    schedule: str = _field(
+        "cosine",
+        "learning rate after warmup: cosine (to min_lr_ratio x lr), wsd (warmup-stable-decay: "
+        "lr until the last decay_fraction of the steps, then linear to min_lr_ratio x lr) or "
+        "constant",
+        group="optimization",
+        choices=list(SCHEDULES),
+    )
+    decay_fraction: float = _field(
+        0.2, "wsd: fraction of the steps spent decaying", group="optimization"
+    )
+    min_lr_ratio: float = _field(
+        0.1, "floor of the cosine and wsd decay, as a fraction of lr", group="optimization"
+    )
     warmup_steps: int | None = _field(
-        None, "linear warmup steps (default: steps / 20)", group="optimization"
+        None,
+        "linear warmup steps (default: steps / 20; more than steps: the whole run, with a note)",
+        group="optimization",
     )
     weight_decay: float = _field(
         0.1,
@@ -199,10 +215,14 @@ class TrainConfig:
         for name in ("eval_every", "ckpt_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)}")
-        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps}")
+        if self.schedule not in SCHEDULES:
             raise ValueError(
-                f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}"
+                f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
             )
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of grad_accum "
@@ -255,7 +275,18 @@ class TrainConfig:
 
     @property
     def resolved_warmup_steps(self) -> int:
-        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+        """Warmup steps used: ``warmup_steps`` (default steps / 20), at most ``steps``."""
+        warmup = self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+        return effective_warmup(warmup, self.steps)
+
+    def warmup_note(self) -> str | None:
+        """The one line said when a warmup longer than the run is shortened to it."""
+        if self.warmup_steps is None or self.warmup_steps <= self.steps:
+            return None
+        return (
+            f"warmup_steps {self.warmup_steps} > steps {self.steps}: warming up over the whole "
+            f"run ({self.steps} steps, no decay); set warmup_steps below {self.steps} to keep one"
+        )
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The training loop: AdamW + warmup/cosine, clipping, bf16 autocast, eval, logs, checkpoints,
+"""The training loop: AdamW + warmup and cosine/wsd/constant, clipping, bf16 autocast, eval, logs, checkpoints,
 DDP and FSDP2.
 
 Design choices a user should know:
@@ -289,8 +289,9 @@ class Trainer:
             self._owns_process_group = True
         # Before anything expensive: may this run use out_dir, and how?
         self.plan = self._plan_run(fork_from)
-        for note in self.plan.notes:
-            self.note(note)
+        for note in [*self.plan.notes, config.warmup_note()]:
+            if note is not None:
+                self.note(note)
         if self.plan.error is not None:
             raise ValueError(self.plan.error)
         self.device = resolve_device(config.device, self.dist)
@@ -585,6 +586,8 @@ class Trainer:
             total_steps=cfg.steps,
             warmup_steps=cfg.resolved_warmup_steps,
             min_lr_ratio=cfg.min_lr_ratio,
+            schedule=cfg.schedule,
+            decay_fraction=cfg.decay_fraction,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
