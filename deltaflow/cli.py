@@ -26,7 +26,7 @@ import os
 import shlex
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +209,7 @@ def _config_flags() -> list[tuple[str, dataclasses.Field, dict[str, Any]]]:
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train one model on one task",
+        help=COMMANDS["train"][0],
         description="Train a model on a task. Precedence: defaults < --config < flags < --set. "
         "On CPU keep models small (e.g. --hidden-size 128 --num-layers 2): the default "
         "model (512 wide, 8 layers) is sized for a GPU.",
@@ -434,7 +434,7 @@ def _vocab_size(config: Any, ckpt: Path | None = None) -> int:
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
-        help="evaluate a checkpoint on its task (or a variant of it)",
+        help=COMMANDS["eval"][0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="checkpoint dir or run dir (uses its latest checkpoint)")
@@ -539,7 +539,7 @@ def _cmd_lm_eval(args: argparse.Namespace) -> int:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
-        help="sample text from a language-model checkpoint",
+        help=COMMANDS["generate"][0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="checkpoint dir or run dir of an `lm` task run")
@@ -603,7 +603,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="write a checkpoint as a transformers save_pretrained folder",
+        help=COMMANDS["export"][0],
         description="Write a run's latest checkpoint (or a given checkpoint folder) as a "
         "save_pretrained folder: config.json, model.safetensors, train_config.yaml and, for "
         "language-model runs, the tokenizer (tokenizer.json). Open it with "
@@ -633,7 +633,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "compare",
-        help="run a grid of rules x tasks x widths x lrs x seeds; tables and plots",
+        help=COMMANDS["compare"][0],
         description="Run a preset grid, keep the best learning rate per cell, write "
         "results.md, summary.json, runs.jsonl and PNG plots. Every invocation trains from "
         "scratch (an old runs.jsonl is kept as runs.prev.jsonl, old run directories as "
@@ -879,33 +879,83 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError)
 TRACEBACK_HELP = "show the full Python traceback of an error (or set DELTAFLOW_DEBUG=1)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (``deltaflow CMD: error: ...``): the usage of
+    ``train`` alone is 34 lines, which buried the error (and its did-you-mean) above it."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        close = ""
+        if self.prog == "deltaflow" and "invalid choice: '" in message:  # a mistyped command
+            close = did_you_mean(message.split("invalid choice: '", 1)[1].split("'")[0], COMMANDS)
+        hint = close or f" (see {self.prog} -h)"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
+# command -> (one-line help, "module:function" that adds its full parser). `deltaflow --help`
+# and every command build only the parser they use, so none waits for another's imports
+# (torch, transformers, the trainer, lm-eval).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train one model on one task", "deltaflow.cli:add_train_parser"),
+    "eval": (
+        "evaluate a checkpoint on its task (or a variant of it)",
+        "deltaflow.cli:add_eval_parser",
+    ),
+    "generate": (
+        "sample text from a language-model checkpoint",
+        "deltaflow.cli:add_generate_parser",
+    ),
+    "export": (
+        "write a checkpoint as a transformers save_pretrained folder",
+        "deltaflow.cli:add_export_parser",
+    ),
+    "compare": (
+        "run a grid of rules x tasks x widths x lrs x seeds; tables and plots",
+        "deltaflow.cli:add_compare_parser",
+    ),
+    "lm-eval-task": (
+        "build local lm-eval tasks (last word, perplexity) from held-out documents",
+        "deltaflow.evals.local_tasks:add_lm_eval_task_parser",
+    ),
+    "stability": (
+        "numerical stability study of the step rules",
+        "deltaflow.analysis.cli:add_stability_parser",
+    ),
+}
+
+
+def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line: the commands in ``full`` (default: all) with their whole parser,
+    the others as a name and a help line."""
+    import importlib
+
+    parser = _Parser(
         prog="deltaflow",
         description="Delta-rule linear attention lab: train, evaluate, compare step rules.",
     )
     parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_train_parser(sub)
-    add_eval_parser(sub)
-    add_generate_parser(sub)
-    add_export_parser(sub)
-    add_compare_parser(sub)
-    from deltaflow.evals.local_tasks import add_lm_eval_task_parser
-
-    add_lm_eval_task_parser(sub)
-    try:  # written by another module; the CLI works without it
-        from deltaflow.analysis.cli import add_stability_parser
-    except ImportError:
-        pass
-    else:
-        add_stability_parser(sub)
+    for name, (help_text, where) in COMMANDS.items():
+        if full is not None and name not in full:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        module, function = where.split(":")
+        try:
+            add = getattr(importlib.import_module(module), function)
+        except ImportError:  # stability: written by another module; the CLI works without it
+            continue
+        add(sub)
     for command in sub.choices.values():
         if "--traceback" not in command._option_string_actions:
             command.add_argument(
                 "--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP
             )
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand an argv names (the first word that is not an option), if known."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
@@ -925,7 +975,8 @@ def _unknown_flags_error(
     names = {o[2:]: o for o in known}  # compare without the '--' every flag shares
     close = difflib.get_close_matches(flag.split("=")[0].lstrip("-"), names, n=1, cutoff=0.6)
     hint = f" (did you mean {names[close[0]]}?)" if close else f" (see deltaflow {command} -h)"
-    target.error(f"unrecognized argument{'s' if len(extras) > 1 else ''}: {' '.join(extras)}{hint}")
+    s = "s" if len(extras) > 1 else ""
+    target.exit(2, f"{target.prog}: error: unrecognized argument{s}: {' '.join(extras)}{hint}\n")
 
 
 def _one_line(err: BaseException) -> str:
@@ -947,8 +998,9 @@ def _close_progress_bars() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = _command_of(argv)
+    parser = build_parser(full=[command] if command else [])
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unknown_flags_error(parser, args.command, extras)

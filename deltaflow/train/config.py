@@ -296,7 +296,9 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         if not isinstance(data, dict):
             raise TypeError(f"a train config must be a mapping, got {describe(data)}")
-        check_known_keys("config", data, [f.name for f in dataclasses.fields(cls)])
+        errors = unknown_key_errors(data)
+        if errors:  # every typo of a config at once, not one per attempt
+            raise ValueError("; ".join(errors))
         return cls(**data)
 
     @classmethod
@@ -317,6 +319,39 @@ class TrainConfig:
         data = self.to_dict()
         data.update(changes)
         return TrainConfig.from_dict(data)
+
+
+def unknown_key_errors(data: dict[str, Any]) -> list[str]:
+    """One message per place of a config dict with unknown keys (the top level, a registered
+    task's arguments and eval_kwargs, the model section), each with its did-you-mean."""
+    from deltaflow.tasks import TASKS, check_task_kwargs, eval_options
+
+    def model_keys(model: dict[str, Any]) -> None:
+        from deltaflow.models.config import own_keys
+
+        check_known_keys("model", model, own_keys() - {"vocab_size"})
+
+    def task_keys(task: Any, kwargs: Any) -> None:
+        key = task.strip().lower().replace("-", "_")
+        if key not in TASKS:  # a Trainer may be handed a task object of its own
+            return
+        check_task_kwargs(task, kwargs if isinstance(kwargs, dict) else {}, require=False)
+        if isinstance(data.get("eval_kwargs"), dict):
+            check_known_keys("eval_kwargs", data["eval_kwargs"], eval_options(TASKS[key]))
+
+    checks = [lambda: check_known_keys("config", data, TrainConfig.__dataclass_fields__)]
+    if isinstance(data.get("model"), dict):
+        checks.append(lambda: model_keys(data["model"]))
+    task = data.get("task", TrainConfig.__dataclass_fields__["task"].default)
+    if isinstance(task, str):
+        checks.append(lambda: task_keys(task, data.get("task_kwargs", {})))
+    errors = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
 
 
 def read_yaml(path: str | Path) -> Any:
