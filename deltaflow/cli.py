@@ -460,6 +460,15 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N")
     _threads_flag(p)
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="also write the metrics (with --lm-eval: lm-eval's results per task) to FILE as "
+        "JSON",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (lm-eval draws its own)"
+    )
     g = p.add_argument_group("lm-evaluation-harness (pip install 'deltaflow[eval]')")
     g.add_argument(
         "--lm-eval",
@@ -504,7 +513,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         changes["eval_lengths"] = args.eval_lengths
     config = config.replace(**changes)
     trainer = Trainer(config, model=model, task=build_task(config))
-    metrics = trainer.evaluate(args.split)
+    metrics = trainer.evaluate(args.split, progress=not args.no_progress)
+    _write_output(args.output, metrics)
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:
@@ -527,6 +537,7 @@ def _cmd_lm_eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size or 8,
         device=args.device,
     )
+    _write_output(args.output, results["results"])
     if args.json:
         print(json.dumps(results["results"], indent=2, default=str))
     else:
@@ -534,6 +545,16 @@ def _cmd_lm_eval(args: argparse.Namespace) -> int:
 
         print(make_table(results))
     return 0
+
+
+def _write_output(path: str | None, results: dict[str, Any]) -> None:
+    """``--output FILE``: the results as JSON (the folder is created)."""
+    if path is None:
+        return
+    check_out_dir(Path(path).parent, "--output")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:

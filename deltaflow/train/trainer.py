@@ -696,12 +696,13 @@ class Trainer:
         return [None], False
 
     @torch.no_grad()
-    def evaluate(self, split: str | None = None) -> dict[str, float]:
+    def evaluate(self, split: str | None = None, progress: bool = False) -> dict[str, float]:
         """Metrics on the task's fixed evaluation set, per length (``name@L``) and headline.
 
         The headline (unsuffixed) metrics are the mean over lengths for tasks defining
         ``eval_lengths`` (state tracking: the test distribution is all of them), else the
-        first length (language modelling: the training length).
+        first length (language modelling: the training length). ``progress``: a bar per
+        length (``deltaflow eval``; the trainer's own evaluations run under its step bar).
         """
         split = split or self.config.eval_split
         model = self.raw_model  # no DDP hooks in eval (rank 0 only; all ranks under FSDP)
@@ -713,7 +714,8 @@ class Trainer:
             kwargs = dict(self.config.eval_kwargs)
             if length is not None:
                 kwargs["length"] = length
-            metrics = self._evaluate_one(model, split, kwargs)
+            desc = f"eval {self.config.task} {split}" + (f" @{length}" if length else "")
+            metrics = self._evaluate_one(model, split, kwargs, desc if progress else None)
             per_length.append(metrics)
             if length is not None and len(lengths) > 1:
                 out.update({f"{k}@{length}": v for k, v in metrics.items()})
@@ -725,14 +727,18 @@ class Trainer:
         return out
 
     def _evaluate_one(
-        self, model: nn.Module, split: str, kwargs: dict[str, Any]
+        self, model: nn.Module, split: str, kwargs: dict[str, Any], bar: str | None = None
     ) -> dict[str, float]:
         """Pool the whole evaluation set exactly when the task offers ``metric_sums``/``finalize``
         (additive statistics); otherwise average per-batch ``metrics`` weighted by scored tokens."""
         pooled = hasattr(self.task, "metric_sums") and hasattr(self.task, "finalize")
         sums: dict[str, float] = {}
         total = 0
-        for batch in self.task.eval_batches(split, **kwargs):
+        batches = self.task.eval_batches(split, **kwargs)
+        count = _eval_batch_count(self.task, kwargs) if bar is not None else None
+        for batch in tqdm(
+            batches, desc=bar, total=count, unit="batch", disable=bar is None, leave=False
+        ):
             check_batch(batch)
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with self._autocast():
@@ -1026,6 +1032,23 @@ def _check_tokenizer_fits(model: nn.Module, task: Any) -> None:
 
     desc = str(getattr(tokenizer, "path", tokenizer.name))
     check_vocab_fits(task.vocab_size, embedding.num_embeddings, desc)
+
+
+def _eval_batch_count(task: Any, kwargs: dict[str, Any]) -> int | None:
+    """Batches of an evaluation set when its size and batch size are known (the bar's total;
+    None: the bar counts without an ETA)."""
+    try:
+        defaults = inspect.signature(task.eval_batches).parameters
+    except (TypeError, ValueError):
+        return None
+    sizes = []
+    for name in ("num_examples", "batch_size"):
+        default = defaults[name].default if name in defaults else None
+        value = kwargs.get(name, default)
+        sizes.append(value if isinstance(value, int) and value > 0 else None)
+    if None in sizes:
+        return None
+    return math.ceil(sizes[0] / sizes[1])
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
