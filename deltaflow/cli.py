@@ -626,10 +626,11 @@ def add_export_parser(sub: argparse._SubParsersAction) -> None:
         "export",
         help=COMMANDS["export"][0],
         description="Write a run's latest checkpoint (or a given checkpoint folder) as a "
-        "save_pretrained folder: config.json, model.safetensors, train_config.yaml and, for "
-        "language-model runs, the tokenizer (tokenizer.json). Open it with "
-        "AutoModelForCausalLM.from_pretrained(DIR) after `import deltaflow.models`. Finished "
-        "runs already have one: RUN/final/.",
+        "save_pretrained folder: config.json (with auto_map and the tokenizer's eos_token_id), "
+        "generation_config.json, model.safetensors, the model code (modeling_deltaflow.py), "
+        "train_config.yaml and, for language-model runs, the tokenizer (tokenizer.json). Open "
+        "it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), deltaflow "
+        "installed or not. Finished runs already have one: RUN/final/.",
     )
     p.add_argument("checkpoint", help="run dir (its latest checkpoint) or checkpoint dir")
     p.add_argument("--out", required=True, help="folder to write (replaced if it exists)")
