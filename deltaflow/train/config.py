@@ -67,7 +67,12 @@ class TrainConfig:
     batch_size: int = _field(
         64, "GLOBAL batch: all GPUs x all accumulation micro-steps", group="optimization"
     )
-    grad_accum: int = _field(1, "gradient-accumulation micro-steps per step", group="optimization")
+    grad_accum: int = _field(
+        1,
+        "gradient-accumulation micro-steps per step (raised, with a note, when a step of "
+        "batch_size does not fit in the device's memory)",
+        group="optimization",
+    )
     lr: float = _field(1e-3, "peak learning rate (AdamW)", group="optimization")
     schedule: str = _field(
         "cosine",
