@@ -16,8 +16,9 @@ The estimate (bytes, fp32 training):
   delta-rule block with its SwiGLU; measured 53-65 at widths 128-512, head dims 16-128).
 
 Measured on CPU (peak RSS of a step minus the RSS before it, tests/test_memory.py): 1.02x the
-estimate when logits dominate, 0.82x when activations do. Evaluation (no gradients, its own
-batch) is not included.
+estimate when logits dominate, 0.82x when activations do (once 1.33x inside the whole test
+suite on a loaded machine, cause not found: the usable fraction below leaves room for it).
+Evaluation (no gradients, its own batch) is not included.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ LOGIT_COPIES = 4
 ACTIVATION_FLOATS = 64  # per token x layer x hidden unit
 # Share of the available memory a step may plan to use: the rest is left for the allocator's
 # fragmentation, the data and whatever else the machine runs.
-USABLE_FRACTION = 0.8
+USABLE_FRACTION = 0.7  # the peak measured once at 1.33x the estimate (tests/test_memory.py)
 GB = 2**30
 
 
