@@ -138,6 +138,17 @@ def test_lr_schedules_wsd_and_constant():
     assert const[:10] == wsd[:10] and const[10:] == [1.0] * 91
 
 
+def test_the_trainer_follows_the_configured_schedule():
+    model, task = make()
+    cfg = toy_config(steps=10, log_every=1, eval_every=0, schedule="wsd", warmup_steps=2)
+    trainer = Trainer(cfg, model=model, task=task)
+    trainer.train()
+    logged = [r["lr"] for r in trainer.logger.of_kind("train")]
+    kw = dict(base_lr=cfg.lr, total_steps=10, warmup_steps=2, schedule="wsd")
+    assert logged == pytest.approx([lr_at(s, **kw) for s in range(10)])
+    assert logged[2:8] == [cfg.lr] * 6  # stable, then the last 20% decays
+
+
 def test_warmup_longer_than_the_run_is_the_whole_run_everywhere(capsys):
     """One rule (config, lr_at, trainer, lab grid): shortened to the run, with one note."""
     assert lr_at(4, base_lr=1.0, total_steps=5, warmup_steps=20) == pytest.approx(1.0)
