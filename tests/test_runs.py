@@ -159,7 +159,8 @@ def test_no_resume_archives_the_old_run_and_prunes_only_the_new_one(cli, tmp_pat
     assert names(run / "checkpoints") == ["latest", "step_0000003", "step_0000004"]
     assert latest(run) == "step_0000004"
     assert [r[0] for r in train_curve(run)] == [1, 2, 3, 4]
-    code, out = cli.run(["eval", str(run), "--device", "cpu"], cwd=tmp_path)
+    # (stdout and stderr in one log here: no progress bar before the table)
+    code, out = cli.run(["eval", str(run), "--device", "cpu", "--no-progress"], cwd=tmp_path)
     assert code == 0 and out.startswith(f"{run}/checkpoints/step_0000004"), out
 
 
