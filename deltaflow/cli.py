@@ -26,7 +26,7 @@ import os
 import shlex
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +220,7 @@ def _config_flags() -> list[tuple[str, dataclasses.Field, dict[str, Any]]]:
 def add_train_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train one model on one task",
+        help=COMMANDS["train"][0],
         description="Train a model on a task. Precedence: defaults < --config < flags < --set. "
         "On CPU keep models small (e.g. --hidden-size 128 --num-layers 2): the default "
         "model (512 wide, 8 layers) is sized for a GPU.",
@@ -454,7 +454,7 @@ def _vocab_size(config: Any, ckpt: Path | None = None) -> int:
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "eval",
-        help="evaluate a checkpoint on its task (or a variant of it)",
+        help=COMMANDS["eval"][0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="checkpoint dir or run dir (uses its latest checkpoint)")
@@ -481,6 +481,15 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     _threads_flag(p)
     p.add_argument("--json", action="store_true", help="print metrics as JSON")
     _trust_flag(p)
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="also write the metrics (with --lm-eval: lm-eval's results per task) to FILE as "
+        "JSON",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (lm-eval draws its own)"
+    )
     g = p.add_argument_group("lm-evaluation-harness (pip install 'deltaflow[eval]')")
     g.add_argument(
         "--lm-eval",
@@ -525,7 +534,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         changes["eval_lengths"] = args.eval_lengths
     config = config.replace(**changes)
     trainer = Trainer(config, model=model, task=build_task(config))
-    metrics = trainer.evaluate(args.split)
+    metrics = trainer.evaluate(args.split, progress=not args.no_progress)
+    _write_output(args.output, metrics)
     if args.json:
         print(json.dumps(metrics, indent=2))
     else:
@@ -548,6 +558,7 @@ def _cmd_lm_eval(args: argparse.Namespace) -> int:
         batch_size=args.batch_size or 8,
         device=args.device,
     )
+    _write_output(args.output, results["results"])
     if args.json:
         print(json.dumps(results["results"], indent=2, default=str))
     else:
@@ -557,10 +568,20 @@ def _cmd_lm_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_output(path: str | None, results: dict[str, Any]) -> None:
+    """``--output FILE``: the results as JSON (the folder is created)."""
+    if path is None:
+        return
+    check_out_dir(Path(path).parent, "--output")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
-        help="sample text from a language-model checkpoint",
+        help=COMMANDS["generate"][0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("checkpoint", help="checkpoint dir or run dir of an `lm` task run")
@@ -625,12 +646,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="write a checkpoint as a transformers save_pretrained folder",
+        help=COMMANDS["export"][0],
         description="Write a run's latest checkpoint (or a given checkpoint folder) as a "
-        "save_pretrained folder: config.json, model.safetensors, train_config.yaml and, for "
-        "language-model runs, the tokenizer (tokenizer.json). Open it with "
-        "AutoModelForCausalLM.from_pretrained(DIR) after `import deltaflow.models`. Finished "
-        "runs already have one: RUN/final/.",
+        "save_pretrained folder: config.json (with auto_map and the tokenizer's eos_token_id), "
+        "generation_config.json, model.safetensors, the model code (modeling_deltaflow.py), "
+        "train_config.yaml and, for language-model runs, the tokenizer (tokenizer.json). Open "
+        "it with AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True), deltaflow "
+        "installed or not. Finished runs already have one: RUN/final/.",
     )
     p.add_argument("checkpoint", help="run dir (its latest checkpoint) or checkpoint dir")
     p.add_argument(
@@ -659,7 +681,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def add_convert_fla_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert-fla",
-        help="convert an fla GatedDeltaNet / DeltaNet checkpoint into a deltaflow model",
+        help=COMMANDS["convert-fla"][0],
         description="Read a folder written by fla's save_pretrained (config.json + "
         "model.safetensors) of a GatedDeltaNetForCausalLM or DeltaNetForCausalLM and write the "
         "deltaflow model with the same outputs as a save_pretrained folder (tokenizer files "
@@ -685,7 +707,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "compare",
-        help="run a grid of rules x tasks x widths x lrs x seeds; tables and plots",
+        help=COMMANDS["compare"][0],
         description="Run a preset grid, keep the best learning rate per cell, write "
         "results.md, summary.json, runs.jsonl and PNG plots. Every invocation trains from "
         "scratch (an old runs.jsonl is kept as runs.prev.jsonl, old run directories as "
@@ -926,34 +948,87 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, OSError)
 TRACEBACK_HELP = "show the full Python traceback of an error (or set DELTAFLOW_DEBUG=1)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (``deltaflow CMD: error: ...``): the usage of
+    ``train`` alone is 34 lines, which buried the error (and its did-you-mean) above it."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        close = ""
+        if self.prog == "deltaflow" and "invalid choice: '" in message:  # a mistyped command
+            close = did_you_mean(message.split("invalid choice: '", 1)[1].split("'")[0], COMMANDS)
+        hint = close or f" (see {self.prog} -h)"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
+# command -> (one-line help, "module:function" that adds its full parser). `deltaflow --help`
+# and every command build only the parser they use, so none waits for another's imports
+# (torch, transformers, the trainer, lm-eval).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train one model on one task", "deltaflow.cli:add_train_parser"),
+    "eval": (
+        "evaluate a checkpoint on its task (or a variant of it)",
+        "deltaflow.cli:add_eval_parser",
+    ),
+    "generate": (
+        "sample text from a language-model checkpoint",
+        "deltaflow.cli:add_generate_parser",
+    ),
+    "export": (
+        "write a checkpoint as a transformers save_pretrained folder",
+        "deltaflow.cli:add_export_parser",
+    ),
+    "convert-fla": (
+        "convert an fla GatedDeltaNet/DeltaNet checkpoint into a deltaflow model folder",
+        "deltaflow.cli:add_convert_fla_parser",
+    ),
+    "compare": (
+        "run a grid of rules x tasks x widths x lrs x seeds; tables and plots",
+        "deltaflow.cli:add_compare_parser",
+    ),
+    "lm-eval-task": (
+        "build local lm-eval tasks (last word, perplexity) from held-out documents",
+        "deltaflow.evals.local_tasks:add_lm_eval_task_parser",
+    ),
+    "stability": (
+        "numerical stability study of the step rules",
+        "deltaflow.analysis.cli:add_stability_parser",
+    ),
+}
+
+
+def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The command line: the commands in ``full`` (default: all) with their whole parser,
+    the others as a name and a help line."""
+    import importlib
+
+    parser = _Parser(
         prog="deltaflow",
         description="Delta-rule linear attention lab: train, evaluate, compare step rules.",
     )
     parser.add_argument("--traceback", action="store_true", help=TRACEBACK_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_train_parser(sub)
-    add_eval_parser(sub)
-    add_generate_parser(sub)
-    add_export_parser(sub)
-    add_convert_fla_parser(sub)
-    add_compare_parser(sub)
-    from deltaflow.evals.local_tasks import add_lm_eval_task_parser
-
-    add_lm_eval_task_parser(sub)
-    try:  # written by another module; the CLI works without it
-        from deltaflow.analysis.cli import add_stability_parser
-    except ImportError:
-        pass
-    else:
-        add_stability_parser(sub)
+    for name, (help_text, where) in COMMANDS.items():
+        if full is not None and name not in full:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        module, function = where.split(":")
+        try:
+            add = getattr(importlib.import_module(module), function)
+        except ImportError:  # stability: written by another module; the CLI works without it
+            continue
+        add(sub)
     for command in sub.choices.values():
         if "--traceback" not in command._option_string_actions:
             command.add_argument(
                 "--traceback", action="store_true", default=argparse.SUPPRESS, help=TRACEBACK_HELP
             )
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand an argv names (the first word that is not an option), if known."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
@@ -973,7 +1048,8 @@ def _unknown_flags_error(
     names = {o[2:]: o for o in known}  # compare without the '--' every flag shares
     close = difflib.get_close_matches(flag.split("=")[0].lstrip("-"), names, n=1, cutoff=0.6)
     hint = f" (did you mean {names[close[0]]}?)" if close else f" (see deltaflow {command} -h)"
-    target.error(f"unrecognized argument{'s' if len(extras) > 1 else ''}: {' '.join(extras)}{hint}")
+    s = "s" if len(extras) > 1 else ""
+    target.exit(2, f"{target.prog}: error: unrecognized argument{s}: {' '.join(extras)}{hint}\n")
 
 
 def _one_line(err: BaseException) -> str:
@@ -1010,7 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--traceback" in argv or os.environ.get("DELTAFLOW_DEBUG", "") not in ("", "0")
         command = next((a for a in argv if not a.startswith("-")), None)  # until argparse says
-        parser = build_parser()
+        # only the named command's parser is built whole: the others' imports cost seconds
+        parser = build_parser(full=[c for c in [_command_of(argv)] if c])
         args, extras = parser.parse_known_args(argv)
         command = args.command
         if extras:

@@ -38,10 +38,17 @@ def test_train_eval_resume_roundtrip(tmp_path, capsys):
     assert [e["event"] for e in events] == ["start", "extend"] and events[1]["step"] == 3
     assert [r["step"] for r in read_log(out) if r["kind"] == "train"] == [1, 2, 3, 4, 5]
 
-    assert main(["eval", str(out), "--device", "cpu", "--json", "--num-examples", "16"]) == 0
-    metrics = json.loads(capsys.readouterr().out)
+    saved_to = tmp_path / "results" / "eval.json"
+    argv = ["eval", str(out), "--device", "cpu", "--json", "--num-examples", "16"]
+    assert main([*argv, "--batch-size", "4", "--output", str(saved_to)]) == 0
+    captured = capsys.readouterr()
+    metrics = json.loads(captured.out)
     assert {"accuracy", "scaled_accuracy", "loss"} <= set(metrics)
     assert metrics["num_scored"] == 16 * 2  # 16 examples x 2 queries: the override took effect
+    assert json.loads(saved_to.read_text()) == metrics  # --output
+    assert "eval mqar valid:   0%|" in captured.err  # the progress bar, with its total
+    assert main([*argv, "--no-progress"]) == 0
+    assert "eval mqar" not in capsys.readouterr().err
 
 
 def test_config_file_flags_and_set_precedence(tmp_path, capsys):

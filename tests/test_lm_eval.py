@@ -104,6 +104,14 @@ def test_local_tasks_run_through_deltaflow_eval(run, tmp_path, capsys):
     tasks = tmp_path / "tasks"
     argv = ["lm-eval-task", "--from-run", str(run), "--out", str(tasks), "--name", "tiny"]
     assert main([*argv, "--num-examples", "5", "--min-words", "5", "--max-words", "6"]) == 0
+    captured = capsys.readouterr()
+    assert "wrote 5 examples per task\n" in captured.err
+    hint = f"evaluate: deltaflow eval {run} --lm-eval tiny_last_word,tiny_ppl"
+    assert hint in captured.out  # the run's own path, not a literal RUN
+    assert main([*argv, "--num-examples", "10000", "--min-words", "5"]) == 0  # more than exist
+    err = capsys.readouterr().err
+    assert "(asked for 10000: the held-out documents have only" in err
+    assert main([*argv, "--num-examples", "5", "--min-words", "5", "--max-words", "6"]) == 0
     capsys.readouterr()
     examples = [json.loads(x) for x in (tasks / "tiny_last_word.jsonl").read_text().splitlines()]
     assert len(examples) == 5 and all(e["target"][1:].isalpha() for e in examples)
@@ -111,8 +119,10 @@ def test_local_tasks_run_through_deltaflow_eval(run, tmp_path, capsys):
     assert all(any(e["context"] in " ".join(d.split()) for d in heldout) for e in examples)
 
     argv = ["eval", str(run), "--lm-eval", "tiny_last_word,tiny_ppl", "--device", "cpu"]
-    assert main([*argv, "--lm-eval-include", str(tasks), "--json"]) == 0
+    saved = tmp_path / "lm_eval.json"
+    assert main([*argv, "--lm-eval-include", str(tasks), "--json", "--output", str(saved)]) == 0
     results = json.loads(capsys.readouterr().out)
+    assert json.loads(saved.read_text()) == json.loads(json.dumps(results, default=str))
     last_word, ppl = results["tiny_last_word"], results["tiny_ppl"]
     assert last_word["acc,none"] in {0.0, 0.2, 0.4, 0.6, 0.8, 1.0}
     assert last_word["perplexity,none"] > 1.0

@@ -159,7 +159,8 @@ def test_no_resume_archives_the_old_run_and_prunes_only_the_new_one(cli, tmp_pat
     assert names(run / "checkpoints") == ["latest", "step_0000003", "step_0000004"]
     assert latest(run) == "step_0000004"
     assert [r[0] for r in train_curve(run)] == [1, 2, 3, 4]
-    code, out = cli.run(["eval", str(run), "--device", "cpu"], cwd=tmp_path)
+    # (stdout and stderr in one log here: no progress bar before the table)
+    code, out = cli.run(["eval", str(run), "--device", "cpu", "--no-progress"], cwd=tmp_path)
     assert code == 0 and out.startswith(f"{run}/checkpoints/step_0000004"), out
 
 
@@ -316,8 +317,59 @@ def test_export_opens_with_auto_model_with_identical_logits(cli, tmp_path):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         assert tokenizer("the quick brown fox")["input_ids"] == ids[0].tolist()
         assert tokenizer.eos_token_id == 256
+        # Hub-ready: the end of text for generate, the model code beside the weights, 0644
+        config = json.loads((folder / "config.json").read_text())
+        assert config["eos_token_id"] == 256 and "AutoModelForCausalLM" in config["auto_map"]
+        generation = json.loads((folder / "generation_config.json").read_text())
+        assert generation["eos_token_id"] == 256
+        assert {oct(p.stat().st_mode & 0o777) for p in folder.iterdir()} == {"0o644"}
+    # A fresh process where deltaflow cannot be imported: the bundled source serves
+    with torch.no_grad():
+        expected = ours(input_ids=ids).logits
+    torch.save({"ids": ids, "logits": expected}, tmp_path / "expected.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf_modules")
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_DELTAFLOW, str(tmp_path / "hf"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["from-bundle", "equal"], done.stdout
     code, out = cli.run(["export", str(run), "--out", str(run)], cwd=tmp_path)
     assert code == 2 and "is a run folder" in error_line(out)
+
+
+# deltaflow hidden: any top-level `deltaflow` found outside an unpacked bundle is refused
+_LOAD_WITHOUT_DELTAFLOW = """
+import importlib.machinery, sys, torch
+class Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name != "deltaflow":
+            return None
+        paths = [p for p in sys.path if "deltaflow_src_" in p]
+        spec = importlib.machinery.PathFinder.find_spec(name, paths) if paths else None
+        if spec is None:
+            raise ImportError("deltaflow is hidden in this test")
+        return spec
+sys.meta_path.insert(0, Hide())
+try:
+    import deltaflow
+    raise SystemExit("deltaflow importable")
+except ImportError:
+    pass
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+import deltaflow
+where = "from-bundle" if "deltaflow_src_" in deltaflow.__file__ else deltaflow.__file__
+want = torch.load(sys.argv[2] + "/expected.pt")
+with torch.no_grad():
+    logits = model(input_ids=want["ids"]).logits
+print(where, "equal" if torch.equal(logits, want["logits"]) else "different")
+"""
 
 
 def test_a_bpe_tokenizer_exports_to_an_equal_transformers_tokenizer(tmp_path):

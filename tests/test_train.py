@@ -117,9 +117,56 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert lrs[100] == pytest.approx(0.1)
     assert lr_at(7, base_lr=2.0, total_steps=10, warmup_steps=0, min_lr_ratio=0.0) < 2.0
     with pytest.raises(ValueError, match="warmup_steps"):
-        lr_at(0, base_lr=1.0, total_steps=5, warmup_steps=6)
+        lr_at(0, base_lr=1.0, total_steps=5, warmup_steps=-1)
     with pytest.raises(ValueError, match="min_lr_ratio"):
         lr_at(0, base_lr=1.0, total_steps=5, min_lr_ratio=1.5)
+    with pytest.raises(ValueError, match="schedule must be one of cosine, wsd, constant"):
+        lr_at(0, base_lr=1.0, total_steps=5, schedule="linear")
+
+
+def test_lr_schedules_wsd_and_constant():
+    kw = dict(base_lr=1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    wsd = [lr_at(s, schedule="wsd", decay_fraction=0.2, **kw) for s in range(101)]
+    assert wsd[0] == pytest.approx(0.1) and wsd[9] == pytest.approx(1.0)
+    assert wsd[10:81] == [1.0] * 71  # stable until the last 20% of the steps
+    assert wsd[90] == pytest.approx(0.1 + 0.9 * 0.5) and wsd[100] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(wsd[80:], wsd[81:]))
+    # up to its decay, a run follows the curve of a longer one (wsd runs can be extended)
+    longer = [lr_at(s, schedule="wsd", **{**kw, "total_steps": 200}) for s in range(80)]
+    assert longer == wsd[:80]
+    const = [lr_at(s, schedule="constant", **kw) for s in range(101)]
+    assert const[:10] == wsd[:10] and const[10:] == [1.0] * 91
+
+
+def test_the_trainer_follows_the_configured_schedule():
+    model, task = make()
+    cfg = toy_config(steps=10, log_every=1, eval_every=0, schedule="wsd", warmup_steps=2)
+    trainer = Trainer(cfg, model=model, task=task)
+    trainer.train()
+    logged = [r["lr"] for r in trainer.logger.of_kind("train")]
+    kw = dict(base_lr=cfg.lr, total_steps=10, warmup_steps=2, schedule="wsd")
+    assert logged == pytest.approx([lr_at(s, **kw) for s in range(10)])
+    assert logged[2:8] == [cfg.lr] * 6  # stable, then the last 20% decays
+
+
+def test_warmup_longer_than_the_run_is_the_whole_run_everywhere(capsys):
+    """One rule (config, lr_at, trainer, lab grid): shortened to the run, with one note."""
+    assert lr_at(4, base_lr=1.0, total_steps=5, warmup_steps=20) == pytest.approx(1.0)
+    cfg = TrainConfig(steps=10, warmup_steps=20)
+    assert cfg.resolved_warmup_steps == 10
+    assert "warmup_steps 20 > steps 10: warming up over the whole run" in cfg.warmup_note()
+    assert TrainConfig(steps=10, warmup_steps=10).warmup_note() is None
+    model, task = make()
+    Trainer(toy_config(steps=4, warmup_steps=20), model=model, task=task, verbose=True)
+    assert capsys.readouterr().err.count("warmup_steps 20 > steps 4") == 1
+    from deltaflow.lab import expand_grid, get_preset
+
+    (spec, *_) = expand_grid(get_preset("quick"), device="cpu", steps=5)
+    assert spec.config.warmup_steps == 5 == spec.config.resolved_warmup_steps
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0"):
+        TrainConfig(warmup_steps=-1)
+    with pytest.raises(ValueError, match="decay_fraction must be in"):
+        TrainConfig(schedule="wsd", decay_fraction=0)
 
 
 # ---------------------------------------------------------------------------- config

@@ -13,10 +13,29 @@
   :mod:`~deltaflow.analysis.layer_section` (a trained model's mu per head).
 """
 
-from deltaflow.analysis.discretization import discretization_study, transition_errors
-from deltaflow.analysis.growth import Chain, make_chains, parse_precision, simulate, summarize
-from deltaflow.analysis.report import StudyConfig, run_study
-from deltaflow.analysis.spectrum import layer_eigenvalues, mu_of_h, mu_of_norm, mu_range, rule_mu
+from __future__ import annotations
+
+from typing import Any
+
+from deltaflow import lazy_attribute
+
+# Imported on first use (PEP 562): the command line imports only what a command needs.
+_LAZY = {
+    "discretization_study": "deltaflow.analysis.discretization",
+    "transition_errors": "deltaflow.analysis.discretization",
+    "Chain": "deltaflow.analysis.growth",
+    "make_chains": "deltaflow.analysis.growth",
+    "parse_precision": "deltaflow.analysis.growth",
+    "simulate": "deltaflow.analysis.growth",
+    "summarize": "deltaflow.analysis.growth",
+    "StudyConfig": "deltaflow.analysis.report",
+    "run_study": "deltaflow.analysis.report",
+    "layer_eigenvalues": "deltaflow.analysis.spectrum",
+    "mu_of_h": "deltaflow.analysis.spectrum",
+    "mu_of_norm": "deltaflow.analysis.spectrum",
+    "mu_range": "deltaflow.analysis.spectrum",
+    "rule_mu": "deltaflow.analysis.spectrum",
+}
 
 __all__ = [
     "Chain",
@@ -34,3 +53,7 @@ __all__ = [
     "summarize",
     "transition_errors",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_attribute(__name__, _LAZY, name)

@@ -92,7 +92,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def add_stability_parser(subparsers) -> argparse.ArgumentParser:
     """Register `stability` on an argparse subparsers object (from the main deltaflow CLI)."""
-    p = subparsers.add_parser("stability", help="numerical stability study of the step rules")
+    from deltaflow.cli import COMMANDS
+
+    p = subparsers.add_parser("stability", help=COMMANDS["stability"][0])
     return _configure(p)
 
 

@@ -22,13 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import yaml
 
-from deltaflow.tasks.corpus import Corpus
+if TYPE_CHECKING:
+    from deltaflow.tasks.corpus import Corpus
 
 _CORPUS_OPTIONS = ("text_field", "valid_files", "valid_fraction", "skip_empty")
 
@@ -79,6 +81,10 @@ def build_tasks(
     unknown = sorted(set(corpus_options) - set(_CORPUS_OPTIONS))
     if unknown:
         raise ValueError(f"unknown corpus options {unknown}; known: {list(_CORPUS_OPTIONS)}")
+    import numpy as np
+
+    from deltaflow.tasks.corpus import Corpus
+
     corpus = Corpus(data, **corpus_options)
     paragraphs = held_out_paragraphs(corpus, min_words)
     examples = [e for e in (last_word_example(p, max_words) for p in paragraphs) if e]
@@ -152,9 +158,11 @@ def _write_task(
 
 # ---------------------------------------------------------------------------- command line
 def add_lm_eval_task_parser(sub: argparse._SubParsersAction) -> None:
+    from deltaflow.cli import COMMANDS
+
     p = sub.add_parser(
         "lm-eval-task",
-        help="build local lm-eval tasks (last word, perplexity) from held-out documents",
+        help=COMMANDS["lm-eval-task"][0],
         description="Write <name>_last_word and <name>_ppl lm-eval tasks (YAML + JSONL) from "
         "the held-out documents of a corpus; evaluate with deltaflow eval RUN --lm-eval TASKS "
         "--lm-eval-include OUT.",
@@ -218,6 +226,17 @@ def cmd_lm_eval_task(args: argparse.Namespace) -> int:
     )
     for path in paths:
         print(path)
+    written = len(paths[0].with_suffix(".jsonl").read_text(encoding="utf-8").splitlines())
+    found = ""
+    if written < args.num_examples:
+        found = (
+            f" (asked for {args.num_examples}: the held-out documents have only {written} "
+            f"paragraphs of >= {args.min_words} words; lower --min-words or hold out more "
+            "documents for more)"
+        )
+    print(f"wrote {written} examples per task{found}", file=sys.stderr)
     tasks = ",".join(p.stem for p in paths)
-    print(f"evaluate: deltaflow eval RUN --lm-eval {tasks} --lm-eval-include {args.out}")
+    run = shlex.quote(str(args.from_run)) if args.from_run else "<your run folder>"
+    out = shlex.quote(str(args.out))
+    print(f"evaluate: deltaflow eval {run} --lm-eval {tasks} --lm-eval-include {out}")
     return 0

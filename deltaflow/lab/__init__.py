@@ -10,14 +10,29 @@ job: ``grid`` (the runs of a preset), ``runner`` (training them, resumably, in a
 ``comparison`` (the whole job), ``presets``, ``paired`` (paired statistics over seeds).
 """
 
-from deltaflow.lab.comparison import compare
-from deltaflow.lab.grid import RunSpec, expand_grid
-from deltaflow.lab.paired import PairedDifference, paired_difference
-from deltaflow.lab.plots import make_plots
-from deltaflow.lab.presets import PRESETS, VARIANTS, Preset, get_preset
-from deltaflow.lab.report import markdown_report, results_table
-from deltaflow.lab.runner import run_grid
-from deltaflow.lab.select import select_best
+from __future__ import annotations
+
+from typing import Any
+
+from deltaflow import lazy_attribute
+
+# Imported on first use (PEP 562): the command line imports only what a command needs.
+_LAZY = {
+    "compare": "deltaflow.lab.comparison",
+    "RunSpec": "deltaflow.lab.grid",
+    "expand_grid": "deltaflow.lab.grid",
+    "PairedDifference": "deltaflow.lab.paired",
+    "paired_difference": "deltaflow.lab.paired",
+    "make_plots": "deltaflow.lab.plots",
+    "PRESETS": "deltaflow.lab.presets",
+    "VARIANTS": "deltaflow.lab.presets",
+    "Preset": "deltaflow.lab.presets",
+    "get_preset": "deltaflow.lab.presets",
+    "markdown_report": "deltaflow.lab.report",
+    "results_table": "deltaflow.lab.report",
+    "run_grid": "deltaflow.lab.runner",
+    "select_best": "deltaflow.lab.select",
+}
 
 __all__ = [
     "PRESETS",
@@ -35,3 +50,7 @@ __all__ = [
     "PairedDifference",
     "paired_difference",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_attribute(__name__, _LAZY, name)

@@ -19,11 +19,15 @@ from typing import Any
 from deltaflow.lab.presets import RENAMED_VARIANTS, VARIANTS, Preset
 from deltaflow.train import TrainConfig
 from deltaflow.train.config import fields_left_out_of_run_ids
+from deltaflow.train.schedule import effective_warmup
 
 # TrainConfig fields that say how a run is executed, not what it trains, and came after grids
 # were committed (marked in_run_id=False on the field itself, train/config.py): left out of run
 # ids, so committed grids keep their ids (--resume, --report-only).
 RUNTIME_ONLY_FIELDS = fields_left_out_of_run_ids()
+# Fields that came later and do change training, at the value every older grid trained with:
+# left out of run ids at that value only (a wsd grid gets ids of its own).
+LATER_FIELD_DEFAULTS = {"schedule": "cosine", "decay_fraction": 0.2}
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,9 @@ class RunSpec:
         config = self.config.to_dict()
         for name in RUNTIME_ONLY_FIELDS:  # added after grids were committed; ids stay valid
             config.pop(name, None)
+        for name, old in LATER_FIELD_DEFAULTS.items():
+            if config.get(name) == old:
+                config.pop(name)
         if str(config.get("device", "")).startswith("cuda:"):  # which GPU of a host ran it is
             config["device"] = "cuda"  # not part of the run: 'cuda:1' resumes a 'cuda' run
         text = json.dumps(config, sort_keys=True)
@@ -102,8 +109,9 @@ def expand_grid(
             base[key] = value
     n_steps = steps if steps is not None else max(1, round(base.get("steps", 1000) * scale))
     base["steps"] = n_steps
-    if base.get("warmup_steps") is not None:
-        base["warmup_steps"] = min(base["warmup_steps"], n_steps)
+    if base.get("warmup_steps") is not None:  # what the trainer would use, written down (the
+        # stored configs of grids run before it did so keep resuming)
+        base["warmup_steps"] = effective_warmup(base["warmup_steps"], n_steps)
     if base.get("eval_every"):
         base["eval_every"] = min(base["eval_every"], n_steps)
     base.update(device=device, progress=False, out_dir=None)

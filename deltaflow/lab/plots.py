@@ -1,4 +1,9 @@
-"""PNG plots of a compare grid (matplotlib, Agg backend: works headless)."""
+"""PNG plots of a compare grid (matplotlib, Agg backend: works headless).
+
+Each variant keeps one colour in every panel and plot (its place in the preset's variant
+list). Metric-vs-width and metric-vs-length draw what the table reports (the seed aggregate);
+the training curves are one run's, each variant's best seed, and their legends say which.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,26 @@ def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and math.isfinite(v)
 
 
+def _colors(preset: Preset) -> dict[str, str]:
+    """One colour per variant for every panel (matplotlib's cycle, in preset order)."""
+    return {v: f"C{i % 10}" for i, v in enumerate(preset.variants)}
+
+
+def _curve_label(variant: str, row: dict[str, Any], preset: Preset) -> str:
+    """``efla (lr 0.003, seed 2: best of 3)``: which run a curve is, when there are seeds."""
+    label = f"{variant} (lr {row['best_lr']:g}"
+    if row.get("n_seeds", 1) > 1 and "curve_seed" in row:
+        label += f", seed {row['curve_seed']}: best of {row['n_seeds']}"
+    return label + ")"
+
+
+def _curve_title(cell: str, width: int | None, preset: Preset, rows: list[dict]) -> str:
+    title = cell + (f", d={width}" if width else "")
+    if any(r.get("n_seeds", 1) > 1 for r in rows) and preset.seed_aggregate != "max":
+        title += f"\n(best seed's run; the table: {preset.seed_aggregate} of seeds)"
+    return title
+
+
 def _save(fig: plt.Figure, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -31,6 +56,7 @@ def plot_metric_vs_width(rows: list[dict[str, Any]], preset: Preset, out: Path) 
     if not preset.widths or len(preset.widths) < 2:
         return None
     cells = list(preset.cells)
+    colors = _colors(preset)
     fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4), squeeze=False)
     for ax, cell in zip(axes[0], cells):
         for variant in preset.variants:
@@ -40,7 +66,7 @@ def plot_metric_vs_width(rows: list[dict[str, Any]], preset: Preset, out: Path) 
                 if r["variant"] == variant and r["cell"] == cell and _finite(r["value"])
             )
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=variant)
+                ax.plot(*zip(*pts), marker="o", label=variant, color=colors[variant])
         ax.set_xscale("log", base=2)
         ax.set_xticks(preset.widths, [str(w) for w in preset.widths])
         ax.set_xlabel("model width (hidden size)")
@@ -55,6 +81,7 @@ def plot_loss_curves(rows: list[dict[str, Any]], preset: Preset, out: Path) -> s
     """Training loss of the reported run (best lr, best seed) per variant; widest model only."""
     width = max(preset.widths) if preset.widths else None
     cells = list(preset.cells)
+    colors = _colors(preset)
     fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4), squeeze=False)
     drew = False
     for ax, cell in zip(axes[0], cells):
@@ -62,12 +89,13 @@ def plot_loss_curves(rows: list[dict[str, Any]], preset: Preset, out: Path) -> s
             for r in rows:
                 if (r["variant"], r["cell"], r["width"]) == (variant, cell, width) and r["curve"]:
                     steps, losses = zip(*[(s, v) for s, v in r["curve"] if _finite(v)])
-                    ax.plot(steps, losses, label=f"{variant} (lr {r['best_lr']:g})")
+                    label = _curve_label(variant, r, preset)
+                    ax.plot(steps, losses, label=label, color=colors[variant])
                     drew = True
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.set_yscale("log")
-        ax.set_title(cell + (f", d={width}" if width else ""))
+        ax.set_title(_curve_title(cell, width, preset, rows), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     if not drew:
@@ -88,6 +116,7 @@ def plot_metric_vs_length(rows: list[dict[str, Any]], preset: Preset, out: Path)
     ]
     if not cells:
         return None
+    colors = _colors(preset)
     fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4), squeeze=False)
     for ax, cell in zip(axes[0], cells):
         lengths: set[int] = set()
@@ -101,7 +130,7 @@ def plot_metric_vs_length(rows: list[dict[str, Any]], preset: Preset, out: Path)
                     if (m := pattern.match(k)) and _finite(v)
                 )
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=variant)
+                    ax.plot(*zip(*pts), marker="o", label=variant, color=colors[variant])
                     lengths.update(p[0] for p in pts)
         ax.set_xscale("log", base=2)
         if lengths:
@@ -124,6 +153,7 @@ def plot_metric_curves(rows: list[dict[str, Any]], preset: Preset, out: Path) ->
     ]
     if not cells:
         return None
+    colors = _colors(preset)
     fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4), squeeze=False)
     for ax, cell in zip(axes[0], cells):
         for variant in preset.variants:
@@ -131,10 +161,11 @@ def plot_metric_curves(rows: list[dict[str, Any]], preset: Preset, out: Path) ->
                 if (r["variant"], r["cell"], r["width"]) == (variant, cell, width):
                     pts = [(s, v) for s, v in r["eval_curve"] if _finite(v)]
                     if pts:
-                        ax.plot(*zip(*pts), marker="o", label=variant)
+                        label = _curve_label(variant, r, preset)
+                        ax.plot(*zip(*pts), marker="o", label=label, color=colors[variant])
         ax.set_xlabel("step")
         ax.set_ylabel(f"validation {preset.metric}")
-        ax.set_title(cell + (f", d={width}" if width else ""))
+        ax.set_title(_curve_title(cell, width, preset, rows), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, out / f"{preset.metric}_curves.png")

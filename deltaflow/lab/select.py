@@ -87,6 +87,7 @@ def select_best(records: list[dict[str, Any]], preset: Preset) -> list[dict[str,
                     spreads[key] = statistics.pstdev(vals) if len(vals) > 1 else 0.0
         row["metrics"] = metrics
         row["metrics_std"] = spreads  # seed spread of every metric (mean over seeds only)
+        row["curve_seed"] = best_run["seed"]  # the run the curves come from (plots say so)
         row["curve"] = best_run.get("curve", [])
         row["eval_curve"] = [
             [r["step"], r[metric]] for r in best_run.get("eval_curve", []) if metric in r

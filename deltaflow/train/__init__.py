@@ -4,27 +4,35 @@ from deltaflow.train import TrainConfig, train
 summary = train(TrainConfig(task="mqar", model={"rule": "efla", "hidden_size": 128}))
 """
 
-from deltaflow.train.checkpoint import (
-    CheckpointSaveError,
-    latest_checkpoint,
-    load_checkpoint,
-    load_config,
-    resolve_checkpoint,
-    save_checkpoint,
-)
-from deltaflow.train.config import TrainConfig, apply_overrides
-from deltaflow.train.export import export_checkpoint, write_pretrained
-from deltaflow.train.logging import RunLogger, read_log
-from deltaflow.train.schedule import lr_at
-from deltaflow.train.trainer import (
-    DivergenceError,
-    Trainer,
-    build_model,
-    build_task,
-    model_logits,
-    param_groups,
-    train,
-)
+from __future__ import annotations
+
+from typing import Any
+
+from deltaflow import lazy_attribute
+
+# Imported on first use (PEP 562): the command line imports only what a command needs.
+_LAZY = {
+    "CheckpointSaveError": "deltaflow.train.checkpoint",
+    "latest_checkpoint": "deltaflow.train.checkpoint",
+    "load_checkpoint": "deltaflow.train.checkpoint",
+    "load_config": "deltaflow.train.checkpoint",
+    "resolve_checkpoint": "deltaflow.train.checkpoint",
+    "save_checkpoint": "deltaflow.train.checkpoint",
+    "TrainConfig": "deltaflow.train.config",
+    "apply_overrides": "deltaflow.train.config",
+    "export_checkpoint": "deltaflow.train.export",
+    "write_pretrained": "deltaflow.train.export",
+    "RunLogger": "deltaflow.train.logging",
+    "read_log": "deltaflow.train.logging",
+    "lr_at": "deltaflow.train.schedule",
+    "DivergenceError": "deltaflow.train.trainer",
+    "Trainer": "deltaflow.train.trainer",
+    "build_model": "deltaflow.train.trainer",
+    "build_task": "deltaflow.train.trainer",
+    "model_logits": "deltaflow.train.trainer",
+    "param_groups": "deltaflow.train.trainer",
+    "train": "deltaflow.train.trainer",
+}
 
 __all__ = [
     "TrainConfig",
@@ -48,3 +56,7 @@ __all__ = [
     "export_checkpoint",
     "write_pretrained",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_attribute(__name__, _LAZY, name)

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from deltaflow.train.schedule import SCHEDULES, effective_warmup
 from deltaflow.validation import (
     check_bool,
     check_float,
@@ -74,12 +75,31 @@ class TrainConfig:
         64, "GLOBAL batch: all GPUs x all accumulation micro-steps", group="optimization"
     )
     grad_accum: int = _field(
-        1, "gradient-accumulation micro-steps per step", group="optimization", runtime=True
+        1,
+        "gradient-accumulation micro-steps per step (raised, with a note, when a step of "
+        "batch_size does not fit in the device's memory)",
+        group="optimization",
+        runtime=True,
     )
     lr: float = _field(1e-3, "peak learning rate (AdamW)", group="optimization")
-    min_lr_ratio: float = _field(0.1, "cosine floor, as a fraction of lr", group="optimization")
+    schedule: str = _field(
+        "cosine",
+        "learning rate after warmup: cosine (to min_lr_ratio x lr), wsd (warmup-stable-decay: "
+        "lr until the last decay_fraction of the steps, then linear to min_lr_ratio x lr) or "
+        "constant",
+        group="optimization",
+        choices=list(SCHEDULES),
+    )
+    decay_fraction: float = _field(
+        0.2, "wsd: fraction of the steps spent decaying", group="optimization"
+    )
+    min_lr_ratio: float = _field(
+        0.1, "floor of the cosine and wsd decay, as a fraction of lr", group="optimization"
+    )
     warmup_steps: int | None = _field(
-        None, "linear warmup steps (default: steps / 20)", group="optimization"
+        None,
+        "linear warmup steps (default: steps / 20; more than steps: the whole run, with a note)",
+        group="optimization",
     )
     weight_decay: float = _field(
         0.1,
@@ -237,10 +257,14 @@ class TrainConfig:
         for name in ("eval_every", "ckpt_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)}")
-        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps}")
+        if self.schedule not in SCHEDULES:
             raise ValueError(
-                f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}"
+                f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
             )
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a multiple of grad_accum "
@@ -293,7 +317,18 @@ class TrainConfig:
 
     @property
     def resolved_warmup_steps(self) -> int:
-        return self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+        """Warmup steps used: ``warmup_steps`` (default steps / 20), at most ``steps``."""
+        warmup = self.warmup_steps if self.warmup_steps is not None else max(1, self.steps // 20)
+        return effective_warmup(warmup, self.steps)
+
+    def warmup_note(self) -> str | None:
+        """The one line said when a warmup longer than the run is shortened to it."""
+        if self.warmup_steps is None or self.warmup_steps <= self.steps:
+            return None
+        return (
+            f"warmup_steps {self.warmup_steps} > steps {self.steps}: warming up over the whole "
+            f"run ({self.steps} steps, no decay); set warmup_steps below {self.steps} to keep one"
+        )
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:
@@ -303,7 +338,9 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         if not isinstance(data, dict):
             raise TypeError(f"a train config must be a mapping, got {describe(data)}")
-        check_known_keys("config", data, [f.name for f in dataclasses.fields(cls)])
+        errors = unknown_key_errors(data)
+        if errors:  # every typo of a config at once, not one per attempt
+            raise ValueError("; ".join(errors))
         return cls(**data)
 
     @classmethod
@@ -324,6 +361,39 @@ class TrainConfig:
         data = self.to_dict()
         data.update(changes)
         return TrainConfig.from_dict(data)
+
+
+def unknown_key_errors(data: dict[str, Any]) -> list[str]:
+    """One message per place of a config dict with unknown keys (the top level, a registered
+    task's arguments and eval_kwargs, the model section), each with its did-you-mean."""
+    from deltaflow.tasks import TASKS, check_task_kwargs, eval_options
+
+    def model_keys(model: dict[str, Any]) -> None:
+        from deltaflow.models.config import own_keys
+
+        check_known_keys("model", model, own_keys() - {"vocab_size"})
+
+    def task_keys(task: Any, kwargs: Any) -> None:
+        key = task.strip().lower().replace("-", "_")
+        if key not in TASKS:  # a Trainer may be handed a task object of its own
+            return
+        check_task_kwargs(task, kwargs if isinstance(kwargs, dict) else {}, require=False)
+        if isinstance(data.get("eval_kwargs"), dict):
+            check_known_keys("eval_kwargs", data["eval_kwargs"], eval_options(TASKS[key]))
+
+    checks = [lambda: check_known_keys("config", data, TrainConfig.__dataclass_fields__)]
+    if isinstance(data.get("model"), dict):
+        checks.append(lambda: model_keys(data["model"]))
+    task = data.get("task", TrainConfig.__dataclass_fields__["task"].default)
+    if isinstance(task, str):
+        checks.append(lambda: task_keys(task, data.get("task_kwargs", {})))
+    errors = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -18,9 +18,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch is imported inside the functions: the help text below is read by `deltaflow CMD
+# --help`, which should not wait for torch.
 
 # Above this many parameters a model counts as GPU-sized on CPU (the shipped CPU configs and
 # the lab's CPU presets use 0.06M-1.5M; the default model is ~32M).
@@ -39,6 +42,8 @@ CPU_SIZED_FLAGS = "--hidden-size 128 --num-layers 2 --num-heads 2"
 def set_threads(threads: int | None, device: str | torch.device) -> int | None:
     """Apply ``--threads`` (or the CPU default when not given); returns the count set, or
     None when nothing was changed (GPU runs without the flag)."""
+    import torch
+
     if threads is None:
         if torch.device(device).type != "cpu":
             return None
@@ -51,6 +56,8 @@ def set_threads(threads: int | None, device: str | torch.device) -> int | None:
 
 def count_parameters(config: Any, vocab_size: int) -> int:
     """Parameters of the model a TrainConfig builds, without allocating it (meta device)."""
+    import torch
+
     from deltaflow.train.trainer import build_model
 
     with torch.device("meta"):
@@ -115,6 +122,8 @@ class CpuTimeCheck:
         self.done = False
 
     def __call__(self, trainer: Any, step: int) -> None:
+        import torch
+
         if self.done:
             return
         now = time.perf_counter()
@@ -148,6 +157,8 @@ def idle_cores_hint() -> str:
     except (AttributeError, OSError):  # not on every platform
         return ""
     idle = int(cores - load)  # our own busy thread is part of the load
+    import torch
+
     threads = torch.get_num_threads()
     if cores <= threads or idle <= 0:
         return ""

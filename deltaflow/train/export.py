@@ -2,12 +2,15 @@
 
     deltaflow export runs/lm --out exported/lm
 
-    import deltaflow.models  # registers model_type "deltaflow" with the Auto classes
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained("exported/lm")
+    model = AutoModelForCausalLM.from_pretrained("exported/lm", trust_remote_code=True)
     tokenizer = AutoTokenizer.from_pretrained("exported/lm")  # language-model runs only
 
-The folder holds ``config.json`` and ``model.safetensors`` (what ``save_pretrained`` writes),
+(or ``import deltaflow.models`` first, which registers model_type "deltaflow" with the Auto
+classes, and no ``trust_remote_code``). The folder holds ``config.json`` (with ``auto_map``
+and the tokenizer's ``eos_token_id``), ``generation_config.json``, ``model.safetensors``,
+``modeling_deltaflow.py`` + ``deltaflow_source.py`` (the model code: loads where deltaflow is
+not installed), every file mode 0644,
 ``train_config.yaml`` (the TrainConfig that trained it), and for language-model runs the
 tokenizer as a transformers fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``):
 the GPT-2 BPE of a ``.tiktoken`` file, or the byte tokenizer (ids 0-255 are the UTF-8 bytes,
@@ -23,6 +26,7 @@ folder of other files.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +97,7 @@ def write_pretrained(
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         (tmp / "train_config.yaml").write_text(yaml.safe_dump(train_config, sort_keys=False))
+        _hub_ready(tmp, tokenizer)
         extra = unexpected_files(dest, tmp) if guard else []
         if extra:
             raise ValueError(
@@ -103,6 +108,28 @@ def write_pretrained(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _hub_ready(folder: Path, tokenizer: Any | None) -> None:
+    """What the Hub and ``generate`` expect beyond ``save_pretrained``: ``auto_map`` with the
+    model code (loads without deltaflow, :mod:`deltaflow.train.remote_code`), the tokenizer's
+    end-of-text id in ``config.json`` and ``generation_config.json`` (generation stops at
+    the end of a text), and files readable by all (0644: checkpoints are written through
+    0600 temporary files)."""
+    from deltaflow.train.remote_code import write_remote_code
+
+    write_remote_code(folder)
+    eos = None if tokenizer is None else tokenizer.eos_token_id
+    if eos is not None:
+        from transformers import GenerationConfig
+
+        config_path = folder / "config.json"
+        config = json.loads(config_path.read_text())
+        config["eos_token_id"] = eos
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        GenerationConfig(eos_token_id=eos, pad_token_id=eos).save_pretrained(str(folder))
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""The training loop: AdamW + warmup/cosine, clipping, bf16 autocast, eval, logs, checkpoints,
-DDP and FSDP2.
+"""The training loop: AdamW + warmup and cosine/wsd/constant, clipping, bf16 autocast, eval,
+logs, checkpoints, DDP and FSDP2.
 
 Design choices a user should know:
 
@@ -307,8 +307,9 @@ class Trainer:
         # for the life of the run (released at the end of train() and by close()).
         self._lock = RunLock(config.out_dir) if config.out_dir is not None else None
         self.plan = self._plan_run(fork_from)
-        for note in self.plan.notes:
-            self.note(note)
+        for note in [*self.plan.notes, config.warmup_note()]:
+            if note is not None:
+                self.note(note)
         if self.plan.error is not None:
             self._release_lock()
             raise ValueError(self.plan.error)
@@ -341,6 +342,11 @@ class Trainer:
         self.task = task if task is not None else build_task(config)
         base = model if model is not None else build_model(config, self.task.vocab_size)
         _check_tokenizer_fits(base, self.task)
+        rows = config.batch_size // dp  # this rank's rows of a step
+        accum = self._fit_memory(base, rows)  # before the first step, not by the OOM killer
+        if accum != config.grad_accum:
+            self.config = config = config.replace(grad_accum=accum)
+            self.micro_batch = rows // accum
         self.layout.attach(base)
         if self.sharded:
             from deltaflow.parallel.fsdp import shard_model
@@ -398,6 +404,60 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(self.raw_model, device_ids=ids)
         self.num_params = sum(p.numel() for p in self.raw_model.parameters())
+
+    def _fit_memory(self, model: nn.Module, rows: int) -> int:
+        """The gradient-accumulation steps a training step needs to fit in this device's
+        memory (:mod:`deltaflow.train.memory`): ``grad_accum`` when its micro-batch fits, else
+        the smallest larger one that does (said in one line); a one-line error when not even
+        one row fits. Every rank uses the largest any rank needs."""
+        from deltaflow.train import memory
+
+        accum = self.config.grad_accum
+        seq_len = getattr(self.task, "seq_len", None)
+        available = memory.available_bytes(self.device)
+        if isinstance(seq_len, int) and available is not None:
+            if self.device.type == "cpu":  # ranks on one host share its RAM
+                available //= memory.env_local_world()
+            usable = int(available * memory.USABLE_FRACTION)
+            hidden, layers = memory.model_shape(model)
+            vocab = getattr(getattr(model, "config", None), "vocab_size", self.task.vocab_size)
+
+            def estimate(micro_batch: int, tokens: int = seq_len) -> memory.StepMemory:
+                return memory.estimate_step(
+                    num_params=sum(p.numel() for p in model.parameters()),
+                    micro_batch=micro_batch,
+                    seq_len=max(1, tokens // self.layout.cp_size),
+                    vocab_size=vocab,
+                    hidden_size=hidden,
+                    num_layers=layers,
+                    param_shards=self.dist.world_size if self.sharded else 1,
+                )
+
+            try:
+                accum, need, asked = memory.plan_accumulation(rows, accum, usable, estimate)
+            except MemoryError:
+                fits = memory.shortest_fit(usable, seq_len, lambda t: estimate(1, t))
+                raise ValueError(
+                    f"memory: one training step needs {estimate(1).describe()} even at "
+                    f"micro-batch 1 x {seq_len} tokens x vocabulary {vocab}, more than the "
+                    f"{memory._gb(usable)} usable of {memory._gb(available)} available on "
+                    f"{self.device}; use a shorter --seq-len"
+                    + (f" ({fits} fits)" if fits < seq_len else "")
+                    + ", a smaller model or vocabulary, or a device with more memory"
+                ) from None
+            if accum != self.config.grad_accum:
+                self.note(
+                    f"memory: a step of {rows} x {seq_len} tokens needs {asked.describe()}, "
+                    f"more than the {memory._gb(usable)} usable of {memory._gb(available)} "
+                    f"available on {self.device}: running it as {accum} micro-batches of "
+                    f"{rows // accum} (grad_accum {accum}; the same effective batch of "
+                    f"{self.config.batch_size}, ~{memory._gb(need.total)} a micro-step)"
+                )
+        if self.dist.world_size > 1:  # the micro-steps' collectives must match on every rank
+            box = torch.tensor([accum], device=self.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            accum = int(box.item())
+        return accum
 
     def note(self, text: str) -> None:
         """A line for the person running this (stderr, rank 0, ``verbose`` only)."""
@@ -618,6 +678,8 @@ class Trainer:
             total_steps=cfg.steps,
             warmup_steps=cfg.resolved_warmup_steps,
             min_lr_ratio=cfg.min_lr_ratio,
+            schedule=cfg.schedule,
+            decay_fraction=cfg.decay_fraction,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -639,7 +701,7 @@ class Trainer:
                 with self._autocast():
                     logits = model_logits(self.model, x, starts)
                 part = F.cross_entropy(
-                    logits.float().flatten(0, 1),
+                    _upcast(logits).flatten(0, 1),
                     y.flatten(),
                     ignore_index=IGNORE_INDEX,
                     reduction="sum",
@@ -667,12 +729,13 @@ class Trainer:
         return [None], False
 
     @torch.no_grad()
-    def evaluate(self, split: str | None = None) -> dict[str, float]:
+    def evaluate(self, split: str | None = None, progress: bool = False) -> dict[str, float]:
         """Metrics on the task's fixed evaluation set, per length (``name@L``) and headline.
 
         The headline (unsuffixed) metrics are the mean over lengths for tasks defining
         ``eval_lengths`` (state tracking: the test distribution is all of them), else the
-        first length (language modelling: the training length).
+        first length (language modelling: the training length). ``progress``: a bar per
+        length (``deltaflow eval``; the trainer's own evaluations run under its step bar).
         """
         split = split or self.config.eval_split
         model = self.raw_model  # no DDP hooks in eval (rank 0 only; all ranks under FSDP)
@@ -684,7 +747,8 @@ class Trainer:
             kwargs = dict(self.config.eval_kwargs)
             if length is not None:
                 kwargs["length"] = length
-            metrics = self._evaluate_one(model, split, kwargs)
+            desc = f"eval {self.config.task} {split}" + (f" @{length}" if length else "")
+            metrics = self._evaluate_one(model, split, kwargs, desc if progress else None)
             per_length.append(metrics)
             if length is not None and len(lengths) > 1:
                 out.update({f"{k}@{length}": v for k, v in metrics.items()})
@@ -696,14 +760,18 @@ class Trainer:
         return out
 
     def _evaluate_one(
-        self, model: nn.Module, split: str, kwargs: dict[str, Any]
+        self, model: nn.Module, split: str, kwargs: dict[str, Any], bar: str | None = None
     ) -> dict[str, float]:
         """Pool the whole evaluation set exactly when the task offers ``metric_sums``/``finalize``
         (additive statistics); otherwise average per-batch ``metrics`` weighted by scored tokens."""
         pooled = hasattr(self.task, "metric_sums") and hasattr(self.task, "finalize")
         sums: dict[str, float] = {}
         total = 0
-        for batch in self.task.eval_batches(split, **kwargs):
+        batches = self.task.eval_batches(split, **kwargs)
+        count = _eval_batch_count(self.task, kwargs) if bar is not None else None
+        for batch in tqdm(
+            batches, desc=bar, total=count, unit="batch", disable=bar is None, leave=False
+        ):
             check_batch(batch)
             batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with self._autocast():
@@ -1013,6 +1081,29 @@ def _check_tokenizer_fits(model: nn.Module, task: Any) -> None:
 
     desc = str(getattr(tokenizer, "path", tokenizer.name))
     check_vocab_fits(task.vocab_size, embedding.num_embeddings, desc)
+
+
+def _eval_batch_count(task: Any, kwargs: dict[str, Any]) -> int | None:
+    """Batches of an evaluation set when its size and batch size are known (the bar's total;
+    None: the bar counts without an ETA)."""
+    try:
+        defaults = inspect.signature(task.eval_batches).parameters
+    except (TypeError, ValueError):
+        return None
+    sizes = []
+    for name in ("num_examples", "batch_size"):
+        default = defaults[name].default if name in defaults else None
+        value = kwargs.get(name, default)
+        sizes.append(value if isinstance(value, int) and value > 0 else None)
+    if None in sizes:
+        return None
+    return math.ceil(sizes[0] / sizes[1])
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for the loss: bf16/fp16 in float32; float32 and float64 as they are (an fp64
+    run keeps fp64: accumulation tests compare its gradients to ~1e-12)."""
+    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
 
 
 def _is_pretrained(model: nn.Module) -> bool:

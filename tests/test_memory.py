@@ -1,0 +1,154 @@
+"""Issue 35, point 1: a step's memory is estimated before the first step; a batch that does not
+fit runs as micro-batches (gradient accumulation, the same gradients), or the run is refused
+in one line; the estimate against a measured peak."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deltaflow.train import TrainConfig, Trainer, memory
+from tests.test_train import make, toy_config
+
+GB = 2**30
+
+
+def _grads_of_first_step(grad_accum: int, monkeypatch=None, budget: int | None = None):
+    """The gradient of step 0 (fp64 toy model), captured before the optimizer uses it."""
+    model, task = make()
+    model.double()
+    if budget is not None:
+        monkeypatch.setattr(memory, "available_bytes", lambda device: budget)
+    trainer = Trainer(toy_config(grad_accum=grad_accum), model=model, task=task)
+    grads = {}
+    step = trainer.optimizer.step
+
+    def capture(*args, **kwargs):
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = capture
+    trainer.train_step(0)
+    return trainer, grads
+
+
+def test_grad_accumulation_gives_the_same_gradients_in_fp64():
+    _, whole = _grads_of_first_step(1)
+    for accum in (2, 8):
+        _, split = _grads_of_first_step(accum)
+        for name, g in whole.items():
+            assert g.dtype == torch.float64
+            torch.testing.assert_close(split[name], g, rtol=1e-12, atol=1e-14)
+
+
+def test_a_batch_that_does_not_fit_runs_as_micro_batches(monkeypatch, capsys):
+    # toy step: 8 rows x 16 tokens x vocab 11; a budget for ~2 rows' logits
+    per_row = memory.estimate_step(num_params=0, micro_batch=1, seq_len=16, vocab_size=11)
+    model, task = make()
+    params = memory.estimate_step(
+        num_params=sum(p.numel() for p in model.parameters()),
+        micro_batch=0,
+        seq_len=16,
+        vocab_size=11,
+    ).total
+    budget = int((params + 2.5 * per_row.total) / memory.USABLE_FRACTION)
+    trainer, split = _grads_of_first_step(1, monkeypatch, budget)
+    assert trainer.config.grad_accum == 4 and trainer.micro_batch == 2  # 8 rows -> 4 x 2
+    _, whole = _grads_of_first_step(1)
+    for name, g in whole.items():
+        torch.testing.assert_close(split[name], g, rtol=1e-12, atol=1e-14)
+    model, task = make()
+    Trainer(toy_config(), model=model, task=task, verbose=True)  # says so in one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "running it as 4 micro-batches of 2 (grad_accum 4" in err[0]
+
+
+def test_the_issues_command_is_split_not_killed(monkeypatch):
+    """--hidden-size 32 --num-layers 1, batch 64 x 512, vocabulary 50,257: 25 GB of logits.
+    With 10 GB available it runs as micro-batches (mqar stands in for the GPT-2 corpus: the
+    same shapes; the plan is made before any step, so nothing big is allocated here)."""
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10 * GB)
+    cfg = TrainConfig(
+        task="mqar",
+        task_kwargs={"seq_len": 512, "vocab_size": 50257},
+        model={"hidden_size": 32, "num_layers": 1},
+        device="cpu",
+        progress=False,
+    )
+    assert cfg.batch_size == 64
+    trainer = Trainer(cfg)
+    assert trainer.config.grad_accum == 4 and trainer.micro_batch == 16
+    assert trainer.config.batch_size == 64  # the effective batch is kept
+
+
+def test_a_step_that_never_fits_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 * GB)
+    cfg = TrainConfig(
+        task="mqar",
+        task_kwargs={"seq_len": 4096, "vocab_size": 50257, "num_kv_pairs": 8},
+        model={"hidden_size": 32, "num_layers": 1},
+        device="cpu",
+        progress=False,
+    )
+    with pytest.raises(ValueError) as info:
+        Trainer(cfg)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("memory: one training step needs")
+    assert "micro-batch 1 x 4096 tokens" in text and "use a shorter --seq-len (512 fits)" in text
+
+
+_PEAK = """
+import json, resource, sys, torch
+from deltaflow.train import TrainConfig, Trainer, memory
+torch.set_num_threads(1)
+cfg = TrainConfig(task="mqar", device="cpu", progress=False, steps=1, **json.loads(sys.argv[1]))
+trainer = Trainer(cfg)
+base = int(open("/proc/self/statm").read().split()[1]) * 4096
+trainer.train_step(0)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+model = trainer.raw_model
+est = memory.estimate_step(
+    num_params=trainer.num_params, micro_batch=cfg.batch_size, seq_len=cfg.task_kwargs["seq_len"],
+    vocab_size=model.config.vocab_size, hidden_size=model.config.hidden_size,
+    num_layers=model.config.num_layers)
+weights = 4 * trainer.num_params  # in RAM before the step (the estimate counts them)
+print(json.dumps({"measured": peak - base, "estimate": est.total - weights}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/statm")
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"vocab_size": 16384, "hidden_size": 32, "num_layers": 1},  # logits dominate
+        {"vocab_size": 256, "hidden_size": 256, "num_layers": 4},  # activations dominate
+    ],
+)
+def test_the_estimate_against_a_measured_peak(shape):
+    """Peak RSS of one step minus the RSS before it, in a fresh process, vs the estimate.
+    Measured: 1.02x with logits dominating, 0.82x with activations; once 1.33x (logits) inside
+    the whole suite on the loaded 2-core box, cause not found: hence USABLE_FRACTION 0.7 and a
+    bound of 1.5 here."""
+    fields = {
+        "batch_size": 8,
+        "task_kwargs": {"seq_len": 256, "vocab_size": shape["vocab_size"], "num_kv_pairs": 8},
+        "model": {"hidden_size": shape["hidden_size"], "num_layers": shape["num_layers"]},
+    }
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR")}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)  # what the earlier tests set is left out
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK, json.dumps(fields)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env=env,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    ratio = result["measured"] / result["estimate"]
+    assert 0.6 < ratio < 1.5, result
