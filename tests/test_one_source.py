@@ -72,7 +72,7 @@ def test_resuming_with_a_log_sink_added_is_not_refused(tmp_path, monkeypatch):
     for sinks in ({"tensorboard": True}, {"wandb": True}, {"tensorboard": True, "wandb": True}):
         trainer = Trainer(cfg.replace(**sinks), model=make()[0], task=task)
         assert trainer.step == 4
-        trainer.logger.close()
+        trainer.close()  # also releases the run folder's lock (issue 34)
     with pytest.raises(ValueError, match="cannot resume"):  # a training field still refuses
         Trainer(cfg.replace(lr=1e-3), model=make()[0], task=task)
 
