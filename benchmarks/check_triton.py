@@ -283,7 +283,7 @@ CASES = {
 }
 
 
-def _init_worker(smoke: bool) -> None:
+def _init_worker(smoke: bool, bwd_states_fp32: bool = True) -> None:
     if smoke:
         smoke_env()
     # a dozen processes share one GPU: allocate in growable segments, hold no spare blocks
@@ -292,6 +292,7 @@ def _init_worker(smoke: bool) -> None:
     from deltaflow.ops import triton_backend
 
     triton_backend.POISON_OUTPUTS = True
+    triton_backend.BACKWARD_STATES_FP32 = bwd_states_fp32
 
 
 def run_case(kind: str, args: tuple):
@@ -385,6 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         help="report file (default: "
         "benchmarks/results/check_triton_<device>.md; smoke: not written)",
     )
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="run only the cases whose 'label rule' contains one of these comma-separated texts",
+    )
+    parser.add_argument(
+        "--bwd-states",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="dtype of the backward's stored states (triton_backend.BACKWARD_STATES_FP32)",
+    )
     args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -395,6 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         dtypes = ["fp32"] if args.dtype == "both" else dtypes
     cases = plan(dtypes, args.smoke, device)
+    if args.only:  # comma-separated alternatives
+        wanted = args.only.split(",")
+        cases = [
+            c
+            for c in cases
+            if any(w in f"{c[1][0]} {c[1][6] if c[0] == 'op' else ''}" for w in wanted)
+        ]
     print(f"{len(cases)} cases on {name}, {args.workers} workers", flush=True)
     start = time.perf_counter()
     rows = []
@@ -403,7 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     # largest kernel's, so long-lived workers add up to more than the GPU has. Compiled kernels
     # are shared through Triton's disk cache either way.
     with ProcessPoolExecutor(
-        args.workers, ctx, _init_worker, (args.smoke,), max_tasks_per_child=1
+        args.workers,
+        ctx,
+        _init_worker,
+        (args.smoke, args.bwd_states == "fp32"),
+        max_tasks_per_child=1,
     ) as pool:
         futures = [pool.submit(run_case, kind, case_args) for kind, case_args in cases]
         for future in as_completed(futures):

@@ -45,6 +45,10 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 POISON_OUTPUTS = False
 # "auto" | "fused" | "two_pass": which forward (see _use_two_pass); tests and sweeps pin it.
 FORWARD_MODE = "auto"
+# The backward's states (S_0 of every chunk, h) and their gradients (dh) in float32 rather than
+# the dot dtype: dβ and d log α sum Dk·Dv products of them that partly cancel, and bf16 storage
+# put 8 bf16 cases over 5e-3 (benchmarks/NOTES.md, issue 30). Costs their traffic twice.
+BACKWARD_STATES_FP32 = True
 
 
 def _output(*shape: int, like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -147,12 +151,14 @@ def _state_pass(
     first_bad: Tensor,
     tables: ChunkTables,
     block_v: int,
+    h_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(4), (6): the state entering every chunk (h), U (v_new) and the final state."""
+    """(4), (6): the state entering every chunk (h, in ``h_dtype``, default the dot dtype), U
+    (v_new) and the final state."""
     B, T, H, Dk = k.shape
     Dv = u.shape[-1]
     N = tables.cu_seqlens.numel() - 1
-    h = _output(max(tables.n_chunks, 1), H, Dk, Dv, like=k, dtype=k.dtype)
+    h = _output(max(tables.n_chunks, 1), H, Dk, Dv, like=k, dtype=h_dtype or k.dtype)
     v_new = _output(B, T, H, Dv, like=k, dtype=k.dtype)
     final_state = _output(N, H, Dk, Dv, like=k, dtype=torch.float32)
     launch_states(
@@ -291,8 +297,9 @@ def _backward(
         first_bad=first_bad,
         tables=tables,
         block_v=states.BWD_STATES_BV,
+        h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
     )
-    dh = _output(n, H, Dk, Dv, like=q, dtype=q.dtype)
+    dh = _output(n, H, Dk, Dv, like=q, dtype=torch.float32 if BACKWARD_STATES_FP32 else q.dtype)
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     launch_dstates(

@@ -214,10 +214,10 @@ def chunk_grads_k_kernel(
         state_mask = mask_k[:, None] & mask_v[None, :]
         S0 = tl.load(h_ptr + state_offs, mask=state_mask, other=0.0)
         G = tl.load(dh_ptr + state_offs, mask=state_mask, other=0.0)
-        dQS += tl.dot(b_do, tl.trans(S0), input_precision=PREC)
-        dKte += tl.dot(b_u, tl.trans(G), input_precision=PREC)
+        dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
+        dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
         dY = tl.dot(T_t, b_du, input_precision=PREC)
-        dX -= tl.dot(dY.to(DT), tl.trans(S0), input_precision=PREC)
+        dX -= tl.dot(dY.to(DT), tl.trans(S0.to(DT)), input_precision=PREC)
         gs += G.to(tl.float32) * S0.to(tl.float32)
 
     b_q, b_k, b_beta, lam, a, b, gamma = _chunk_keys(

@@ -72,7 +72,7 @@ def chunk_output_kernel(
     P = tl.where(causal, tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay, 0.0)
     first_bad = tl.load(first_bad_ptr + i_c * H + i_h)
     row_scale = tl.exp(gamma) + tl.where(rows >= first_bad, float("nan"), 0.0)
-    b_o = row_scale[:, None] * tl.dot(b_q, S0, input_precision=PREC)
+    b_o = row_scale[:, None] * tl.dot(b_q, S0.to(DT), input_precision=PREC)
     b_o += tl.dot(P.to(DT), b_u, input_precision=PREC)
     tl.store(
         o_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],

@@ -225,7 +225,7 @@ def chunk_states_kernel(
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
         h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
-        tl.store(h_offs, (S + poison).to(DT), mask=state_mask)
+        tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
         b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
@@ -340,7 +340,11 @@ def chunk_dstates_kernel(
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
-        tl.store(dh_ptr + (c * H + i_h) * Dk * Dv + state_offs, G.to(DT), mask=state_mask)
+        tl.store(
+            dh_ptr + (c * H + i_h) * Dk * Dv + state_offs,
+            G.to(dh_ptr.dtype.element_ty),
+            mask=state_mask,
+        )
         b_q = load_rows(q_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
