@@ -283,7 +283,7 @@ CASES = {
 }
 
 
-def _init_worker(smoke: bool, bwd_states_fp32: bool = True) -> None:
+def _init_worker(smoke: bool, bwd_states_fp32: bool = False) -> None:
     if smoke:
         smoke_env()
     # a dozen processes share one GPU: allocate in growable segments, hold no spare blocks
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bwd-states",
         choices=["fp32", "bf16"],
-        default="fp32",
+        default="bf16",
         help="dtype of the backward's stored states (triton_backend.BACKWARD_STATES_FP32)",
     )
     args = parser.parse_args(argv)

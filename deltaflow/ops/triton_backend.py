@@ -46,9 +46,11 @@ POISON_OUTPUTS = False
 # "auto" | "fused" | "two_pass": which forward (see _use_two_pass); tests and sweeps pin it.
 FORWARD_MODE = "auto"
 # The backward's states (S_0 of every chunk, h) and their gradients (dh) in float32 rather than
-# the dot dtype: dβ and d log α sum Dk·Dv products of them that partly cancel, and bf16 storage
-# put 8 bf16 cases over 5e-3 (benchmarks/NOTES.md, issue 30). Costs their traffic twice.
-BACKWARD_STATES_FP32 = True
+# the dot dtype. Measured (H100, benchmarks/results/issue30/call6): it brings the T=1 cases'
+# d log α from 9.2e-3 / 1.2e-2 to 9.4e-4 / 1.8e-3, leaves dβ's errors as they were, and the
+# gradient kernel then asks for more shared memory than Hopper has at D >= 128. Off until the
+# gradient kernel's tiles are resized for it (issue 30).
+BACKWARD_STATES_FP32 = False
 
 
 def _output(*shape: int, like: Tensor, dtype: torch.dtype) -> Tensor:
