@@ -32,9 +32,22 @@ from typing import Any
 
 import yaml
 
-from deltaflow.ops.checks import BACKENDS
-from deltaflow.rules import RULES
 from deltaflow.validation import did_you_mean
+
+
+# The rule and backend names come from the op (deltaflow.rules, deltaflow.ops.checks), which
+# import torch: looked up when the train parser is built, so `deltaflow --help` stays light.
+def _rule_help() -> str:
+    from deltaflow.rules import RULES
+
+    return "step rule: " + ", ".join(RULES)
+
+
+def _backend_choices() -> list[str]:
+    from deltaflow.ops.checks import BACKENDS
+
+    return list(BACKENDS)
+
 
 # Shortcut flags for the most used keys of the task and model sections. The keys themselves are
 # declared by the task classes and DeltaFlowConfig (and checked there); every other key is
@@ -68,7 +81,7 @@ _SECTION_FLAGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "--rule": (
         "model",
         "rule",
-        dict(help="step rule: " + ", ".join(RULES)),
+        dict(help=_rule_help),
     ),
     "--decay": (
         "model",
@@ -107,7 +120,7 @@ _SECTION_FLAGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "--backend": (
         "model",
         "backend",
-        dict(choices=list(BACKENDS), help="delta_rule backend"),
+        dict(choices=_backend_choices, help="delta_rule backend"),
     ),
 }
 _FLAG_ALIASES = {"--negative-eigenvalues": ["--neg-eig"]}
@@ -251,6 +264,10 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     )
     for flag, (section, key, kwargs) in _SECTION_FLAGS.items():
         group = groups["task" if section == "task_kwargs" else "model"]
+        # help and choices may be functions of the op's tables (see _rule_help)
+        kwargs = {
+            n: v() if n in ("help", "choices") and callable(v) else v for n, v in kwargs.items()
+        }
         if kwargs.get("action") is None and "choices" not in kwargs:
             kwargs = {"metavar": key.upper(), **kwargs}
         group.add_argument(flag, *_FLAG_ALIASES.get(flag, []), dest=f"{section}.{key}", **kwargs)
@@ -484,8 +501,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--output",
         metavar="FILE",
-        help="also write the metrics (with --lm-eval: lm-eval's results per task) to FILE as "
-        "JSON",
+        help="also write the metrics (with --lm-eval: lm-eval's results per task) to FILE as JSON",
     )
     p.add_argument(
         "--no-progress", action="store_true", help="no progress bar (lm-eval draws its own)"
