@@ -4,8 +4,12 @@ and the collectives that keep ranks agreeing."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,3 +75,45 @@ def _fsdp_no_sync(model: nn.Module):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+
+
+# ---------------------------------------------------------------------------- collectives
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def single_process_ok() -> Iterator[None]:
+    """DCP warns whenever it runs without a process group; for us that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def agree(error: str | None, kind: type[Exception]) -> None:
+    """Raise rank 0's ``error`` (if any) as ``kind`` on every rank, so that no rank waits in a
+    collective for a rank that has given up."""
+    if is_distributed():
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise kind(errno.EIO, error) if issubclass(kind, OSError) else kind(error)
+
+
+def first_error(error: str | None) -> str | None:
+    """The first rank's error of a step every rank took part in (a collective)."""
+    if not is_distributed():
+        return error
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), None)

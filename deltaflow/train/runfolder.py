@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from deltaflow.train.checkpoint import (
     CheckpointSaveError,
-    gather_rng_states,
     is_sharded_checkpoint,
     latest_checkpoint,
     load_checkpoint,
@@ -25,6 +24,7 @@ from deltaflow.train.checkpoint import (
     save_sharded_checkpoint,
 )
 from deltaflow.train.export import clean_stale_exports
+from deltaflow.train.rng import gather_rng_states
 from deltaflow.train.rundir import (
     RUN_CONFIG,
     archive_run,
