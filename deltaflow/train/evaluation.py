@@ -16,6 +16,8 @@ from deltaflow.train.build import IGNORE_INDEX, check_batch, model_logits
 
 
 class EvaluationMixin:
+    """A Trainer's evaluation on its task's fixed evaluation set."""
+
     # ------------------------------------------------------------------ evaluation
     def eval_lengths(self) -> tuple[list[int | None], bool]:
         """Lengths to evaluate at, and whether the headline metric is their mean."""

@@ -50,6 +50,8 @@ class RunPlan:
 
 
 class RunFolderMixin:
+    """A Trainer's run folder: what to do with it (``_plan_run``), loading and saving."""
+
     # ------------------------------------------------------------------ the run folder
     def _plan_run(self, fork_from: str | Path | None) -> RunPlan:
         """Rank 0 inspects ``out_dir`` (and may archive, clean, write run_config.yaml); every

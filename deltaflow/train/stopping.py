@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 
 class StoppingMixin:
+    """A Trainer's stops and timed checkpoints (signals, deadline, ``checkpoint_seconds``)."""
+
     @contextlib.contextmanager
     def _signal_handlers(self) -> Iterator[None]:
         """With ``handle_signals``: SIGINT/SIGTERM set a flag that the loop reads after the
