@@ -134,7 +134,7 @@ def _gradient_row(
 
 def lm_curves(args: argparse.Namespace, out: Path, lm: dict[str, int]) -> dict[str, Any]:
     from deltaflow.train import TrainConfig, train
-    from deltaflow.train.trainer import build_model, build_task
+    from deltaflow.train.build import build_model, build_task
 
     curves: dict[str, Any] = {}
     for name, compiled in (("eager op-by-op", False), ("compiled", True)):

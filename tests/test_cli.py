@@ -134,7 +134,7 @@ def test_generate_from_a_byte_level_lm(tmp_path, capsys):
     # greedy decoding through the cache equals greedy decoding by full forwards
     import torch
 
-    from deltaflow.cli import _load_trained
+    from deltaflow.cli.common import _load_trained
     from deltaflow.lab.generate import sample
 
     _, model, _ = _load_trained(str(out), "cpu")

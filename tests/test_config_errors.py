@@ -403,7 +403,7 @@ def test_a_real_process_exits_2_with_one_line_and_no_traceback(tmp_path):
 
 # ---------------------------------------------------------------------------- flags and help
 def test_train_flags_come_from_train_config_fields():
-    from deltaflow.cli import _config_flags
+    from deltaflow.cli.train import _config_flags
 
     flags = {f.name: flag for flag, f, _ in _config_flags()}
     for f in dataclasses.fields(TrainConfig):
@@ -417,7 +417,7 @@ def test_train_flags_come_from_train_config_fields():
     )
     # A flag sets its field; --set still overrides it (precedence unchanged).
     args = train.parse_args(["--beta2", "0.9", "--keep-checkpoints", "3", "--set", "beta2=0.8"])
-    from deltaflow.cli import resolve_train_config
+    from deltaflow.cli.train import resolve_train_config
 
     cfg = resolve_train_config(args)
     assert cfg.beta2 == 0.8 and cfg.keep_checkpoints == 3
@@ -483,11 +483,12 @@ def test_gpu_sized_model_on_cpu_is_said_with_the_expected_time(capsys, monkeypat
 
 def test_ctrl_c_reaching_the_command_line_is_one_line(monkeypatch, capsys):
     import deltaflow.cli as cli
+    import deltaflow.cli.eval as cli_eval
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_eval", interrupted)
+    monkeypatch.setattr(cli_eval, "cmd_eval", interrupted)
     assert cli.main(["eval", "anything"]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "deltaflow eval: interrupted"

@@ -18,7 +18,7 @@ from _scripts import load_script
 from safetensors.torch import load_file
 
 import deltaflow.lab.runner as runner
-import deltaflow.train.trainer as trainer_module
+import deltaflow.train.stopping as stopping_module
 from deltaflow.cli import main
 from deltaflow.lab import Preset, compare, expand_grid
 from deltaflow.train import Trainer, latest_checkpoint, read_log
@@ -83,7 +83,7 @@ def stop_at_the_deadline(monkeypatch) -> None:
     """The trainers' clock says the deadline has passed (the grid's own clock does not, so the
     runs start): every run stops at its first log step of this invocation."""
     clock = types.SimpleNamespace(time=lambda: math.inf, perf_counter=time.perf_counter)
-    monkeypatch.setattr(trainer_module, "time", clock)
+    monkeypatch.setattr(stopping_module, "time", clock)
 
 
 # ------------------------------------------------------------------------- a kill mid-run
@@ -136,9 +136,7 @@ def test_time_limit_stops_runs_cleanly_and_resume_finishes_them(tmp_path, monkey
         assert latest_checkpoint(run_dir(tmp_path, spec)).name == "step_0000010"
     monkeypatch.undo()
 
-    records = runner.run_grid(
-        specs(), tmp_path, progress=False, resume=True, keep_run_dirs=True
-    )
+    records = runner.run_grid(specs(), tmp_path, progress=False, resume=True, keep_run_dirs=True)
     for spec, record in zip(specs(), records):
         same_result(record, by_id[spec.run_id])
         for name, tensor in final_weights(straight_out, spec).items():
@@ -264,9 +262,7 @@ def test_packed_checkpoints_continue_a_run_on_another_machine(tmp_path, monkeypa
     device = tmp_path / "device" / "issue11" / "mad"  # a folder collect_device knows
     stop_at_the_deadline(monkeypatch)
     for _ in range(2):  # two calls: checkpoints at steps 5 and 10, the newest is 10
-        runner.run_grid(
-            specs(), device, progress=False, resume=True, deadline=time.time() + 3600
-        )
+        runner.run_grid(specs(), device, progress=False, resume=True, deadline=time.time() + 3600)
     monkeypatch.undo()
 
     archive = tmp_path / "out" / "resume.tgz"

@@ -29,7 +29,7 @@ def load_pretrained(path: str | Path, device: str = "auto", dtype: str = "auto")
     from deltaflow.models import DeltaFlowForCausalLM
     from deltaflow.tasks.tokenizers import check_vocab_fits, load_tokenizer, run_tokenizer
     from deltaflow.train import TrainConfig, build_model, load_checkpoint, resolve_checkpoint
-    from deltaflow.train.trainer import DistInfo, resolve_device
+    from deltaflow.train.dist import DistInfo, resolve_device
 
     path = Path(path)
     if not path.exists():

@@ -27,10 +27,10 @@ _LAZY = {
     "lr_at": "deltaflow.train.schedule",
     "DivergenceError": "deltaflow.train.trainer",
     "Trainer": "deltaflow.train.trainer",
-    "build_model": "deltaflow.train.trainer",
-    "build_task": "deltaflow.train.trainer",
-    "model_logits": "deltaflow.train.trainer",
-    "param_groups": "deltaflow.train.trainer",
+    "build_model": "deltaflow.train.build",
+    "build_task": "deltaflow.train.build",
+    "model_logits": "deltaflow.train.build",
+    "param_groups": "deltaflow.train.build",
     "train": "deltaflow.train.trainer",
 }
 

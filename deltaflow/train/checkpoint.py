@@ -45,25 +45,35 @@ import contextlib
 import errno
 import json
 import os
-import random
 import shutil
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import yaml
 from safetensors.torch import load_model, save_file, save_model
 
+from deltaflow.train.dist import (
+    agree,
+    barrier,
+    first_error,
+    global_rank,
+    is_distributed,
+    single_process_ok,
+)
 from deltaflow.train.manifest import (
     MANIFEST,
     CheckpointVerifyError,
     verify_manifest,
     write_manifest,
+)
+from deltaflow.train.rng import (
+    gather_rng_states,
+    restore_rng_states,
+    rng_state,
+    set_rng_state,  # noqa: F401 -- in rng.py since issue 36, still importable from here
 )
 
 LATEST = "latest"
@@ -96,31 +106,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may touch, in a form ``torch.load(weights_only=True)`` accepts."""
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": [list(x) if isinstance(x, tuple) else x for x in random.getstate()],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        cuda_states = state["cuda"]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
 
 
 def checkpoint_dir(out_dir: str | Path) -> Path:
@@ -294,56 +279,6 @@ def recover_checkpoints(out_dir: str | Path, keep: int | None = None) -> list[st
     return notes
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
-
-
-def _barrier() -> None:
-    if _distributed():
-        dist.barrier()
-
-
-@contextlib.contextmanager
-def _single_process_ok() -> Iterator[None]:
-    """DCP warns whenever it runs without a process group; for us that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def gather_rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG states, indexed by rank (a collective: all ranks must call)."""
-    if not _distributed():
-        return [rng_state()]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, rng_state())
-    return states
-
-
-def _agree(error: str | None, kind: type[Exception]) -> None:
-    """Raise rank 0's ``error`` (if any) as ``kind`` on every rank, so that no rank waits in a
-    collective for a rank that has given up."""
-    if _distributed():
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise kind(errno.EIO, error) if issubclass(kind, OSError) else kind(error)
-
-
-def _first_error(error: str | None) -> str | None:
-    """The first rank's error of a step every rank took part in (a collective)."""
-    if not _distributed():
-        return error
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((e for e in errors if e), None)
-
-
 def save_sharded_checkpoint(
     out_dir: str | Path,
     *,
@@ -367,27 +302,27 @@ def save_sharded_checkpoint(
     root = checkpoint_dir(out_dir)
     final = root / f"{PREFIX}{step:07d}"
     tmp = root / f".tmp-{final.name}"  # the same name on every rank: they all write into it
-    if _rank() == 0:
+    if global_rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():  # left by a run killed mid-save
             shutil.rmtree(tmp)
         tmp.mkdir()
-    _barrier()
+    barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     error = None
     try:
-        with _single_process_ok():
+        with single_process_ok():
             dcp.save(
                 {"model": model_state, "optimizer": optim_state},
                 checkpoint_id=tmp / SHARDED,
-                no_dist=not _distributed(),  # a parallel="fsdp" run on one process
+                no_dist=not is_distributed(),  # a parallel="fsdp" run on one process
             )
     except Exception as err:  # noqa: BLE001 -- reported below, on every rank alike
         error = f"{type(err).__name__}: {err}"
     weights = full_state_dict(model)  # collective; only rank 0 gets the tensors
     rng = gather_rng_states()
-    error = _first_error(error)
-    if _rank() == 0:
+    error = first_error(error)
+    if global_rank() == 0:
         try:
             with _clean_failure(tmp, step):
                 if error is not None:
@@ -401,7 +336,7 @@ def save_sharded_checkpoint(
         except CheckpointSaveError as err:
             error = str(err)
     # nobody moves on (or exits) before the checkpoint is in place, or all stop with the error
-    _agree(error if _rank() == 0 else None, CheckpointSaveError)
+    agree(error if global_rank() == 0 else None, CheckpointSaveError)
     return final
 
 
@@ -547,7 +482,7 @@ def load_checkpoint(
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if restore_rng:
-        _restore_rng(state["rng"])
+        restore_rng_states(state["rng"])
     return state
 
 
@@ -576,7 +511,7 @@ def load_sharded_checkpoint(
             f"{path} is not a sharded (FSDP) checkpoint; resume it with parallel='ddp'"
         )
     error = None
-    if _rank() == 0 and not trusted:
+    if global_rank() == 0 and not trusted:
         try:
             verify_manifest(path, require_signature=True, strict_under=SHARDED)
         except CheckpointVerifyError as err:
@@ -585,27 +520,19 @@ def load_sharded_checkpoint(
                 "code, so only checkpoints whose signed manifest verifies are loaded; if you "
                 "trust whoever wrote this folder, pass --trust-checkpoint (manifest check)"
             )
-    _agree(error, CheckpointVerifyError)
+    agree(error, CheckpointVerifyError)
     model_state, optim_state = get_state_dict(model, optimizer)
-    with _single_process_ok():
+    with single_process_ok():
         dcp.load(
             {"model": model_state, "optimizer": optim_state},
             checkpoint_id=path / SHARDED,
-            no_dist=not _distributed(),
+            no_dist=not is_distributed(),
         )
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
     state = _read_state_file(path / "trainer_state.pt")
     if restore_rng:
-        _restore_rng(state["rng"])
+        restore_rng_states(state["rng"])
     return state
-
-
-def _restore_rng(states: dict[str, Any] | list[dict[str, Any]]) -> None:
-    """This rank's saved RNG states (rank 0's if the run had fewer ranks)."""
-    if isinstance(states, dict):  # checkpoints from before per-rank RNG states
-        states = [states]
-    rank = _rank()
-    set_rng_state(states[rank] if rank < len(states) else states[0])
 
 
 def load_config(path: str | Path) -> dict[str, Any]:

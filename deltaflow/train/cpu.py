@@ -58,7 +58,7 @@ def count_parameters(config: Any, vocab_size: int) -> int:
     """Parameters of the model a TrainConfig builds, without allocating it (meta device)."""
     import torch
 
-    from deltaflow.train.trainer import build_model
+    from deltaflow.train.build import build_model
 
     with torch.device("meta"):
         model = build_model(config, vocab_size)

@@ -153,6 +153,7 @@ def export_checkpoint(
     folder or an earlier export (``guard``, see :func:`write_pretrained`; the trainer's own
     ``final/`` is written with ``guard=False``). The checkpoint is verified against its
     manifest before any of its files is read (``trusted``: see ``load_checkpoint``)."""
+    from deltaflow.train.build import build_model, task_vocab_size
     from deltaflow.train.checkpoint import (
         load_checkpoint,
         read_config,
@@ -161,7 +162,6 @@ def export_checkpoint(
     )
     from deltaflow.train.config import TrainConfig
     from deltaflow.train.safety import check_export_dest
-    from deltaflow.train.trainer import build_model, task_vocab_size
 
     ckpt = resolve_checkpoint(path)
     if guard:

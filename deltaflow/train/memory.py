@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 LOGIT_COPIES = 4
@@ -155,3 +157,61 @@ def shortest_fit(usable: int, seq_len: int, estimate_tokens: callable) -> int:
 def env_local_world() -> int:
     """Processes sharing this host's memory (torchrun's LOCAL_WORLD_SIZE)."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+class MemoryFitMixin:
+    """A Trainer's fit of its step to the device's memory."""
+
+    def _fit_memory(self, model: nn.Module, rows: int) -> int:
+        """The gradient-accumulation steps a training step needs to fit in this device's
+        memory (:mod:`deltaflow.train.memory`): ``grad_accum`` when its micro-batch fits, else
+        the smallest larger one that does (said in one line); a one-line error when not even
+        one row fits. Every rank uses the largest any rank needs."""
+        from deltaflow.train import memory
+
+        accum = self.config.grad_accum
+        seq_len = getattr(self.task, "seq_len", None)
+        available = memory.available_bytes(self.device)
+        if isinstance(seq_len, int) and available is not None:
+            if self.device.type == "cpu":  # ranks on one host share its RAM
+                available //= memory.env_local_world()
+            usable = int(available * memory.USABLE_FRACTION)
+            hidden, layers = memory.model_shape(model)
+            vocab = getattr(getattr(model, "config", None), "vocab_size", self.task.vocab_size)
+
+            def estimate(micro_batch: int, tokens: int = seq_len) -> memory.StepMemory:
+                return memory.estimate_step(
+                    num_params=sum(p.numel() for p in model.parameters()),
+                    micro_batch=micro_batch,
+                    seq_len=max(1, tokens // self.layout.cp_size),
+                    vocab_size=vocab,
+                    hidden_size=hidden,
+                    num_layers=layers,
+                    param_shards=self.dist.world_size if self.sharded else 1,
+                )
+
+            try:
+                accum, need, asked = memory.plan_accumulation(rows, accum, usable, estimate)
+            except MemoryError:
+                fits = memory.shortest_fit(usable, seq_len, lambda t: estimate(1, t))
+                raise ValueError(
+                    f"memory: one training step needs {estimate(1).describe()} even at "
+                    f"micro-batch 1 x {seq_len} tokens x vocabulary {vocab}, more than the "
+                    f"{memory._gb(usable)} usable of {memory._gb(available)} available on "
+                    f"{self.device}; use a shorter --seq-len"
+                    + (f" ({fits} fits)" if fits < seq_len else "")
+                    + ", a smaller model or vocabulary, or a device with more memory"
+                ) from None
+            if accum != self.config.grad_accum:
+                self.note(
+                    f"memory: a step of {rows} x {seq_len} tokens needs {asked.describe()}, "
+                    f"more than the {memory._gb(usable)} usable of {memory._gb(available)} "
+                    f"available on {self.device}: running it as {accum} micro-batches of "
+                    f"{rows // accum} (grad_accum {accum}; the same effective batch of "
+                    f"{self.config.batch_size}, ~{memory._gb(need.total)} a micro-step)"
+                )
+        if self.dist.world_size > 1:  # the micro-steps' collectives must match on every rank
+            box = torch.tensor([accum], device=self.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            accum = int(box.item())
+        return accum

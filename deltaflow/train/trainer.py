@@ -29,19 +29,13 @@ Design choices a user should know:
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
-import inspect
 import json
 import math
-import os
-import signal
 import sys
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,196 +48,43 @@ from tqdm.auto import tqdm
 
 from deltaflow.models.compile import compile_blocks, resolve_compile
 from deltaflow.parallel.data_layout import DataLayout
-from deltaflow.train.checkpoint import (
-    CheckpointSaveError,
-    atomic_write_text,
-    gather_rng_states,
-    is_sharded_checkpoint,
-    latest_checkpoint,
-    load_checkpoint,
-    load_sharded_checkpoint,
-    read_config,
-    read_state_json,
-    recover_checkpoints,
-    save_checkpoint,
-    save_sharded_checkpoint,
+from deltaflow.train.build import (
+    IGNORE_INDEX,
+    _check_tokenizer_fits,
+    _upcast,
+    build_model,
+    build_task,
+    check_batch,
+    make_optimizer,
+    model_logits,
+    param_groups,  # noqa: F401 -- in build.py since issue 36, still importable from here
+    task_vocab_size,  # noqa: F401
 )
+from deltaflow.train.checkpoint import atomic_write_text, latest_checkpoint
 from deltaflow.train.config import TrainConfig
-from deltaflow.train.export import clean_stale_exports, export_checkpoint, write_pretrained
-from deltaflow.train.logging import RunLogger, read_log
-from deltaflow.train.packing import packed_forward
-from deltaflow.train.rundir import (
-    RUN_CONFIG,
-    archive_run,
-    clean_run_temporaries,
-    describe,
-    has_run,
-    read_run_config,
-    training_differences,
-    undo_interrupted_archive,
-    write_run_config,
+from deltaflow.train.dist import (
+    DistInfo,
+    _fsdp_no_sync,
+    join_process_group,
+    resolve_device,
 )
+from deltaflow.train.evaluation import EvaluationMixin
+from deltaflow.train.export import export_checkpoint, write_pretrained
+from deltaflow.train.logging import RunLogger, read_log
+from deltaflow.train.memory import MemoryFitMixin
+from deltaflow.train.rundir import write_run_config
+from deltaflow.train.runfolder import RunFolderMixin, RunPlan  # noqa: F401 (RunPlan: old import)
 from deltaflow.train.safety import RunLock
 from deltaflow.train.schedule import lr_at
-
-IGNORE_INDEX = -100
+from deltaflow.train.stopping import StoppingMixin
 
 
 class DivergenceError(RuntimeError):
     """The training loss became NaN/inf (usually: learning rate too high)."""
 
 
-# ---------------------------------------------------------------------------- building blocks
-def build_task(config: TrainConfig) -> Any:
-    from deltaflow.tasks import get_task
-
-    return get_task(config.task, **config.task_kwargs)
-
-
-def task_vocab_size(config: TrainConfig) -> int:
-    """The vocabulary of ``config``'s task, without building a language model's data."""
-    if config.task == "lm":
-        from deltaflow.tasks.language import get_tokenizer
-
-        kw = config.task_kwargs
-        return get_tokenizer(kw.get("tokenizer", "byte"), kw.get("tokenizer_path")).vocab_size
-    return build_task(config).vocab_size
-
-
-def build_model(config: TrainConfig, vocab_size: int) -> nn.Module:
-    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
-
-    model_config = DeltaFlowConfig(vocab_size=vocab_size, **config.model)
-    try:
-        return DeltaFlowForCausalLM(model_config)
-    except (RuntimeError, MemoryError) as err:  # torch: "can't allocate", "size ... overflowed"
-        text = str(err)
-        if not isinstance(err, MemoryError) and "allocate" not in text and "overflow" not in text:
-            raise
-        reason = text.splitlines()[0] if text else type(err).__name__
-        raise ValueError(
-            f"the model (hidden_size {model_config.hidden_size}, {model_config.num_layers} "
-            f"layers, vocabulary {vocab_size}) is too large to create here ({reason}); "
-            "make model.hidden_size or model.num_layers smaller"
-        ) from None
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only: never norms, biases, scalars (A_log, dt_bias), embeddings."""
-    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    for p in model.parameters():  # parameters() already de-duplicates tied weights
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim < 2 or id(p) in embedding_ids else decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-def make_optimizer(
-    model: nn.Module, config: TrainConfig, device: torch.device
-) -> torch.optim.AdamW:
-    return torch.optim.AdamW(
-        param_groups(model, config.weight_decay),
-        lr=config.lr,
-        betas=(config.beta1, config.beta2),
-        eps=config.adam_eps,
-        fused=device.type == "cuda",
-    )
-
-
-def model_logits(
-    model: nn.Module, input_ids: torch.Tensor, doc_starts: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Logits [B, T, V] from a plain module or a transformers model (no labels, no cache).
-    ``doc_starts`` [B, T] (packed documents): run the rows with ``cu_seqlens`` (packing.py)."""
-    kwargs: dict[str, Any] = {}
-    forward = model.module.forward if hasattr(model, "module") else model.forward
-    if "use_cache" in inspect.signature(forward).parameters:
-        kwargs["use_cache"] = False  # training/eval never need the recurrent cache
-    if doc_starts is not None:
-        out = packed_forward(model, input_ids, doc_starts, **kwargs)
-    else:
-        out = model(input_ids=input_ids, **kwargs)
-    logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
-    if logits.ndim != 3 or logits.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"model must return logits [B, T, V] for input_ids {tuple(input_ids.shape)}, "
-            f"got {tuple(logits.shape)}"
-        )
-    return logits
-
-
-def check_batch(batch: dict[str, torch.Tensor], batch_size: int | None = None) -> None:
-    for key in ("input_ids", "labels"):
-        if key not in batch:
-            raise ValueError(f"task batch is missing {key!r} (has {sorted(batch)})")
-    ids, labels = batch["input_ids"], batch["labels"]
-    if ids.ndim != 2 or labels.shape != ids.shape:
-        raise ValueError(
-            f"task batch must have input_ids and labels of equal shape [B, T], got "
-            f"{tuple(ids.shape)} and {tuple(labels.shape)}"
-        )
-    if batch_size is not None and ids.shape[0] != batch_size:
-        raise ValueError(f"task returned batch of {ids.shape[0]} rows, asked for {batch_size}")
-
-
-@dataclass
-class DistInfo:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @classmethod
-    def from_env(cls) -> DistInfo:
-        return cls(
-            rank=int(os.environ.get("RANK", 0)),
-            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        )
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def resolve_device(name: str, dist_info: DistInfo) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", dist_info.local_rank)
-        return torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {name!r}: no CUDA GPU is available here (torch.cuda.is_available() "
-                "is False); use --device cpu or auto"
-            )
-        if device.index is None:
-            device = torch.device("cuda", dist_info.local_rank)
-        if device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {str(device)!r}: this machine has {torch.cuda.device_count()} GPU(s), "
-                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
-            )
-    return device
-
-
 # ---------------------------------------------------------------------------- the trainer
-@dataclass
-class RunPlan:
-    """What a trainer does with its ``out_dir`` (decided on rank 0, shared with every rank)."""
-
-    resume: str | None = None  # checkpoint to continue
-    fork: str | None = None  # checkpoint of another run to start from (a fork)
-    extend_from: int | None = None  # a finished run of this many steps is being extended
-    error: str | None = None
-    notes: list[str] = field(default_factory=list)
-
-
-class Trainer:
+class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin):
     """Train ``model`` on ``task`` as ``config`` says. Builds both from the config if not given.
 
     ``callbacks`` are called as ``fn(trainer, step)`` after every completed optimizer step
@@ -298,11 +139,7 @@ class Trainer:
         self.export_final = export_final
         self.seconds_before = 0.0  # wall seconds spent on this run by earlier (resumed) trainers
         self.dist = DistInfo.from_env()
-        self._owns_process_group = False
-        if self.dist.world_size > 1 and not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend=backend)
-            self._owns_process_group = True
+        self._owns_process_group = join_process_group(self.dist)
         # Before anything expensive: may this run use out_dir, and how? Rank 0 locks out_dir
         # for the life of the run (released at the end of train() and by close()).
         self._lock = RunLock(config.out_dir) if config.out_dir is not None else None
@@ -405,245 +242,10 @@ class Trainer:
             self.model = nn.parallel.DistributedDataParallel(self.raw_model, device_ids=ids)
         self.num_params = sum(p.numel() for p in self.raw_model.parameters())
 
-    def _fit_memory(self, model: nn.Module, rows: int) -> int:
-        """The gradient-accumulation steps a training step needs to fit in this device's
-        memory (:mod:`deltaflow.train.memory`): ``grad_accum`` when its micro-batch fits, else
-        the smallest larger one that does (said in one line); a one-line error when not even
-        one row fits. Every rank uses the largest any rank needs."""
-        from deltaflow.train import memory
-
-        accum = self.config.grad_accum
-        seq_len = getattr(self.task, "seq_len", None)
-        available = memory.available_bytes(self.device)
-        if isinstance(seq_len, int) and available is not None:
-            if self.device.type == "cpu":  # ranks on one host share its RAM
-                available //= memory.env_local_world()
-            usable = int(available * memory.USABLE_FRACTION)
-            hidden, layers = memory.model_shape(model)
-            vocab = getattr(getattr(model, "config", None), "vocab_size", self.task.vocab_size)
-
-            def estimate(micro_batch: int, tokens: int = seq_len) -> memory.StepMemory:
-                return memory.estimate_step(
-                    num_params=sum(p.numel() for p in model.parameters()),
-                    micro_batch=micro_batch,
-                    seq_len=max(1, tokens // self.layout.cp_size),
-                    vocab_size=vocab,
-                    hidden_size=hidden,
-                    num_layers=layers,
-                    param_shards=self.dist.world_size if self.sharded else 1,
-                )
-
-            try:
-                accum, need, asked = memory.plan_accumulation(rows, accum, usable, estimate)
-            except MemoryError:
-                fits = memory.shortest_fit(usable, seq_len, lambda t: estimate(1, t))
-                raise ValueError(
-                    f"memory: one training step needs {estimate(1).describe()} even at "
-                    f"micro-batch 1 x {seq_len} tokens x vocabulary {vocab}, more than the "
-                    f"{memory._gb(usable)} usable of {memory._gb(available)} available on "
-                    f"{self.device}; use a shorter --seq-len"
-                    + (f" ({fits} fits)" if fits < seq_len else "")
-                    + ", a smaller model or vocabulary, or a device with more memory"
-                ) from None
-            if accum != self.config.grad_accum:
-                self.note(
-                    f"memory: a step of {rows} x {seq_len} tokens needs {asked.describe()}, "
-                    f"more than the {memory._gb(usable)} usable of {memory._gb(available)} "
-                    f"available on {self.device}: running it as {accum} micro-batches of "
-                    f"{rows // accum} (grad_accum {accum}; the same effective batch of "
-                    f"{self.config.batch_size}, ~{memory._gb(need.total)} a micro-step)"
-                )
-        if self.dist.world_size > 1:  # the micro-steps' collectives must match on every rank
-            box = torch.tensor([accum], device=self.device)
-            dist.all_reduce(box, op=dist.ReduceOp.MAX)
-            accum = int(box.item())
-        return accum
-
     def note(self, text: str) -> None:
         """A line for the person running this (stderr, rank 0, ``verbose`` only)."""
         if self.verbose and self.dist.is_main:
             print(text, file=sys.stderr, flush=True)
-
-    # ------------------------------------------------------------------ the run folder
-    def _plan_run(self, fork_from: str | Path | None) -> RunPlan:
-        """Rank 0 inspects ``out_dir`` (and may archive, clean, write run_config.yaml); every
-        rank gets the same plan."""
-        plan = RunPlan()
-        if self.config.out_dir is not None and self.dist.is_main:
-            try:
-                plan = self._plan_on_main(Path(self.config.out_dir), fork_from)
-            except (OSError, ValueError) as err:  # e.g. 'latest' names a missing checkpoint
-                plan = RunPlan(error=str(err))
-        if self.dist.world_size > 1:
-            box = [plan]
-            dist.broadcast_object_list(box, src=0)
-            plan = box[0]
-        return plan
-
-    def _plan_on_main(self, out: Path, fork_from: str | Path | None) -> RunPlan:
-        cfg = self.config
-        if out.exists() and not out.is_dir():
-            return RunPlan(error=f"out_dir {out} is a file; give a folder (it is created)")
-        assert self._lock is not None
-        self._lock.acquire()  # RunLockedError (a ValueError) names the other run's PID
-        # With the lock held, every temporary file in the folder is a killed run's leftover.
-        notes = undo_interrupted_archive(out)  # an archive is never left split in two
-        notes += recover_checkpoints(out, keep=cfg.keep_checkpoints if cfg.resume else None)
-        notes += clean_stale_exports(out) + clean_run_temporaries(out)
-        plan = RunPlan(notes=notes)
-        if not cfg.resume and has_run(out):
-            dest = archive_run(out)
-            plan.notes.append(f"--no-resume: moved the previous run of {out} to {dest}")
-        latest = latest_checkpoint(out) if cfg.resume else None
-        if latest is not None:
-            return self._check_resume(out, latest, plan)
-        if fork_from is not None:
-            source = latest_checkpoint(fork_from)
-            if source is None:
-                return RunPlan(error=f"--fork: {fork_from} has no checkpoint to start from")
-            saved = read_config(source)
-            diffs = [
-                d
-                for d in training_differences(saved, cfg.to_dict())
-                if d[0] == "task" or d[0].startswith(("task_kwargs.", "model."))
-            ]
-            if diffs:
-                return RunPlan(
-                    error=f"cannot fork {source} into {out}: its weights are for another model or "
-                    f"task ({describe(diffs)}); a fork keeps model and task"
-                )
-            plan.fork = str(source)
-            plan.notes.append(f"forking {source} into {out}: starting at its step")
-        write_run_config(out, cfg.to_dict())
-        return plan
-
-    def _check_resume(self, out: Path, latest: Path, plan: RunPlan) -> RunPlan:
-        cfg = self.config
-        saved = read_run_config(out, latest) or {}
-        state = read_state_json(latest)
-        diffs = training_differences(saved, cfg.to_dict())
-        old_steps = int(saved.get("steps", cfg.steps))
-        trained_out = int(state["step"]) >= old_steps  # every step of the old schedule is done
-        only_steps = [d for d in diffs if d[0] != "steps"] == []
-        if diffs and only_steps and trained_out and cfg.steps > old_steps:
-            plan.extend_from = old_steps
-            plan.notes.append(
-                f"extending the finished run {out} from {old_steps} to {cfg.steps} steps (the "
-                f"learning-rate schedule now runs to {cfg.steps})"
-            )  # run_config.yaml is rewritten once the checkpoint has loaded (train())
-        elif diffs:
-            steps_note = ""
-            if any(d[0] == "steps" for d in diffs):
-                steps_note = (
-                    " (steps may only grow, and only once the run has finished: it sets the "
-                    "learning-rate schedule)"
-                )
-            return RunPlan(
-                notes=plan.notes,
-                error=f"cannot resume {out}: it was trained with other settings: "
-                f"{describe(diffs)}{steps_note}. Resume it with its own settings "
-                f"(deltaflow train --config {out / RUN_CONFIG}), continue its latest checkpoint "
-                "with the new ones in a new folder with --fork NEWDIR, or start over with "
-                "--no-resume (archives it)",
-            )
-        plan.resume = str(latest)
-        plan.notes.append(f"resuming {out} from step {state['step']}")
-        return plan
-
-    # ------------------------------------------------------------------ resume / save
-    def _resume(self, path: Path) -> dict[str, Any]:
-        """Load a checkpoint (this run's, or a fork's source); returns its log bookkeeping."""
-        if self.fsdp != is_sharded_checkpoint(path):
-            written = "ddp" if self.fsdp else "fsdp"
-            raise ValueError(
-                f"cannot resume {path} with parallel={self.config.parallel!r}: it was written "
-                f"by a parallel={written!r} run (resume with that, or use a new out_dir)"
-            )
-        if self.fsdp:
-            state = load_sharded_checkpoint(
-                path, model=self.raw_model, optimizer=self.optimizer, trusted=self._trust_checkpoint
-            )
-        else:
-            state = load_checkpoint(
-                path,
-                model=self.raw_model,
-                optimizer=self.optimizer,
-                trusted=self._trust_checkpoint,
-            )
-        # The optimizer's state_dict carries its hyperparameters; this run's config decides.
-        for i, group in enumerate(self.optimizer.param_groups):  # [decay, no_decay]
-            group.update(
-                betas=(self.config.beta1, self.config.beta2),
-                eps=self.config.adam_eps,
-                weight_decay=self.config.weight_decay if i == 0 else 0.0,
-            )
-        self.step = int(state["step"])
-        saved_info = read_state_json(path)
-        self.seconds_before = float(saved_info.get("seconds", 0.0))
-        self.last_eval = dict(saved_info.get("eval") or {})
-        if "window_loss" in state:
-            self.window_loss = state["window_loss"].to(self.device)
-            self.window_steps = int(state["window_steps"])
-            self.window_tokens = int(state["window_tokens"])
-        # the final checkpoint of this very run (not of a fork's source, nor of the shorter run
-        # being extended): the final evaluation is in it and in the log
-        self.final_eval_done = (
-            self.plan.fork is None
-            and bool(saved_info.get("finished"))
-            and self.step >= self.config.steps
-        )
-        return {k: state[k] for k in ("log_records",) if k in state}
-
-    def seconds(self) -> float:
-        """Wall seconds this run has taken so far, over every trainer that resumed it (up to
-        the checkpoint each resumed from: time after a run's last checkpoint is not counted)."""
-        return self.seconds_before + time.perf_counter() - self._clock_start
-
-    def save(self, info: dict[str, Any] | None = None) -> Path | None:
-        """Checkpoint the current step; every rank must call it (it gathers from all ranks).
-        Returns the checkpoint directory (None without out_dir, and on ranks > 0 under DDP)."""
-        cfg = self.config
-        if cfg.out_dir is None:
-            return None
-        info = {"eval": self.last_eval, **(info or {}), "seconds": round(self.seconds(), 3)}
-        extra = {
-            "window_loss": self.window_loss.detach().cpu().clone(),
-            "window_steps": self.window_steps,
-            "window_tokens": self.window_tokens,
-            "log_records": len(self.logger.records),
-        }
-        common = dict(
-            step=self.step, config=cfg.to_dict(), info=info, keep=cfg.keep_checkpoints, extra=extra
-        )
-        # a language model's checkpoints carry its tokenizer (generate, from_pretrained users)
-        common["tokenizer"] = getattr(self.task, "tokenizer", None)
-        if self.fsdp:
-            return save_sharded_checkpoint(
-                cfg.out_dir, model=self.raw_model, optimizer=self.optimizer, **common
-            )
-        rng = gather_rng_states()  # each rank resumes with its own RNG streams
-        path, error = None, None
-        if self.dist.is_main:
-            try:
-                path = save_checkpoint(
-                    cfg.out_dir,
-                    model=self.raw_model,
-                    optimizer=self.optimizer,
-                    rng_per_rank=rng,
-                    **common,
-                )
-            except CheckpointSaveError as err:
-                error = err
-        if self.dist.world_size > 1:
-            # no rank runs ahead (or exits) before the checkpoint is in place; a failed save
-            # stops every rank
-            box = [None if error is None else str(error)]
-            dist.broadcast_object_list(box, src=0)
-            if box[0] is not None and error is None:
-                error = CheckpointSaveError(errno.EIO, box[0])
-        if error is not None:
-            raise error
-        return path
 
     # ------------------------------------------------------------------ one step
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -718,81 +320,6 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / n_scored, grad_norm, ids.numel()
-
-    # ------------------------------------------------------------------ evaluation
-    def eval_lengths(self) -> tuple[list[int | None], bool]:
-        """Lengths to evaluate at, and whether the headline metric is their mean."""
-        if self.config.eval_lengths is not None:
-            return list(self.config.eval_lengths), hasattr(self.task, "eval_lengths")
-        if getattr(self.task, "eval_lengths", None):
-            return list(self.task.eval_lengths), True
-        return [None], False
-
-    @torch.no_grad()
-    def evaluate(self, split: str | None = None, progress: bool = False) -> dict[str, float]:
-        """Metrics on the task's fixed evaluation set, per length (``name@L``) and headline.
-
-        The headline (unsuffixed) metrics are the mean over lengths for tasks defining
-        ``eval_lengths`` (state tracking: the test distribution is all of them), else the
-        first length (language modelling: the training length). ``progress``: a bar per
-        length (``deltaflow eval``; the trainer's own evaluations run under its step bar).
-        """
-        split = split or self.config.eval_split
-        model = self.raw_model  # no DDP hooks in eval (rank 0 only; all ranks under FSDP)
-        model.eval()
-        lengths, mean_headline = self.eval_lengths()
-        per_length: list[dict[str, float]] = []
-        out: dict[str, float] = {}
-        for length in lengths:
-            kwargs = dict(self.config.eval_kwargs)
-            if length is not None:
-                kwargs["length"] = length
-            desc = f"eval {self.config.task} {split}" + (f" @{length}" if length else "")
-            metrics = self._evaluate_one(model, split, kwargs, desc if progress else None)
-            per_length.append(metrics)
-            if length is not None and len(lengths) > 1:
-                out.update({f"{k}@{length}": v for k, v in metrics.items()})
-        if mean_headline and len(per_length) > 1:
-            keys = set.intersection(*(set(m) for m in per_length))
-            out.update({k: sum(m[k] for m in per_length) / len(per_length) for k in sorted(keys)})
-        else:
-            out.update(per_length[0])
-        return out
-
-    def _evaluate_one(
-        self, model: nn.Module, split: str, kwargs: dict[str, Any], bar: str | None = None
-    ) -> dict[str, float]:
-        """Pool the whole evaluation set exactly when the task offers ``metric_sums``/``finalize``
-        (additive statistics); otherwise average per-batch ``metrics`` weighted by scored tokens."""
-        pooled = hasattr(self.task, "metric_sums") and hasattr(self.task, "finalize")
-        sums: dict[str, float] = {}
-        total = 0
-        batches = self.task.eval_batches(split, **kwargs)
-        count = _eval_batch_count(self.task, kwargs) if bar is not None else None
-        for batch in tqdm(
-            batches, desc=bar, total=count, unit="batch", disable=bar is None, leave=False
-        ):
-            check_batch(batch)
-            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            with self._autocast():
-                logits = model_logits(model, batch["input_ids"], batch.get("doc_starts"))
-                logits = logits.float()
-            if pooled:
-                stats, weight = self.task.metric_sums(logits, batch), 1
-            else:
-                weight = int((batch["labels"] != IGNORE_INDEX).sum())
-                stats = self.task.metrics(logits, batch)
-            total += weight
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * weight
-        if total == 0:
-            raise ValueError(f"evaluation set of task {self.config.task!r} ({split}) is empty")
-        if pooled:
-            return {k: float(v) for k, v in self.task.finalize(sums).items()}
-        out = {k: v / total for k, v in sums.items()}
-        if "loss" in out and "ppl" in out:
-            out["ppl"] = math.exp(out["loss"])  # exp of the mean loss, not the mean of exps
-        return out
 
     # ------------------------------------------------------------------ the loop
     def _data_passes(self) -> dict[str, float]:
@@ -962,69 +489,6 @@ class Trainer:
             atomic_write_text(path, json.dumps(summary, indent=2))
         return summary
 
-    @contextlib.contextmanager
-    def _signal_handlers(self) -> Iterator[None]:
-        """With ``handle_signals``: SIGINT/SIGTERM set a flag that the loop reads after the
-        step in flight (it then saves and stops); a second signal quits at once."""
-        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def on_signal(signum: int, frame: Any) -> None:
-            if self._signal is not None:
-                raise KeyboardInterrupt
-            self._signal = signal.Signals(signum).name
-            self.note(
-                f"\n{self._signal}: saving a checkpoint after the current step, then stopping "
-                "(send it again to quit without saving)"
-            )
-
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _stop_or_due(self, last_save: float) -> tuple[str | None, bool]:
-        """(why the run stops now: 'deadline', 'SIGINT', 'SIGTERM' or None; whether a timed
-        checkpoint is due). Deadline and timed checkpoints act at log steps only, so a deadline
-        stop never splits a log window (every trainer of a cut run ends on a log record)."""
-        deadline = due = False
-        if self.step % self.config.log_every == 0:
-            deadline, due = self._clock_says(last_save)
-        signal_name = self._signal_received()
-        return ("deadline" if deadline else signal_name), due
-
-    def _signal_received(self) -> str | None:
-        """The signal that asks this run to stop, agreed by every rank (any rank's counts)."""
-        if not self.handle_signals:
-            return None
-        if self.dist.world_size > 1:
-            names = ("SIGINT", "SIGTERM")
-            flag = torch.tensor(
-                [float(names.index(self._signal) + 1) if self._signal in names else 0.0],
-                device=self.device,
-            )
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return names[int(flag.item()) - 1] if flag.item() > 0 else None
-        return self._signal
-
-    def _clock_says(self, last_save: float) -> tuple[bool, bool]:
-        """(deadline passed, timed checkpoint due); rank 0's clock decides for every rank, so
-        that all ranks stop (and join the checkpoint's collectives) at the same step."""
-        stop = self.deadline is not None and time.time() >= self.deadline
-        due = (
-            self.checkpoint_seconds is not None
-            and time.perf_counter() - last_save >= self.checkpoint_seconds
-        )
-        timed = self.deadline is not None or self.checkpoint_seconds is not None
-        if self.dist.world_size > 1 and timed:
-            flags = torch.tensor([float(stop), float(due)], device=self.device)
-            dist.broadcast(flags, src=0)
-            stop, due = bool(flags[0]), bool(flags[1])
-        return stop, due
-
     def _peak_memory(self) -> dict[str, list[float]]:
         """``peak_mem_gb``: each rank's peak allocated GPU memory so far (CUDA only)."""
         if self.device.type != "cuda":
@@ -1036,20 +500,6 @@ class Trainer:
             dist.all_gather(every, peak)
             peak = torch.cat(every)
         return {"peak_mem_gb": [round(float(x), 3) for x in peak]}
-
-    def _eval_and_log(self) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        with self.layout.whole_sequences():  # context parallel: each process evaluates alone
-            if self.sharded:  # every rank runs the forward passes (they all-gather the weights)
-                metrics = self.evaluate()
-            elif self.dist.is_main:
-                metrics = self.evaluate()
-        if self.dist.is_main:
-            self.logger.log("eval", self.step, split=self.config.eval_split, **metrics)
-            self.logger.flush()
-        if self.dist.world_size > 1:
-            dist.barrier()
-        return metrics
 
     def close(self, clean: bool = True) -> None:
         """Release the DDP wrapper and leave the process group this trainer created.
@@ -1071,41 +521,6 @@ class Trainer:
             dist.destroy_process_group()
 
 
-def _check_tokenizer_fits(model: nn.Module, task: Any) -> None:
-    """A language task's tokenizer must not produce ids past the model's embedding."""
-    tokenizer = getattr(task, "tokenizer", None)
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if tokenizer is None or not isinstance(embedding, nn.Embedding):
-        return
-    from deltaflow.tasks.tokenizers import check_vocab_fits
-
-    desc = str(getattr(tokenizer, "path", tokenizer.name))
-    check_vocab_fits(task.vocab_size, embedding.num_embeddings, desc)
-
-
-def _eval_batch_count(task: Any, kwargs: dict[str, Any]) -> int | None:
-    """Batches of an evaluation set when its size and batch size are known (the bar's total;
-    None: the bar counts without an ETA)."""
-    try:
-        defaults = inspect.signature(task.eval_batches).parameters
-    except (TypeError, ValueError):
-        return None
-    sizes = []
-    for name in ("num_examples", "batch_size"):
-        default = defaults[name].default if name in defaults else None
-        value = kwargs.get(name, default)
-        sizes.append(value if isinstance(value, int) and value > 0 else None)
-    if None in sizes:
-        return None
-    return math.ceil(sizes[0] / sizes[1])
-
-
-def _upcast(logits: torch.Tensor) -> torch.Tensor:
-    """Logits for the loss: bf16/fp16 in float32; float32 and float64 as they are (an fp64
-    run keeps fp64: accumulation tests compare its gradients to ~1e-12)."""
-    return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-
-
 def _is_pretrained(model: nn.Module) -> bool:
     from transformers import PreTrainedModel
 
@@ -1121,16 +536,6 @@ def _kept_records(run_dir: Path, log_state: dict[str, Any], step: int) -> list[d
     if count is not None:
         return records[:count]
     return [r for r in records if r.get("step", 0) <= step]  # checkpoints before log counts
-
-
-@contextlib.contextmanager
-def _fsdp_no_sync(model: nn.Module):
-    """FSDP2's counterpart of DDP's ``no_sync``: accumulate unsharded gradients locally."""
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def train_and_close(trainer: Trainer) -> dict[str, Any]:
