@@ -167,6 +167,33 @@ def _interrupted(err: BaseException) -> bool:
     return False
 
 
+# What every command imports first: torch, transformers' model classes and the trainer.
+_COMMAND_IMPORTS = ("torch", "deltaflow.models", "deltaflow.train.trainer")
+
+
+def _import_holding_ctrl_c(modules: Collection[str]) -> None:
+    """Import ``modules`` with Ctrl-C held until they are done, then honour it. A SIGINT that
+    lands inside a library's import (transformers' lazy modules) leaves it half-initialised,
+    and the next use fails with an unrelated import error and a traceback."""
+    import importlib
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        for name in modules:
+            importlib.import_module(name)
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     # Everything inside the try, the parser too: building it imports torch and transformers
     # (seconds), and a Ctrl-C then is one line and exit 130 like at any later moment.
@@ -175,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--traceback" in argv or os.environ.get("DELTAFLOW_DEBUG", "") not in ("", "0")
         command = next((a for a in argv if not a.startswith("-")), None)  # until argparse says
+        if _command_of(argv) is not None:
+            _import_holding_ctrl_c(_COMMAND_IMPORTS)
         # only the named command's parser is built whole: the others' imports cost seconds
         parser = build_parser(full=[c for c in [_command_of(argv)] if c])
         args, extras = parser.parse_known_args(argv)
