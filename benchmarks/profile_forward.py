@@ -1,17 +1,18 @@
 """Time each launch of the Triton forward separately (the prepare kernel and the fused state
 pass) under several launch settings of each, for the rules and shapes given (GPU machine).
 
-    python benchmarks/profile_forward.py [--rules delta,efla] [--old-prepare FILE]
+    python benchmarks/profile_forward.py [--rules delta,efla] [--old-prepare FILE[,FILE...]]
     python benchmarks/profile_forward.py --smoke   # CPU, Triton interpreter, tiny shapes
 
-``--old-prepare FILE``: also time the prepare kernel of another version of
-``deltaflow/ops/triton/prepare.py`` (a copied file with the same ``launch_prepare``), in the
-same run: the before/after of a prepare change on one machine.
+``--old-prepare FILE,...``: also time the prepare kernel of other versions of
+``deltaflow/ops/triton/prepare.py`` (copied files with the same ``launch_prepare``, each at its
+own launch settings), in the same run: the before/after of a prepare change on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 
@@ -29,10 +30,10 @@ from deltaflow.rules import RULES  # noqa: E402
 SHAPES = [(8, 4096, 16, 128), (16, 2048, 32, 64)]
 SMOKE_SHAPES = [(1, 70, 1, 16)]
 # (warps, tile, maxnreg) of the prepare kernel; the first is the default
-PREPARE_SETTINGS = [(4, 64, None), (4, 64, 128), (4, 64, 168), (4, 32, 128), (8, 64, None)]
+PREPARE_SETTINGS = [(4, 64, None), (4, 64, 128), (4, 64, 168), (4, 32, None), (2, 64, None)]
 SMOKE_PREPARE_SETTINGS = [(4, 64, None), (4, 32, None)]
 # (BV, warps, stages) of the fused state pass with outputs
-FUSED_SETTINGS = [(64, 4, 1), (64, 4, 2), (128, 4, 1), (64, 8, 1)]
+FUSED_SETTINGS = [(64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2)]
 
 
 def inputs(shape, dev, dtype):
@@ -46,20 +47,55 @@ def inputs(shape, dev, dtype):
     return q, k.to(dtype), v, beta, ld
 
 
+def prepare_call(k, v, beta, ld, tables, rule, w, u, t, first_bad, module) -> None:
+    """One launch of ``module``'s prepare kernel (delta family inputs, no negative eigenvalues)."""
+    module.launch_prepare(
+        k,
+        v,
+        beta=beta,
+        log_decay=ld,
+        tables=tables,
+        kernel_id=RULES[rule].kernel_id,
+        negative_eigenvalues=False,
+        eps=1e-6,
+        w=w,
+        u=u,
+        t=t,
+        first_bad=first_bad,
+    )
+
+
+def fused_call(q, k, w, u, ld, first_bad, tables, o, final_state) -> None:
+    """One launch of the fused state pass with outputs."""
+    states.launch_forward(
+        q,
+        k,
+        w=w,
+        u=u,
+        log_decay=ld,
+        initial_state=None,
+        first_bad=first_bad,
+        tables=tables,
+        scale=q.shape[-1] ** -0.5,
+        o=o,
+        final_state=final_state,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny shapes")
     p.add_argument("--rules", default="delta,efla", help="comma-separated Triton rules")
-    p.add_argument("--old-prepare", default=None, help="another prepare.py to time beside")
+    p.add_argument("--old-prepare", default=None, help="other prepare.py files to time beside")
     p.add_argument("--skip-fused", action="store_true", help="time the prepare kernel only")
     args = p.parse_args()
     dev = device(args.smoke)
     dtype = low_precision(args.smoke)
-    old = None
-    if args.old_prepare:
-        spec = importlib.util.spec_from_file_location("prepare_old", args.old_prepare)
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
+    olds = {}
+    for i, path in enumerate(args.old_prepare.split(",") if args.old_prepare else []):
+        spec = importlib.util.spec_from_file_location(f"prepare_old{i}", path)
+        olds[path] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(olds[path])
     settings = SMOKE_PREPARE_SETTINGS if args.smoke else PREPARE_SETTINGS
     defaults = (prepare.PREPARE_WARPS, prepare.PREPARE_TILE, prepare.PREPARE_MAXNREG)
     for shape in SMOKE_SHAPES if args.smoke else SHAPES:
@@ -71,33 +107,20 @@ def main() -> None:
         first_bad = torch.empty(tables.n_chunks, H, device=dev, dtype=torch.int32)
         final_state = torch.empty(B, H, D, D, device=dev)
         for rule, store_t in itertools.product(args.rules.split(","), (False, True)):
+            run_prepare = functools.partial(
+                prepare_call, k, v, beta, ld, tables, rule, w, u, t if store_t else None, first_bad
+            )
 
-            def run_prepare(module=prepare):
-                module.launch_prepare(
-                    k,
-                    v,
-                    beta=beta,
-                    log_decay=ld,
-                    tables=tables,
-                    kernel_id=RULES[rule].kernel_id,
-                    negative_eigenvalues=False,
-                    eps=1e-6,
-                    w=w,
-                    u=u,
-                    t=t if store_t else None,
-                    first_bad=first_bad,
-                )
-
-            if old is not None:
-                ms = bench_ms(lambda: run_prepare(old), dev)
-                print(f"{shape} {rule} store_t={store_t} prepare OLD: {ms:.3f} ms", flush=True)
+            for path, old in olds.items():
+                ms = bench_ms(functools.partial(run_prepare, old), dev)
+                print(f"{shape} {rule} store_t={store_t} prepare {path}: {ms:.3f} ms", flush=True)
                 w_old, u_old = w.clone(), u.clone()
             for warps, tile, maxnreg in settings:
                 prepare.PREPARE_WARPS, prepare.PREPARE_TILE = warps, tile
                 prepare.PREPARE_MAXNREG = maxnreg
-                ms = bench_ms(run_prepare, dev)
+                ms = bench_ms(functools.partial(run_prepare, prepare), dev)
                 diff = ""
-                if old is not None:  # the two versions agree to bf16 rounding
+                if olds:  # the versions agree to bf16 rounding (the last one listed)
                     diff = f" (max |w - old| {(w - w_old).abs().max().item():.1e}, "
                     diff += f"|u - old| {(u - u_old).abs().max().item():.1e})"
                 print(
@@ -108,25 +131,11 @@ def main() -> None:
         prepare.PREPARE_WARPS, prepare.PREPARE_TILE, prepare.PREPARE_MAXNREG = defaults
         if args.skip_fused:
             continue
-        run_prepare()
+        run_prepare(prepare)
         for BV, warps, stages in FUSED_SETTINGS[:1] if args.smoke else FUSED_SETTINGS:
             states.FUSED_BV, states.FUSED_WARPS, states.FUSED_STAGES = BV, warps, stages
-            ms = bench_ms(
-                lambda: states.launch_forward(
-                    q,
-                    k,
-                    w=w,
-                    u=u,
-                    log_decay=ld,
-                    initial_state=None,
-                    first_bad=first_bad,
-                    tables=tables,
-                    scale=D**-0.5,
-                    o=o,
-                    final_state=final_state,
-                ),
-                dev,
-            )
+            fused = functools.partial(fused_call, q, k, w, u, ld, first_bad, tables, o, final_state)
+            ms = bench_ms(fused, dev)
             print(f"{shape} fused state pass BV={BV} warps={warps} stages={stages}: {ms:.3f} ms")
         if not torch.isfinite(o).all():
             raise SystemExit("profile_forward: FAILED, non-finite output")

@@ -38,7 +38,7 @@ from deltaflow.ops.triton.common import (
 FUSED_BV = 64
 FUSED_BV_FP32 = 32
 FUSED_WARPS = 4
-FUSED_STAGES = 1
+FUSED_STAGES = 2
 TWO_PASS_BV = 64  # the forward's state pass; 32 crashes in bf16 on Hopper with Triton 3.6
 STATES_WARPS = 4
 STATES_STAGES = 1
