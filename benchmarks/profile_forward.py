@@ -30,7 +30,7 @@ from deltaflow.rules import RULES  # noqa: E402
 SHAPES = [(8, 4096, 16, 128), (16, 2048, 32, 64)]
 SMOKE_SHAPES = [(1, 70, 1, 16)]
 # (warps, tile, maxnreg) of the prepare kernel; the first is the default
-PREPARE_SETTINGS = [(4, 64, None), (4, 64, 128), (4, 64, 168), (4, 32, None), (2, 64, None)]
+PREPARE_SETTINGS = [(4, 64, 168), (4, 64, None), (4, 64, 128), (4, 32, 168)]
 SMOKE_PREPARE_SETTINGS = [(4, 64, None), (4, 32, None)]
 # (BV, warps, stages) of the fused state pass with outputs
 FUSED_SETTINGS = [(64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2)]

@@ -38,7 +38,7 @@ from deltaflow.ops.triton.common import (
 PREPARE_WARPS = 4
 PREPARE_TILE = 64
 PREPARE_LOW_PRECISION_DOTS = True
-PREPARE_MAXNREG: int | None = None  # a register cap per thread (more programs per SM), or none
+PREPARE_MAXNREG: int | None = 168  # a register cap per thread: more programs per SM
 
 
 @triton.jit
