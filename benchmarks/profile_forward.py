@@ -29,9 +29,17 @@ from deltaflow.rules import RULES  # noqa: E402
 
 SHAPES = [(8, 4096, 16, 128), (16, 2048, 32, 64)]
 SMOKE_SHAPES = [(1, 70, 1, 16)]
-# (warps, tile, maxnreg) of the prepare kernel; the first is the default
-PREPARE_SETTINGS = [(4, 64, 168), (4, 64, None), (4, 64, 128), (4, 32, 168)]
-SMOKE_PREPARE_SETTINGS = [(4, 64, None), (4, 32, None)]
+# (warps, tile, maxnreg, diagonal-inverse precision) of the prepare kernel: the first is the
+# default, timed for every rule with and without T; the others for the first rule without T.
+PREPARE_SETTINGS = [
+    (4, 64, 168, "ieee"),
+    (4, 64, 168, "tf32x3"),
+    (4, 64, 168, "tf32"),
+    (8, 64, 128, "ieee"),
+    (8, 64, 128, "tf32x3"),
+    (4, 64, 128, "tf32x3"),
+]
+SMOKE_PREPARE_SETTINGS = [(4, 64, None, "ieee"), (4, 32, None, "tf32x3")]
 # (BV, warps, stages) of the fused state pass with outputs
 FUSED_SETTINGS = [(64, 4, 2), (64, 4, 1), (64, 4, 3), (128, 4, 2)]
 
@@ -97,7 +105,8 @@ def main() -> None:
         olds[path] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(olds[path])
     settings = SMOKE_PREPARE_SETTINGS if args.smoke else PREPARE_SETTINGS
-    defaults = (prepare.PREPARE_WARPS, prepare.PREPARE_TILE, prepare.PREPARE_MAXNREG)
+    names = ("PREPARE_WARPS", "PREPARE_TILE", "PREPARE_MAXNREG", "PREPARE_DIAG_PRECISION")
+    defaults = tuple(getattr(prepare, n) for n in names)
     for shape in SMOKE_SHAPES if args.smoke else SHAPES:
         B, T, H, D = shape
         q, k, v, beta, ld = inputs(shape, dev, dtype)
@@ -115,20 +124,23 @@ def main() -> None:
                 ms = bench_ms(functools.partial(run_prepare, old), dev)
                 print(f"{shape} {rule} store_t={store_t} prepare {path}: {ms:.3f} ms", flush=True)
                 w_old, u_old = w.clone(), u.clone()
-            for warps, tile, maxnreg in settings:
-                prepare.PREPARE_WARPS, prepare.PREPARE_TILE = warps, tile
-                prepare.PREPARE_MAXNREG = maxnreg
+            for i, setting in enumerate(settings):
+                if i > 0 and (store_t or rule != args.rules.split(",")[0]):
+                    continue
+                for name, value in zip(names, setting):
+                    setattr(prepare, name, value)
                 ms = bench_ms(functools.partial(run_prepare, prepare), dev)
                 diff = ""
                 if olds:  # the versions agree to bf16 rounding (the last one listed)
                     diff = f" (max |w - old| {(w - w_old).abs().max().item():.1e}, "
                     diff += f"|u - old| {(u - u_old).abs().max().item():.1e})"
                 print(
-                    f"{shape} {rule} store_t={store_t} prepare warps={warps} tile={tile} "
-                    f"maxnreg={maxnreg}: {ms:.3f} ms{diff}",
+                    f"{shape} {rule} store_t={store_t} prepare (warps, tile, maxnreg, diag) "
+                    f"{setting}: {ms:.3f} ms{diff}",
                     flush=True,
                 )
-        prepare.PREPARE_WARPS, prepare.PREPARE_TILE, prepare.PREPARE_MAXNREG = defaults
+        for name, value in zip(names, defaults):
+            setattr(prepare, name, value)
         if args.skip_fused:
             continue
         run_prepare(prepare)

@@ -39,6 +39,9 @@ PREPARE_WARPS = 4
 PREPARE_TILE = 64
 PREPARE_LOW_PRECISION_DOTS = True
 PREPARE_MAXNREG: int | None = 168  # a register cap per thread: more programs per SM
+# The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
+# tensor-core products); their error is T's, which every later stage inherits.
+PREPARE_DIAG_PRECISION = "ieee"
 
 
 @triton.jit
@@ -66,23 +69,23 @@ def _first_bad(finite):
 
 
 @triton.jit
-def _stack_inverses(N):
+def _stack_inverses(N, PREC: tl.constexpr):
     """(I + N_b)⁻¹ for a [4, SUB, SUB] stack of strictly lower-triangular blocks at once. N is
     nilpotent (N^SUB = 0), so (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸): six batched
-    SUB³ products in exact fp32 ("ieee": they are tiny), no serial row-by-row substitution."""
+    SUB³ products (PREC: fp32-accurate, "ieee" or "tf32x3"), no serial row-by-row substitution."""
     tl.static_assert(SUB == 16, "the product below has log2(SUB) = 4 factors")
     rows = tl.arange(0, SUB)
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)[None, :, :]
-    N2 = tl.dot(N, N, input_precision="ieee")
-    N4 = tl.dot(N2, N2, input_precision="ieee")
-    N8 = tl.dot(N4, N4, input_precision="ieee")
-    P = tl.dot(eye - N, eye + N2, input_precision="ieee")
-    P = tl.dot(P, eye + N4, input_precision="ieee")
-    return tl.dot(P, eye + N8, input_precision="ieee")
+    N2 = tl.dot(N, N, input_precision=PREC)
+    N4 = tl.dot(N2, N2, input_precision=PREC)
+    N8 = tl.dot(N4, N4, input_precision=PREC)
+    P = tl.dot(eye - N, eye + N2, input_precision=PREC)
+    P = tl.dot(P, eye + N4, input_precision=PREC)
+    return tl.dot(P, eye + N8, input_precision=PREC)
 
 
 @triton.jit
-def _unit_lower_inverse(A, PREC: tl.constexpr):
+def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
     """T = (I + A)⁻¹ for a strictly lower-triangular CHUNK × CHUNK ``A``, in fp32.
 
     The four SUB × SUB diagonal blocks are inverted exactly by substitution (D = their block
@@ -93,7 +96,9 @@ def _unit_lower_inverse(A, PREC: tl.constexpr):
     blocks = tl.arange(0, 4)
     same = blocks[:, None, None, None] == blocks[None, None, :, None]  # [4, 1, 4, 1]
     diag = tl.sum(tl.where(same, tl.reshape(A, [4, SUB, 4, SUB]), 0.0), axis=2)
-    D = tl.reshape(tl.where(same, _stack_inverses(diag)[:, :, None, :], 0.0), [CHUNK, CHUNK])
+    D = tl.reshape(
+        tl.where(same, _stack_inverses(diag, DIAG_PREC)[:, :, None, :], 0.0), [CHUNK, CHUNK]
+    )
     rows = tl.arange(0, CHUNK)
     below = (rows[:, None] // SUB) > (rows[None, :] // SUB)
     M = mm(D, tl.where(below, A, 0.0), PREC, F32)
@@ -122,6 +127,7 @@ def chunk_prepare_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
+    DIAG_PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
     STORE_T: tl.constexpr,
 ):
@@ -159,7 +165,7 @@ def chunk_prepare_kernel(
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     decay = tl.exp(tl.where(pairs, gamma[:, None] - gamma[None, :], -float("inf")))
-    T = _unit_lower_inverse(tl.where(pairs, a[:, None] * decay * kk, 0.0), PREC)
+    T = _unit_lower_inverse(tl.where(pairs, a[:, None] * decay * kk, 0.0), PREC, DIAG_PREC)
     T_dt = T.to(DT)
 
     # (4) W = T diag(aΓ) K
@@ -229,6 +235,7 @@ def launch_prepare(
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(k.dtype),
+        DIAG_PREC=PREPARE_DIAG_PRECISION,
         LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32,
         STORE_T=t is not None,
         num_warps=PREPARE_WARPS,
