@@ -41,7 +41,7 @@ PREPARE_LOW_PRECISION_DOTS = True
 PREPARE_MAXNREG: int | None = 168  # a register cap per thread: more programs per SM
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
 # tensor-core products); their error is T's, which every later stage inherits.
-PREPARE_DIAG_PRECISION = "ieee"
+PREPARE_DIAG_PRECISION = "tf32x3"
 
 
 @triton.jit
