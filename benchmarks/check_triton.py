@@ -102,12 +102,18 @@ def run(x, backend, dtype=None, grad_dtype=torch.float64, **kw):
 
     leaves = {n: t.detach().clone().to(dtype or t.dtype).requires_grad_(True) for n, t in x.items()}
     o, s = delta_rule(**leaves, output_final_state=True, backend=backend, **kw)
+    do, ds = output_grads(o, s, grad_dtype)
+    ((o.double() * do).sum() + (s.double() * ds).sum()).backward()
+    return o.detach(), s.detach(), {n: leaves[n].grad for n in NAMES}
+
+
+def output_grads(o, s, grad_dtype=torch.float64):
+    """The gradients :func:`run` sends into the output ``o`` (rounded to ``grad_dtype``) and the
+    final state ``s`` (float32), as float64: fixed by the shapes (seeded)."""
     g = torch.Generator(device=o.device).manual_seed(123)
     do = torch.randn(o.shape, device=o.device, generator=g, dtype=torch.float64)
     ds = torch.randn(s.shape, device=o.device, generator=g, dtype=torch.float64)
-    do, ds = do.to(grad_dtype).double(), ds.float().double()  # the state is float32
-    ((o.double() * do).sum() + (s.double() * ds).sum()).backward()
-    return o.detach(), s.detach(), {n: leaves[n].grad for n in NAMES}
+    return do.to(grad_dtype).double(), ds.float().double()  # the state is float32
 
 
 def worst(errs: dict) -> float:
