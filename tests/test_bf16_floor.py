@@ -56,3 +56,16 @@ def test_unknown_knob_is_one_clear_error():
         floor.emulate(x, "delta", False, do, ds, knobs=("dY",))
     with pytest.raises(ValueError, match="got 'dU=fp8'"):
         floor.emulate(x, "delta", False, do, ds, knobs=("dU=fp8",))
+
+
+def test_check_triton_floor_verdict():
+    # check_triton's bf16 floor: a gradient over tolerance passes only within its floor; an
+    # output over tolerance has no floor and fails
+    rule, ne, *shape = CASES[1]
+    x, cu, do, ds, g_ref = _case(rule, ne, *shape)
+    kw = {"rule": rule, "negative_eigenvalues": ne, "cu_seqlens": cu}
+    f, ok = check.bf16_floor(x, {"dbeta": 1.0, "dq": 0.0}, g_ref, (do, ds), 1e-6, **kw)
+    assert 1e-4 < f < 3e-2 and not ok
+    assert check.bf16_floor(x, {"dbeta": f, "dq": 0.0}, g_ref, (do, ds), 1e-6, **kw) == (f, True)
+    f_o, ok = check.bf16_floor(x, {"o": 1e-2, "dbeta": f}, g_ref, (do, ds), 1e-6, **kw)
+    assert f_o != f_o and not ok  # NaN: no floor for the output
