@@ -38,6 +38,9 @@ class Script:
 
 SCRIPTS = [
     Script("benchmarks/check_triton.py", ("--smoke", "--workers", "2"), "ALL OK: True", True),
+    Script(
+        "benchmarks/bf16_floor.py", ("--smoke", "--out", "{tmp}/floor.md"), "bf16_floor: done", True
+    ),
     Script("benchmarks/kernels.py", ("--smoke",), "smoke ok", True),
     Script("benchmarks/kernel_times.py", ("--smoke",), "smoke ok", True),
     Script("benchmarks/convert_fla_check.py", ("--smoke",), "fla", True),

@@ -217,3 +217,22 @@ def test_chunk_size_is_refused_not_ignored():
     args = [inputs[n] for n in NAMES] + [None, 1, False, 1e-6, 0.25, 16]
     with pytest.raises(ValueError, match="chunk_size=16"):
         triton_backend.chunk_fwd_op(*args)
+
+
+def test_half_precision_backward_with_fp32_states():
+    # triton_backend.BACKWARD_STATES_FP32 gives the key-side gradient kernel narrower value
+    # blocks (gradients.GRADS_BV_FP32; Dv = 48 spans two of them): same gradients either way.
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    inputs = make_inputs(1, 70, 2, 16, 48, rule="longhorn", dtype=torch.float32, seed=9)
+    for n in ("q", "k", "v"):
+        inputs[n] = inputs[n].to(dtype)
+    inputs = on_device(inputs)
+    ref = _fwd_bwd({n: t.double() for n, t in inputs.items()}, "reference", rule="longhorn")
+    for fp32_states in (False, True):
+        triton_backend.BACKWARD_STATES_FP32 = fp32_states
+        try:
+            got = _fwd_bwd(inputs, "triton", rule="longhorn")
+        finally:
+            triton_backend.BACKWARD_STATES_FP32 = False
+        for name, g, g_ref in zip(["o", "state", *NAMES], got, ref):
+            assert rel_err(g, g_ref) <= 1e-2, (fp32_states, name)

@@ -47,9 +47,10 @@ POISON_OUTPUTS = False
 FORWARD_MODE = "auto"
 # The backward's states (S_0 of every chunk, h) and their gradients (dh) in float32 rather than
 # the dot dtype. Measured (H100, benchmarks/results/issue30/call6): it brings the T=1 cases'
-# d log α from 9.2e-3 / 1.2e-2 to 9.4e-4 / 1.8e-3, leaves dβ's errors as they were, and the
-# gradient kernel then asks for more shared memory than Hopper has at D >= 128. Off until the
-# gradient kernel's tiles are resized for it (issue 30).
+# d log α from 9.2e-3 / 1.2e-2 to 9.4e-4 / 1.8e-3 and leaves dβ's errors as they were (the
+# emulation, benchmarks/bf16_floor.py, agrees: h and dh are d log α's floor at T=1, not dβ's).
+# The key-side gradient kernel then takes narrower value blocks, so it fits Hopper's shared
+# memory at every head size (gradients.GRADS_BV_FP32). Off: it costs state traffic (issue 30).
 BACKWARD_STATES_FP32 = False
 
 

@@ -28,7 +28,9 @@ from deltaflow.ops.triton.common import (
 )
 
 # Launch settings (benchmarks/NOTES.md; benchmarks/tune_backward.py sweeps them). fp32 operands
-# take twice the shared memory: GRADS_BV_FP32 value columns there.
+# take twice the shared memory: GRADS_BV_FP32 value columns there, and in the key-side kernel
+# also when the states (h, dh) are fp32 (triton_backend.BACKWARD_STATES_FP32: sm_90, Triton 3.6,
+# bf16, 64 columns need 352 KB of shared memory at D = 256; 32 need 180 KB, 98 KB at D = 128).
 GRADS_BV = 64
 GRADS_BV_FP32 = 32
 GRADS_WARPS = 8
@@ -332,6 +334,9 @@ def launch_gradients(
         r_ptr=scratch_r,
         **common,
     )
+    k_side = dict(common)
+    if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
+        k_side["BV"] = min(head_block(Dv), GRADS_BV_FP32)
     chunk_grads_k_kernel[grid](
         q_ptr=q,
         k_ptr=k,
@@ -347,5 +352,5 @@ def launch_gradients(
         dk_ptr=dk,
         dbeta_ptr=q if dbeta is None else dbeta,
         dg_ptr=q if dlog_decay is None else dlog_decay,
-        **common,
+        **k_side,
     )

@@ -235,9 +235,11 @@ def chunk_states_kernel(
         U = b_u - tl.dot(b_w, S.to(DT), input_precision=PREC)
         v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
         tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
-        # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
-        k_to_end = (b_k.to(tl.float32) * tl.exp(gamma_last - gamma)[:, None]).to(DT)
-        S = tl.exp(gamma_last) * S + tl.dot(tl.trans(k_to_end), U.to(DT), input_precision=PREC)
+        # (6) S_C = Γ_C S_0 + Kᵀ (diag(e^{γ_C − γ_j}) U): the decay scales U's rows before its
+        # one rounding to DT, so the keys enter as loaded (exact) instead of rounded once more
+        # as K̃ (benchmarks/bf16_floor.py, knob fwd_K; issue 30)
+        u_to_end = (U * tl.exp(gamma_last - gamma)[:, None]).to(DT)
+        S = tl.exp(gamma_last) * S + tl.dot(tl.trans(b_k), u_to_end, input_precision=PREC)
         first_bad = tl.load(first_bad_ptr + c * H + i_h)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
 
@@ -352,10 +354,12 @@ def chunk_dstates_kernel(
         gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay_matrix(gamma)
-        k_to_end = (b_k.to(tl.float32) * tl.exp(gamma_last - gamma)[:, None]).to(DT)
-        # (8) dU = scale·Pᵀ dO + K̃ G
-        dU = scale * tl.dot(tl.trans(P.to(DT)), b_do, input_precision=PREC)
-        dU += tl.dot(k_to_end, G.to(DT), input_precision=PREC)
+        # (8) dU = K̃ G + scale·Pᵀ dO, with K̃ G = diag(e^{γ_C − γ}) (K G): the row scale after
+        # the product, so the keys enter it exact rather than rounded to DT as K̃
+        # (benchmarks/bf16_floor.py, knob rev_K: with fwd_K, the D=256 dβ tail; issue 30);
+        # then Pᵀ dO accumulates into it (one accumulator live)
+        dU = tl.exp(gamma_last - gamma)[:, None] * tl.dot(b_k, G.to(DT), input_precision=PREC)
+        dU = tl.dot(tl.trans((scale * P).to(DT)), b_do, acc=dU, input_precision=PREC)
         tl.store(
             du_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
             dU.to(DT),

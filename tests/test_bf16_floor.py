@@ -1,0 +1,71 @@
+"""benchmarks/bf16_floor.py: its float64 emulation of the Triton backward is the exact gradient
+when no rounding is switched on (so a knob's error is that rounding's alone), its knobs round,
+and a wrong knob is one clear error. Its GPU table runs in tests/test_gpu_scripts.py (--smoke)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _scripts import load_script
+
+floor = load_script("benchmarks/bf16_floor.py")
+check = load_script("benchmarks/check_triton.py")
+
+# (rule, negative eigenvalues, B, T, Dk, Dv, varlen lengths): unit and raw keys, a rule without
+# beta, a chunk boundary, Dk != Dv, packed sequences with empty and 1-token ones
+CASES = [
+    ("delta", False, 2, 65, 16, 8, None),
+    ("efla", True, 2, 130, 8, 16, None),
+    ("longhorn", True, 1, None, 8, 16, [0, 1, 63, 64, 70, 0, 5]),
+    ("kaczmarz", False, 2, 1, 8, 8, None),
+]
+
+
+def _case(rule, ne, B, T, Dk, Dv, lengths):
+    cu = None
+    if lengths is not None:
+        T = sum(lengths)
+        cu = torch.tensor([0] + lengths).cumsum(0)
+    n_states = None if lengths is None else len(lengths)
+    x = check.make(B, T, Dk, Dv, rule, torch.bfloat16, "cpu", n_states, seed=3)
+    kw = {"rule": rule, "negative_eigenvalues": ne, "cu_seqlens": cu}
+    o, s, g_ref = check.run(x, "torch", dtype=torch.float64, grad_dtype=torch.bfloat16, **kw)
+    do, ds = check.output_grads(o, s, torch.bfloat16)
+    return x, cu, do, ds, g_ref
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-ne{c[1]}" for c in CASES])
+def test_no_rounding_is_the_float64_gradient(case):
+    x, cu, do, ds, g_ref = _case(*case)
+    grads = floor.emulate(x, case[0], case[1], do, ds, cu_seqlens=cu)
+    for name in check.NAMES:
+        assert check.rel(grads[name], g_ref[name]) < 1e-10, name
+
+
+def test_knobs_round():
+    x, cu, do, ds, g_ref = _case(*CASES[1])
+    for knobs, low, high in [(floor.TRITON, 3e-4, 3e-2), (("dU=split",), 1e-7, 1e-4)]:
+        grads = floor.emulate(x, "efla", True, do, ds, cu_seqlens=cu, knobs=knobs)
+        err = check.rel(grads["beta"], g_ref["beta"])
+        assert low < err < high, (knobs, err)
+
+
+def test_unknown_knob_is_one_clear_error():
+    x, cu, do, ds, _ = _case(*CASES[0])
+    with pytest.raises(ValueError, match="knobs: each must be a name of KNOBS.*got 'dY'"):
+        floor.emulate(x, "delta", False, do, ds, knobs=("dY",))
+    with pytest.raises(ValueError, match="got 'dU=fp8'"):
+        floor.emulate(x, "delta", False, do, ds, knobs=("dU=fp8",))
+
+
+def test_check_triton_floor_verdict():
+    # check_triton's bf16 floor: a gradient over tolerance passes only within its floor; an
+    # output over tolerance has no floor and fails
+    rule, ne, *shape = CASES[1]
+    x, cu, do, ds, g_ref = _case(rule, ne, *shape)
+    kw = {"rule": rule, "negative_eigenvalues": ne, "cu_seqlens": cu}
+    f, ok = check.bf16_floor(x, {"dbeta": 1.0, "dq": 0.0}, g_ref, (do, ds), 1e-6, **kw)
+    assert 1e-4 < f < 3e-2 and not ok
+    assert check.bf16_floor(x, {"dbeta": f, "dq": 0.0}, g_ref, (do, ds), 1e-6, **kw) == (f, True)
+    f_o, ok = check.bf16_floor(x, {"o": 1e-2, "dbeta": f}, g_ref, (do, ds), 1e-6, **kw)
+    assert f_o != f_o and not ok  # NaN: no floor for the output
