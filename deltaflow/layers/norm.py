@@ -14,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from deltaflow.compat import cast_output
+
 
 def _acc(x: Tensor) -> torch.dtype:
     """float32 for half and single precision inputs, float64 for float64."""
@@ -45,7 +47,9 @@ class _Norm(torch.autograd.Function):
             y = y * F.silu(gate.to(acc))
         ctx.save_for_backward(x, weight, gate, rstd)
         ctx.mean = mean
-        return y.to(x.dtype)
+        # not y.to(x.dtype): a no-op for float32 inputs, which torch 2.11's compile turns into
+        # zero gradients (deltaflow/compat.py)
+        return cast_output(y, x.dtype)
 
     @staticmethod
     def backward(ctx, dy: Tensor):

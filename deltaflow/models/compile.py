@@ -25,9 +25,11 @@ def resolve_compile(mode: str, device: torch.device) -> bool:
     ``auto`` is OFF for now: on CUDA, compiled DeltaAttention blocks whose activations are
     float32 (fp32 weights, also under bf16 autocast, the trainer's setting) returned wrong
     parameter gradients with the right loss in our GPU check (benchmarks/check_training.py,
-    H100, torch 2.11; bf16 models were right, CPU was right), and a 200-step LM run diverged
-    from the eager one. ``blocks`` is therefore refused on CUDA until that is found and fixed;
-    on CPU it is correct (tests) but its warm-up rarely pays off for the lab's small models.
+    H100, torch 2.11; bf16 models were right), and a 200-step LM run diverged from the eager
+    one. The cause is torch 2.11's dynamo zeroing the gradient through the norms' no-op cast
+    (``deltaflow/compat.py``; reproduced on CPU with torch 2.11, right after the fix); ``blocks``
+    stays refused on CUDA until ``benchmarks/check_compile_grads.py`` confirms that on a GPU.
+    On CPU it is correct (tests) but its warm-up rarely pays off for the lab's small models.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")

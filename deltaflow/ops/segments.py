@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from deltaflow.compat import cast_output
 from deltaflow.ops.checks import compute_dtype
 from deltaflow.ops.delta_rule import delta_rule
 
@@ -309,7 +310,8 @@ def apply_incoming(summary: SegmentSummary, incoming: Tensor) -> tuple[Tensor, T
     if summary.q_in is not None:
         L0 = summary.q_in.shape[1]
         fix = torch.einsum("nthk,nhkv->nthv", summary.q_in.to(incoming.dtype), incoming)
-        head_o = (o[:, :L0].to(incoming.dtype) + fix).to(o.dtype)
+        # returned by _SegmentExchange's forward: no no-op cast there (deltaflow/compat.py)
+        head_o = cast_output(o[:, :L0].to(incoming.dtype) + fix, o.dtype)
         o = head_o if L0 == o.shape[1] else torch.cat([head_o, o[:, L0:]], dim=1)
         if summary.head_final_docs:
             Dk = incoming.shape[-2]
