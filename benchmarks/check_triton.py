@@ -25,12 +25,14 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from _check_schedule import BASE_GB, case_memory_gb, compile_phase, run_phase
 from _common import git_commit, smoke_env, smoke_requested
 
-if smoke_requested():
+if "--plan" in sys.argv[1:]:  # traced, not interpreted: Triton's launches are intercepted
+    os.environ.pop("TRITON_INTERPRET", None)
+elif smoke_requested():
     smoke_env()
 
 import torch  # noqa: E402
@@ -63,6 +65,7 @@ SMOKE_RULES = [
 def make(B, T, Dk, Dv, rule, dtype, device, n_states=None, seed=0):
     from deltaflow.rules import RULES
 
+    device = on(device)
     g = torch.Generator(device=device).manual_seed(seed)
     k = torch.randn(B, T, H, Dk, device=device, generator=g)
     if RULES[rule].qk_norm[1] == "l2":  # the rules used with L2-normalized keys
@@ -80,6 +83,17 @@ def make(B, T, Dk, Dv, rule, dtype, device, n_states=None, seed=0):
     for name in ("q", "k", "v"):
         x[name] = x[name].to(dtype)
     return x
+
+
+# While TRACING, a case runs on CPU tensors with every Triton launch intercepted (_launches.py):
+# sizes still follow the case's device ("cuda" sizes for the GPU plan), tensors do not, and the
+# case stops after its Triton calls (the float64 references would only cost CPU time).
+TRACING = False
+
+
+def on(device: str) -> str:
+    """Where a case's tensors live: its device, or the CPU while tracing."""
+    return "cpu" if TRACING else device
 
 
 def rel(x, ref):
@@ -110,6 +124,19 @@ def run(x, backend, dtype=None, grad_dtype=torch.float64, **kw):
     return o.detach(), s.detach(), {n: leaves[n].grad for n in NAMES}
 
 
+def forward(x, mode: str, **kw):
+    """The Triton forward's output with ``triton_backend.FORWARD_MODE`` pinned to ``mode``."""
+    from deltaflow import delta_rule
+    from deltaflow.ops import triton_backend
+
+    triton_backend.FORWARD_MODE = mode
+    try:
+        with torch.no_grad():
+            return delta_rule(**x, backend="triton", **kw)[0]
+    finally:
+        triton_backend.FORWARD_MODE = "auto"
+
+
 def worst(errs: dict) -> float:
     return max(errs.values(), key=lambda e: float("inf") if e != e else e)
 
@@ -125,12 +152,17 @@ def case_op(label, B, T, Dk, Dv, lengths, rule, ne, dt, seed, device):
     cu = None
     if lengths is not None:
         T = sum(lengths)
-        cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+        cu = torch.tensor([0] + lengths, device=on(device)).cumsum(0)
     x = make(
         B, T, Dk, Dv, rule, DTYPES[dt], device, None if lengths is None else len(lengths), seed
     )
     kw = {"rule": rule, "negative_eigenvalues": ne, "cu_seqlens": cu}
+    # The forward as "auto" chooses it (two-pass at H = 2: fewer programs than multiprocessors),
+    # and the fused forward, which large batches take: both kernels, every shape and dtype.
     o, s, grads = run(x, "triton", grad_dtype=DTYPES[dt], **kw)
+    o_fused = forward(x, "fused", **kw)
+    if TRACING:
+        return []
     o_ref, s_ref, g_ref = run(x, "torch", dtype=torch.float64, grad_dtype=DTYPES[dt], **kw)
     if T <= 1000:  # the chunked float64 reference against the token loop
         with torch.no_grad():
@@ -141,7 +173,7 @@ def case_op(label, B, T, Dk, Dv, lengths, rule, ne, dt, seed, device):
                 **kw,
             )
         assert rel(o_ref, o_naive) < 1e-9 and rel(s_ref, s_naive) < 1e-9, "reference disagrees"
-    errs = {"o": rel(o, o_ref), "state": rel(s, s_ref)}
+    errs = {"o": rel(o, o_ref), "o fused": rel(o_fused, o_ref), "state": rel(s, s_ref)}
     errs.update({f"d{n}": rel(grads[n], g_ref[n]) for n in NAMES})
     ok = worst(errs) <= TOL[dt]
     return [(label, rule, ne, dt, errs, ok, "")]
@@ -189,6 +221,8 @@ def case_decode_graph(device):
     args = [x[n].clone() for n in ("q", "k", "v", "beta")]
     decay = x["log_decay"].clone()
     delta_rule_step(*args, state.clone(), log_decay=decay)  # compile outside the capture
+    if TRACING:
+        return []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = delta_rule_step(*args, state, log_decay=decay)
@@ -262,9 +296,13 @@ def case_compile(device):
             log_decay=log_decay,
             initial_state=initial_state,
             output_final_state=True,
+            backend="triton",  # what "auto" picks on a GPU, named so that a CPU trace does too
         )
         return o.float().sum() + s.sum()
 
+    if TRACING:  # the compiled graph launches the eager call's kernels
+        f(*(x[n].detach().clone().requires_grad_(True) for n in NAMES)).backward()
+        return []
     compiled = torch.compile(f, fullgraph=True)
     leaves = [x[n].detach().clone().requires_grad_(True) for n in NAMES]
     compiled(*leaves).backward()
@@ -281,6 +319,54 @@ CASES = {
     "causal": case_causal,
     "compile": case_compile,
 }
+
+
+def trace(kind: str, args: tuple, handler=None) -> list:
+    """Run case ``(kind, args)`` on CPU tensors with its Triton launches intercepted: the
+    specializations it launches, in order, each once (``handler``, if given, also sees every
+    launch: compiling one, say). Nothing runs on a GPU; seconds on a CPU."""
+    global TRACING
+    from _launches import intercepted, specialization
+
+    seen: dict = {}
+
+    def on_launch(fn, run, kwargs):
+        seen.setdefault(specialization(fn, kwargs), None)
+        return handler(fn, run, kwargs) if handler else None
+
+    TRACING = True
+    try:
+        with intercepted(on_launch):
+            CASES[kind](*args)
+    finally:
+        TRACING = False
+    return list(seen)
+
+
+def first_cases(cases: list) -> dict:
+    """Every specialization of the plan, mapped to the first case that launches it."""
+    first: dict = {}
+    for case in cases:
+        for key in trace(*case):
+            first.setdefault(key, case)
+    return first
+
+
+def compile_one(kind: str, args: tuple, key) -> tuple[float, dict]:
+    """A compile-phase task: specialization ``key`` compiled into Triton's disk cache by tracing
+    its case, nothing launched or loaded (so no GPU local memory is reserved). Returns the
+    seconds and the kernel's registers, spill stack and shared memory."""
+    from _launches import compile_launch, resource_usage, specialization
+
+    found = {}
+
+    def handler(fn, run, kwargs):
+        if not found and specialization(fn, kwargs) == key:
+            found["kernel"] = compile_launch(fn, run, kwargs)
+
+    start = time.perf_counter()
+    trace(kind, args, handler)
+    return time.perf_counter() - start, resource_usage(found["kernel"]) if found else {}
 
 
 def _init_worker(smoke: bool, bwd_states_fp32: bool = False) -> None:
@@ -330,14 +416,9 @@ def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]
                 ne = (heads.index((Dk, Dv)) + j) % 2 == 1 and rule != "trapezoid"
                 case = (label, B, T, Dk, Dv, lengths, rule, ne, dt, i * 10 + j, device)
                 cases.append(("op", case))
-    # The slow cases (wide heads, long sequences) first, so that no worker starts one last;
-    # but the D=256 ones spread out: each holds GBs of local memory (register spills) while
-    # it runs, and a dozen at once ran the GPU out of memory.
+    # The slow cases (wide heads, long sequences) first, so that no worker starts one last.
+    # (How many run at once is the run phase's memory budget: _check_schedule.py.)
     cases.sort(key=lambda c: -(c[1][3] + c[1][4]) * (c[1][2] or 2000) ** 0.5)
-    wide = [c for c in cases if max(c[1][3], c[1][4]) > 128]
-    cases = [c for c in cases if c not in wide]
-    for n, case in enumerate(wide):
-        cases.insert(min(len(cases), n * 4), case)
     for rule in rules if not smoke else ["delta"]:
         cases.append(("causal", (rule, device)))
         if not smoke:
@@ -349,7 +430,7 @@ def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]
 
 
 def report(rows, device_name, wall, workers, smoke) -> tuple[str, bool]:
-    cols = ["o", "state"] + [f"d{n}" for n in NAMES]
+    cols = ["o", "o fused", "state"] + [f"d{n}" for n in NAMES]
     all_ok = all(r[5] for r in rows)
     lines = [
         f"# Triton backend check: {device_name}, torch {torch.__version__}, "
@@ -375,11 +456,57 @@ def report(rows, device_name, wall, workers, smoke) -> tuple[str, bool]:
     return "\n".join(lines), all_ok
 
 
+def describe(kind: str, args: tuple) -> str:
+    if kind == "op":
+        label, _, _, _, _, _, rule, ne, dt, _, _ = args
+        return f"op {label} {rule} ne={ne} {dt}"
+    return f"{kind} {' '.join(str(a) for a in args[:-1])}".strip()
+
+
+def print_plan(cases: list, keys: list[list]) -> None:
+    """Every case and the specializations it launches: '+' first launched there (compiled by
+    the compile phase on that case's trace), '=' already compiled by an earlier case."""
+    seen: set = set()
+    for n, (case, case_keys) in enumerate(zip(cases, keys), 1):
+        print(f"case {n}: {describe(*case)}")
+        for key in case_keys:
+            print(f"  {'=' if key in seen else '+'} {key.label()}")
+            seen.add(key)
+    kernels: dict[str, int] = {}
+    for key in seen:
+        kernels[key.kernel] = kernels.get(key.kernel, 0) + 1
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(kernels.items()))
+    print(f"plan: {len(cases)} cases, {len(seen)} specializations ({counts})")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp32", "both"], default="both")
-    parser.add_argument("--workers", type=int, default=min(10, os.cpu_count() or 1))
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="case processes at once (also bounded by --gpu-memory); default: the CPU cores",
+    )
+    parser.add_argument(
+        "--compile-workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes of the compile phase (CPU only); default: the CPU cores",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        help="GB the case processes may hold at once (default: 85%% of the GPU's memory)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the cases and the kernel specializations each launches, run nothing "
+        "(CPU: the launches are traced on CPU tensors)",
+    )
     parser.add_argument(
         "--out",
         default=None,
@@ -398,11 +525,17 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of the backward's stored states (triton_backend.BACKWARD_STATES_FP32)",
     )
     args = parser.parse_args(argv)
+    for flag in ("workers", "compile_workers"):
+        if getattr(args, flag) < 1:
+            parser.error(
+                f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
+            )
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        parser.error(f"--gpu-memory must be a positive number of GB, got {args.gpu_memory}")
     device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("error: check_triton needs a CUDA GPU; run it with --smoke on a CPU")
+    if device == "cuda" and not args.plan and not torch.cuda.is_available():
+        print("error: check_triton needs a CUDA GPU; run it with --smoke (or --plan) on a CPU")
         return 2
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
     if args.smoke:
         dtypes = ["fp32"] if args.dtype == "both" else dtypes
@@ -414,31 +547,52 @@ def main(argv: list[str] | None = None) -> int:
             for c in cases
             if any(w in f"{c[1][0]} {c[1][6] if c[0] == 'op' else ''}" for w in wanted)
         ]
+    init_args = (args.smoke, args.bwd_states == "fp32")
+    if args.plan:
+        _init_worker(*init_args)
+        print_plan(cases, [trace(*case) for case in cases])
+        return 0
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     print(f"{len(cases)} cases on {name}, {args.workers} workers", flush=True)
     start = time.perf_counter()
     rows = []
     ctx = torch.multiprocessing.get_context("spawn")
+    budget, memory = float("inf"), [0.0] * len(cases)
+    if not args.smoke:  # the interpreter compiles nothing: no compile phase, no budget
+        _init_worker(*init_args)  # the trace launches what the workers will
+        keys = [trace(*case) for case in cases]
+        first: dict = {}
+        for case, case_keys in zip(cases, keys):
+            for key in case_keys:
+                first.setdefault(key, case)
+        usage = compile_phase(
+            first, compile_one, args.compile_workers, ctx, _init_worker, init_args
+        )
+        props = torch.cuda.get_device_properties(0)
+        threads = props.multi_processor_count * props.max_threads_per_multi_processor
+        memory = [case_memory_gb(case_keys, usage, threads) for case_keys in keys]
+        budget = args.gpu_memory or 0.85 * props.total_memory / 1e9
+        heavy = sum(m > BASE_GB + 1 for m in memory)
+        print(
+            f"run phase: {heavy} cases predicted over {BASE_GB + 1:.0f} GB; budget {budget:.0f} GB"
+        )
+
+    def on_result(result) -> None:
+        case_rows, seconds = result
+        rows.extend(case_rows)
+        for label, rule, ne, dt, errs, ok, note in case_rows:
+            errors = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+            print(
+                f"{'ok  ' if ok else 'FAIL'} {seconds:5.1f}s {label} {rule} ne={ne} {dt} "
+                f"{errors} {note}",
+                flush=True,
+            )
+
     # A fresh process per case: the driver keeps each process's local-memory reservation at its
-    # largest kernel's, so long-lived workers add up to more than the GPU has. Compiled kernels
-    # are shared through Triton's disk cache either way.
-    with ProcessPoolExecutor(
-        args.workers,
-        ctx,
-        _init_worker,
-        (args.smoke, args.bwd_states == "fp32"),
-        max_tasks_per_child=1,
-    ) as pool:
-        futures = [pool.submit(run_case, kind, case_args) for kind, case_args in cases]
-        for future in as_completed(futures):
-            case_rows, seconds = future.result()
-            rows += case_rows
-            for label, rule, ne, dt, errs, ok, note in case_rows:
-                errors = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
-                print(
-                    f"{'ok  ' if ok else 'FAIL'} {seconds:5.1f}s {label} {rule} ne={ne} {dt} "
-                    f"{errors} {note}",
-                    flush=True,
-                )
+    # largest kernel's until the process ends (_check_schedule.py).
+    run_phase(
+        cases, memory, budget, run_case, args.workers, ctx, _init_worker, init_args, on_result
+    )
     text, all_ok = report(rows, name, time.perf_counter() - start, args.workers, args.smoke)
     print(text)
     out = args.out
