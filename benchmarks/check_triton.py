@@ -395,7 +395,7 @@ def run_case(kind: str, args: tuple):
 
 def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]:
     """Every case. bf16: each shape × each Triton rule. fp32 tests its own code path (fp32
-    operands, exact dots, narrower value blocks), not the rule table again: each shape with
+    operands, tf32x3 dots, narrower value blocks), not the rule table again: each shape with
     delta (unit keys) and efla (raw keys), and every rule at T=65. Negative eigenvalues
     alternate with the rule and the head sizes, not with T, so that shapes sharing head sizes
     share compiled kernels (compilation is most of the wall time). Then decode, causality and
@@ -516,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default=None,
-        help="run only the cases whose 'label rule' contains one of these comma-separated texts",
+        help="run only the cases whose description (as --plan prints it: 'op T=65 delta "
+        "ne=False bf16', 'decode efla', 'compile') contains one of these comma-separated texts",
     )
     parser.add_argument(
         "--bwd-states",
@@ -542,11 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = plan(dtypes, args.smoke, device)
     if args.only:  # comma-separated alternatives
         wanted = args.only.split(",")
-        cases = [
-            c
-            for c in cases
-            if any(w in f"{c[1][0]} {c[1][6] if c[0] == 'op' else ''}" for w in wanted)
-        ]
+        cases = [c for c in cases if any(w in describe(*c) for w in wanted)]
     init_args = (args.smoke, args.bwd_states == "fp32")
     if args.plan:
         _init_worker(*init_args)
