@@ -124,6 +124,20 @@ def run(x, backend, dtype=None, grad_dtype=torch.float64, **kw):
     return o.detach(), s.detach(), {n: leaves[n].grad for n in NAMES}
 
 
+def decode_step(*args, **kw):
+    """deltaflow.delta_rule_step; while tracing (CPU tensors, which the public step keeps on
+    its torch path), the Triton entry it dispatches to on a GPU. eps and scale are runtime
+    arguments of the kernel: any value traces the same specialization."""
+    from deltaflow import delta_rule_step
+
+    if not TRACING:
+        return delta_rule_step(*args, **kw)
+    from deltaflow.ops import triton_backend
+
+    defaults = {"log_decay": None, "negative_eigenvalues": False, "eps": 1e-6, "scale": 1.0}
+    return triton_backend.delta_rule_step(*args, **{"rule": "delta", **defaults, **kw})
+
+
 def forward(x, mode: str, **kw):
     """The Triton forward's output with ``triton_backend.FORWARD_MODE`` pinned to ``mode``."""
     from deltaflow import delta_rule
@@ -180,7 +194,7 @@ def case_op(label, B, T, Dk, Dv, lengths, rule, ne, dt, seed, device):
 
 
 def case_decode(rule, device):
-    from deltaflow import delta_rule, delta_rule_step
+    from deltaflow import delta_rule
 
     x = make(
         4,
@@ -200,7 +214,7 @@ def case_decode(rule, device):
     )
     state = x["initial_state"].clone()
     outs = [
-        delta_rule_step(
+        decode_step(
             *(x[n][:, t : t + 2] for n in ("q", "k", "v", "beta")),
             state,
             rule=rule,
@@ -214,18 +228,18 @@ def case_decode(rule, device):
 
 def case_decode_graph(device):
     """Decode under CUDA-graph capture: no host sync, the state updated in place on replay."""
-    from deltaflow import delta_rule, delta_rule_step
+    from deltaflow import delta_rule
 
     x = make(8, 1, 128, 128, "delta", torch.bfloat16, device, seed=5)
     state = x["initial_state"].clone()
     args = [x[n].clone() for n in ("q", "k", "v", "beta")]
     decay = x["log_decay"].clone()
-    delta_rule_step(*args, state.clone(), log_decay=decay)  # compile outside the capture
+    decode_step(*args, state.clone(), log_decay=decay)  # compile outside the capture
     if TRACING:
         return []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = delta_rule_step(*args, state, log_decay=decay)
+        out = decode_step(*args, state, log_decay=decay)
     state.copy_(x["initial_state"])
     graph.replay()
     o_ref, s_ref = delta_rule(
