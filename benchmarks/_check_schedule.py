@@ -30,6 +30,39 @@ BASE_GB = 2.0
 UNKNOWN_STACK = 32 * 1024
 
 
+def describe(kind: str, args: tuple) -> str:
+    if kind == "op":
+        label, _, _, _, _, _, rule, ne, dt, _, _ = args
+        return f"op {label} {rule} ne={ne} {dt}"
+    return f"{kind} {' '.join(str(a) for a in args[:-1])}".strip()
+
+
+def print_plan(cases: list, keys: list[list]) -> None:
+    """Every case and the specializations it launches: '+' first launched there (compiled by
+    the compile phase on that case's trace), '=' already compiled by an earlier case."""
+    seen: set = set()
+    for n, (case, case_keys) in enumerate(zip(cases, keys), 1):
+        print(f"case {n}: {describe(*case)}")
+        for key in case_keys:
+            print(f"  {'=' if key in seen else '+'} {key.label()}")
+            seen.add(key)
+    kernels: dict[str, int] = {}
+    for key in seen:
+        kernels[key.kernel] = kernels.get(key.kernel, 0) + 1
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(kernels.items()))
+    print(f"plan: {len(cases)} cases, {len(seen)} specializations ({counts})")
+
+
+def first_case_of(cases: list, keys: list[list]) -> dict:
+    """Every specialization of the plan (``keys[i]``: what case i launches), mapped to the
+    first case that launches it: the case the compile phase traces to compile it."""
+    first: dict = {}
+    for case, case_keys in zip(cases, keys):
+        for key in case_keys:
+            first.setdefault(key, case)
+    return first
+
+
 def compile_cost_hint(key: Any) -> float:
     """An order for the compile phase, longest first (benchmarks/NOTES.md: the fp32 and the
     wide-block gradient kernels take longest): fp32 operands, then the register tile."""

@@ -1,22 +1,25 @@
 """GPU correctness check of the Triton backend against float64, whole, in parallel workers.
 
-    python benchmarks/check_triton.py [--workers 14] [--dtype bf16|fp32|both] [--out FILE]
+    python benchmarks/check_triton.py [--workers N] [--compile-workers N] [--gpu-memory GB]
+        [--dtype bf16|fp32|both] [--only TEXT,...] [--out FILE]
+    python benchmarks/check_triton.py --plan       # the cases and their kernels, no GPU needed
     python benchmarks/check_triton.py --smoke      # CPU, Triton interpreter, tiny shapes (CI)
 
-Forward output, final state and the gradients of q, k, v, beta, log_decay and initial_state are
-compared by ‖Δ‖/‖ref‖ with the float64 chunked torch backend, which the CPU test suite pins to
-the token-by-token reference at 1e-10 (the reference itself is used for the forward at T ≤ 1000).
-Inputs of low precision are rounded first and the reference gets the rounded values, so only the
-kernels' arithmetic is measured. Every kernel output is poisoned (NaN, or the most negative
-integer) before each launch. Also: the decode kernel (in place, and under CUDA-graph capture),
-causality with a NaN/inf planted in k, v or beta (earlier outputs bit-identical, every rule), and
-torch.compile(fullgraph=True).
+Forward output (as "auto" runs it, and the fused forward), final state and the gradients of q,
+k, v, beta, log_decay and initial_state are compared by ‖Δ‖/‖ref‖ with the float64 chunked
+torch backend, which the CPU test suite pins to the token-by-token reference at 1e-10 (the
+reference itself is used for the forward at T ≤ 1000). Inputs of low precision are rounded
+first and the reference gets the rounded values, so only the kernels' arithmetic is measured.
+Every kernel output is poisoned (NaN, or the most negative integer) before each launch. Also:
+the decode kernel (in place, and under CUDA-graph capture), causality with a NaN/inf planted in
+k, v or beta (earlier outputs bit-identical, every rule), and torch.compile(fullgraph=True).
 
 Compilation dominates the wall time (each rule × dtype × head size × flags compiles its own
-kernels), so the cases run in ``--workers`` processes that share Triton's cache, one case per
-task; each case uses H = 2 so that shapes differing only in T reuse a compiled kernel. Where a
-bf16 case is over tolerance, the same case is also measured with the reference run on
-bf16-rounded intermediates (``bf16 floor``): what bf16 storage alone costs on those inputs.
+kernels), so it runs first and alone (_check_schedule.py): every kernel specialization of the
+plan, found by tracing each case's launches on CPU tensors (``--plan`` prints them), compiled
+once on ``--compile-workers`` processes into Triton's disk cache; then every case runs in a
+fresh process, as many at once as ``--workers`` and the GPU-memory budget allow. Each case uses
+H = 2 so that shapes differing only in T reuse a compiled kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +30,15 @@ import sys
 import time
 from pathlib import Path
 
-from _check_schedule import BASE_GB, case_memory_gb, compile_phase, run_phase
+from _check_schedule import (
+    BASE_GB,
+    case_memory_gb,
+    compile_phase,
+    describe,
+    first_case_of,
+    print_plan,
+    run_phase,
+)
 from _common import git_commit, smoke_env, smoke_requested
 
 if "--plan" in sys.argv[1:]:  # traced, not interpreted: Triton's launches are intercepted
@@ -357,15 +368,6 @@ def trace(kind: str, args: tuple, handler=None) -> list:
     return list(seen)
 
 
-def first_cases(cases: list) -> dict:
-    """Every specialization of the plan, mapped to the first case that launches it."""
-    first: dict = {}
-    for case in cases:
-        for key in trace(*case):
-            first.setdefault(key, case)
-    return first
-
-
 def compile_one(kind: str, args: tuple, key) -> tuple[float, dict]:
     """A compile-phase task: specialization ``key`` compiled into Triton's disk cache by tracing
     its case, nothing launched or loaded (so no GPU local memory is reserved). Returns the
@@ -470,29 +472,6 @@ def report(rows, device_name, wall, workers, smoke) -> tuple[str, bool]:
     return "\n".join(lines), all_ok
 
 
-def describe(kind: str, args: tuple) -> str:
-    if kind == "op":
-        label, _, _, _, _, _, rule, ne, dt, _, _ = args
-        return f"op {label} {rule} ne={ne} {dt}"
-    return f"{kind} {' '.join(str(a) for a in args[:-1])}".strip()
-
-
-def print_plan(cases: list, keys: list[list]) -> None:
-    """Every case and the specializations it launches: '+' first launched there (compiled by
-    the compile phase on that case's trace), '=' already compiled by an earlier case."""
-    seen: set = set()
-    for n, (case, case_keys) in enumerate(zip(cases, keys), 1):
-        print(f"case {n}: {describe(*case)}")
-        for key in case_keys:
-            print(f"  {'=' if key in seen else '+'} {key.label()}")
-            seen.add(key)
-    kernels: dict[str, int] = {}
-    for key in seen:
-        kernels[key.kernel] = kernels.get(key.kernel, 0) + 1
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(kernels.items()))
-    print(f"plan: {len(cases)} cases, {len(seen)} specializations ({counts})")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp32", "both"], default="both")
@@ -572,12 +551,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke:  # the interpreter compiles nothing: no compile phase, no budget
         _init_worker(*init_args)  # the trace launches what the workers will
         keys = [trace(*case) for case in cases]
-        first: dict = {}
-        for case, case_keys in zip(cases, keys):
-            for key in case_keys:
-                first.setdefault(key, case)
         usage = compile_phase(
-            first, compile_one, args.compile_workers, ctx, _init_worker, init_args
+            first_case_of(cases, keys),
+            compile_one,
+            args.compile_workers,
+            ctx,
+            _init_worker,
+            init_args,
         )
         props = torch.cuda.get_device_properties(0)
         threads = props.multi_processor_count * props.max_threads_per_multi_processor

@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     import check_triton
 
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
-    keys = check_triton.first_cases(check_triton.plan(dtypes, False, "cuda"))
+    from _check_schedule import first_case_of
+
+    cases = check_triton.plan(dtypes, False, "cuda")
+    keys = first_case_of(cases, [check_triton.trace(*case) for case in cases])
     wanted = args.only.split(",") if args.only else None
     skip = args.skip.split(",") if args.skip else []
     todo = [
