@@ -63,14 +63,19 @@ def first_case_of(cases: list, keys: list[list]) -> dict:
     return first
 
 
+# Relative compile seconds by kernel (benchmarks/NOTES.md, issue 30: the AOT sm_90 table): the
+# prepare kernel takes longest (bf16 30-55 s, fp32 120 s on the 2-core box), then the key-side
+# gradients; fp32 operands (tf32x3) about twice bf16.
+KERNEL_WEIGHT = {"chunk_prepare_kernel": 8.0, "chunk_grads_k_kernel": 2.0}
+
+
 def compile_cost_hint(key: Any) -> float:
-    """An order for the compile phase, longest first (benchmarks/NOTES.md: the fp32 and the
-    wide-block gradient kernels take longest): fp32 operands, then the register tile."""
+    """An order for the compile phase, longest first, so that no long compile starts last."""
     c = dict(key.constexprs)
     fp32 = not any(a.startswith("*bfloat16") or a.startswith("*float16") for a in key.args)
-    blocks = c.get("BK", 64) * c.get("BV", 64)
-    weight = 2.0 if "grads" in key.kernel else 1.0
-    return (4.0 if fp32 else 1.0) * blocks * weight
+    blocks = c.get("BK", 64) * c.get("BV", 64) / 16384
+    exact = 8.0 if c.get("PREC") == "ieee" else 1.0  # exact fp32 dots: minutes (NOTES.md)
+    return KERNEL_WEIGHT.get(key.kernel, 1.0) * (2.0 if fp32 else 1.0) * blocks * exact
 
 
 def compile_phase(

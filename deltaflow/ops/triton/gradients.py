@@ -32,6 +32,11 @@ from deltaflow.ops.triton.common import (
 GRADS_BV = 64
 GRADS_BV_FP32 = 32
 GRADS_WARPS = 8
+# fp32 operands as tf32x3 (common.dot_precision) stage each dot operand twice, its tf32 part and
+# its remainder: at a key block wider than this the key-side kernel then asks for 256-304 KB of
+# shared memory (Hopper has 227 KB; AOT sm_90, benchmarks/NOTES.md issue 30) whatever the value
+# block or stages, so there it multiplies exactly ("ieee": 200 KB, 21 KB of spill stack).
+GRADS_K_TF32X3_MAX_BK = 128
 
 
 @triton.jit
@@ -318,6 +323,9 @@ def launch_gradients(
         PREC=dot_precision(q.dtype),
         num_warps=GRADS_WARPS,
     )
+    key_side = dict(common)  # the key side's exact fp32 dots at wide key blocks (see above)
+    if fp32 and common["BK"] > GRADS_K_TF32X3_MAX_BK:
+        key_side["PREC"] = "ieee"
     grid = (tables.n_chunks, H)
     chunk_grads_v_kernel[grid](
         q_ptr=q,
@@ -347,5 +355,5 @@ def launch_gradients(
         dk_ptr=dk,
         dbeta_ptr=q if dbeta is None else dbeta,
         dg_ptr=q if dlog_decay is None else dlog_decay,
-        **common,
+        **key_side,
     )
