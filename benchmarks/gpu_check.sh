@@ -39,8 +39,9 @@ if [ -n "$SMOKE" ]; then
   step check_triton 300 python3 benchmarks/check_triton.py --smoke --workers 2
   step kernels 200 python3 benchmarks/kernels.py --smoke
 else
-  # Budget (540 s in all): the timed steps run one after another (check_triton 250 s, kernels
-  # 140 s, model_training 100 s, the fla install ~15 s). What times nothing runs beside the
+  # Budget (540 s in all): the timed steps run one after another (check_triton 280 s: its
+  # target is 240 s and a slower run still writes its report; kernels 140 s, model_training
+  # 90 s, measured 120 s and 73 s; the fla install ~15 s). What times nothing runs beside the
   # check, niced, so that the check's compile phase keeps the cores and these take what is
   # left (its run phase leaves most of them idle): compiling our kernels and compiling +
   # autotuning fla's for the timed kernels step (fla in its own process: a hang or a crash
@@ -54,12 +55,12 @@ else
   background kernels_warm 240 python3 benchmarks/kernels.py --warm-only 3
   PYTHONPATH=$FLA_PATH$PYTHONPATH background generation 240 python3 benchmarks/generation.py \
     --check-only --out "$OUT_DIR"
-  step check_triton 250 python3 benchmarks/check_triton.py --gpu-memory 50 \
+  step check_triton 280 python3 benchmarks/check_triton.py --gpu-memory 50 \
     --out "$OUT_DIR/check_triton.md"
   wait
   PYTHONPATH=$FLA_PATH$PYTHONPATH step kernels 140 python3 benchmarks/kernels.py --skip-torch \
     --rounds 2 --out "$OUT_DIR"
-  step model_training 100 python3 benchmarks/model_training.py --compile blocks --skip-fla \
+  step model_training 90 python3 benchmarks/model_training.py --compile blocks --skip-fla \
     --steps 5 --warmup 2 --top 0 --out "$OUT_DIR"
 fi
 echo "gpu_check: $(( $(date +%s) - START )) s in all; results in $OUT_DIR" | tee -a "$OUT_DIR/summary.txt"
