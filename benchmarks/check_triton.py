@@ -1,25 +1,30 @@
 """GPU correctness check of the Triton backend against float64, whole, in parallel workers.
 
-    python benchmarks/check_triton.py [--workers 14] [--dtype bf16|fp32|both] [--out FILE]
+    python benchmarks/check_triton.py [--workers N] [--compile-workers N] [--gpu-memory GB]
+        [--dtype bf16|fp32|both] [--only TEXT,...] [--out FILE]
+    python benchmarks/check_triton.py --plan       # the cases and their kernels, no GPU needed
     python benchmarks/check_triton.py --smoke      # CPU, Triton interpreter, tiny shapes (CI)
 
-Forward output, final state and the gradients of q, k, v, beta, log_decay and initial_state are
-compared by ‖Δ‖/‖ref‖ with the float64 chunked torch backend, which the CPU test suite pins to
-the token-by-token reference at 1e-10 (the reference itself is used for the forward at T ≤ 1000).
-Inputs of low precision are rounded first and the reference gets the rounded values, so only the
-kernels' arithmetic is measured. Every kernel output is poisoned (NaN, or the most negative
-integer) before each launch. Also: the decode kernel (in place, and under CUDA-graph capture),
-causality with a NaN/inf planted in k, v or beta (earlier outputs bit-identical, every rule), and
-torch.compile(fullgraph=True).
+Forward output (as "auto" runs it, and the fused forward), final state and the gradients of q,
+k, v, beta, log_decay and initial_state are compared by ‖Δ‖/‖ref‖ with the float64 chunked
+torch backend, which the CPU test suite pins to the token-by-token reference at 1e-10 (the
+reference itself is used for the forward at T ≤ 1000). Inputs of low precision are rounded
+first and the reference gets the rounded values, so only the kernels' arithmetic is measured.
+Every kernel output is poisoned (NaN, or the most negative integer) before each launch. Also:
+the decode kernel (in place, and under CUDA-graph capture), causality with a NaN/inf planted in
+k, v or beta (earlier outputs bit-identical, every rule), and torch.compile(fullgraph=True).
 
 Compilation dominates the wall time (each rule × dtype × head size × flags compiles its own
-kernels), so the cases run in ``--workers`` processes that share Triton's cache, one case per
-task; each case uses H = 2 so that shapes differing only in T reuse a compiled kernel. Where a
-bf16 case is over tolerance, its gradients are recomputed in float64 with the roundings any bf16
-implementation does (``benchmarks/bf16_floor.py``'s FLOOR: bf16 storage of what fla stores in
-bf16 too) on the same inputs: the ``bf16 floor`` column, that recompute's error of the worst
-gradient over tolerance. Such a case passes only where every entry over tolerance is a gradient
-within its floor: bf16 itself reaches that error there.
+kernels), so it runs first and alone (_check_schedule.py): every kernel specialization of the
+plan, found by tracing each case's launches on CPU tensors (``--plan`` prints them), compiled
+once on ``--compile-workers`` processes into Triton's disk cache; then every case runs in a
+fresh process, as many at once as ``--workers`` and the GPU-memory budget allow. Each case uses
+H = 2 so that shapes differing only in T reuse a compiled kernel.
+Where a bf16 case is over tolerance, its gradients are recomputed in float64 with the roundings
+any bf16 implementation does (``benchmarks/bf16_floor.py``'s FLOOR: bf16 storage of what fla
+stores in bf16 too) on the same inputs: the ``bf16 floor`` column, that recompute's error of the
+worst gradient over tolerance. Such a case passes only where every entry over tolerance is a
+gradient within its floor: bf16 itself reaches that error there.
 """
 
 from __future__ import annotations
@@ -28,12 +33,22 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from _check_schedule import (
+    BASE_GB,
+    case_memory_gb,
+    compile_phase,
+    describe,
+    first_case_of,
+    print_plan,
+    run_phase,
+)
 from _common import git_commit, smoke_env, smoke_requested
 
-if smoke_requested():
+if "--plan" in sys.argv[1:]:  # traced, not interpreted: Triton's launches are intercepted
+    os.environ.pop("TRITON_INTERPRET", None)
+elif smoke_requested():
     smoke_env()
 
 import torch  # noqa: E402
@@ -66,6 +81,7 @@ SMOKE_RULES = [
 def make(B, T, Dk, Dv, rule, dtype, device, n_states=None, seed=0):
     from deltaflow.rules import RULES
 
+    device = on(device)
     g = torch.Generator(device=device).manual_seed(seed)
     k = torch.randn(B, T, H, Dk, device=device, generator=g)
     if RULES[rule].qk_norm[1] == "l2":  # the rules used with L2-normalized keys
@@ -83,6 +99,17 @@ def make(B, T, Dk, Dv, rule, dtype, device, n_states=None, seed=0):
     for name in ("q", "k", "v"):
         x[name] = x[name].to(dtype)
     return x
+
+
+# While TRACING, a case runs on CPU tensors with every Triton launch intercepted (_launches.py):
+# sizes still follow the case's device ("cuda" sizes for the GPU plan), tensors do not, and the
+# case stops after its Triton calls (the float64 references would only cost CPU time).
+TRACING = False
+
+
+def on(device: str) -> str:
+    """Where a case's tensors live: its device, or the CPU while tracing."""
+    return "cpu" if TRACING else device
 
 
 def rel(x, ref):
@@ -119,6 +146,33 @@ def output_grads(o, s, grad_dtype=torch.float64):
     return do.to(grad_dtype).double(), ds.float().double()  # the state is float32
 
 
+def decode_step(*args, **kw):
+    """deltaflow.delta_rule_step; while tracing (CPU tensors, which the public step keeps on
+    its torch path), the Triton entry it dispatches to on a GPU. eps and scale are runtime
+    arguments of the kernel: any value traces the same specialization."""
+    from deltaflow import delta_rule_step
+
+    if not TRACING:
+        return delta_rule_step(*args, **kw)
+    from deltaflow.ops import triton_backend
+
+    defaults = {"log_decay": None, "negative_eigenvalues": False, "eps": 1e-6, "scale": 1.0}
+    return triton_backend.delta_rule_step(*args, **{"rule": "delta", **defaults, **kw})
+
+
+def forward(x, mode: str, **kw):
+    """The Triton forward's output with ``triton_backend.FORWARD_MODE`` pinned to ``mode``."""
+    from deltaflow import delta_rule
+    from deltaflow.ops import triton_backend
+
+    triton_backend.FORWARD_MODE = mode
+    try:
+        with torch.no_grad():
+            return delta_rule(**x, backend="triton", **kw)[0]
+    finally:
+        triton_backend.FORWARD_MODE = "auto"
+
+
 def worst(errs: dict) -> float:
     return max(errs.values(), key=lambda e: float("inf") if e != e else e)
 
@@ -134,12 +188,17 @@ def case_op(label, B, T, Dk, Dv, lengths, rule, ne, dt, seed, device):
     cu = None
     if lengths is not None:
         T = sum(lengths)
-        cu = torch.tensor([0] + lengths, device=device).cumsum(0)
+        cu = torch.tensor([0] + lengths, device=on(device)).cumsum(0)
     x = make(
         B, T, Dk, Dv, rule, DTYPES[dt], device, None if lengths is None else len(lengths), seed
     )
     kw = {"rule": rule, "negative_eigenvalues": ne, "cu_seqlens": cu}
+    # The forward as "auto" chooses it (two-pass at H = 2: fewer programs than multiprocessors),
+    # and the fused forward, which large batches take: both kernels, every shape and dtype.
     o, s, grads = run(x, "triton", grad_dtype=DTYPES[dt], **kw)
+    o_fused = forward(x, "fused", **kw)
+    if TRACING:
+        return []
     o_ref, s_ref, g_ref = run(x, "torch", dtype=torch.float64, grad_dtype=DTYPES[dt], **kw)
     if T <= 1000:  # the chunked float64 reference against the token loop
         with torch.no_grad():
@@ -150,7 +209,7 @@ def case_op(label, B, T, Dk, Dv, lengths, rule, ne, dt, seed, device):
                 **kw,
             )
         assert rel(o_ref, o_naive) < 1e-9 and rel(s_ref, s_naive) < 1e-9, "reference disagrees"
-    errs = {"o": rel(o, o_ref), "state": rel(s, s_ref)}
+    errs = {"o": rel(o, o_ref), "o fused": rel(o_fused, o_ref), "state": rel(s, s_ref)}
     errs.update({f"d{n}": rel(grads[n], g_ref[n]) for n in NAMES})
     ok = worst(errs) <= TOL[dt]
     if dt == "bf16" and not ok:  # over tolerance: how far does bf16 itself get on these inputs?
@@ -175,18 +234,10 @@ def bf16_floor(x, errs, g_ref, grads, tol, *, rule, negative_eigenvalues, cu_seq
 
 
 def case_decode(rule, device):
-    from deltaflow import delta_rule, delta_rule_step
+    from deltaflow import delta_rule
 
-    x = make(
-        4,
-        6,
-        128 if device == "cuda" else 32,
-        64 if device == "cuda" else 16,
-        rule,
-        torch.bfloat16,
-        device,
-        seed=7,
-    )
+    Dk, Dv = (128, 64) if device == "cuda" else (32, 16)
+    x = make(4, 6, Dk, Dv, rule, torch.bfloat16, device, seed=7)
     o_ref, s_ref = delta_rule(
         **{n: t.double() for n, t in x.items()},
         rule=rule,
@@ -195,7 +246,7 @@ def case_decode(rule, device):
     )
     state = x["initial_state"].clone()
     outs = [
-        delta_rule_step(
+        decode_step(
             *(x[n][:, t : t + 2] for n in ("q", "k", "v", "beta")),
             state,
             rule=rule,
@@ -209,16 +260,18 @@ def case_decode(rule, device):
 
 def case_decode_graph(device):
     """Decode under CUDA-graph capture: no host sync, the state updated in place on replay."""
-    from deltaflow import delta_rule, delta_rule_step
+    from deltaflow import delta_rule
 
     x = make(8, 1, 128, 128, "delta", torch.bfloat16, device, seed=5)
     state = x["initial_state"].clone()
     args = [x[n].clone() for n in ("q", "k", "v", "beta")]
     decay = x["log_decay"].clone()
-    delta_rule_step(*args, state.clone(), log_decay=decay)  # compile outside the capture
+    decode_step(*args, state.clone(), log_decay=decay)  # compile outside the capture
+    if TRACING:
+        return []
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = delta_rule_step(*args, state, log_decay=decay)
+        out = decode_step(*args, state, log_decay=decay)
     state.copy_(x["initial_state"])
     graph.replay()
     o_ref, s_ref = delta_rule(
@@ -280,18 +333,14 @@ def case_compile(device):
     x = make(2, 300, 64, 64, "efla", torch.bfloat16, device, seed=3)
 
     def f(q, k, v, beta, log_decay, initial_state):
-        o, s = delta_rule(
-            q,
-            k,
-            v,
-            beta,
-            rule="efla",
-            log_decay=log_decay,
-            initial_state=initial_state,
-            output_final_state=True,
-        )
+        # backend: what "auto" picks on a GPU, named so that a CPU trace picks it too
+        kw = {"log_decay": log_decay, "initial_state": initial_state, "backend": "triton"}
+        o, s = delta_rule(q, k, v, beta, rule="efla", output_final_state=True, **kw)
         return o.float().sum() + s.sum()
 
+    if TRACING:  # the compiled graph launches the eager call's kernels
+        f(*(x[n].detach().clone().requires_grad_(True) for n in NAMES)).backward()
+        return []
     compiled = torch.compile(f, fullgraph=True)
     leaves = [x[n].detach().clone().requires_grad_(True) for n in NAMES]
     compiled(*leaves).backward()
@@ -308,6 +357,57 @@ CASES = {
     "causal": case_causal,
     "compile": case_compile,
 }
+
+
+def trace(kind: str, args: tuple, handler=None) -> list:
+    """Run case ``(kind, args)`` on CPU tensors with its Triton launches intercepted: the
+    specializations it launches, in order, each once (``handler``, if given, also sees every
+    launch: compiling one, say). Nothing runs on a GPU; seconds on a CPU."""
+    global TRACING
+    from _launches import H100_SMS, intercepted, specialization
+
+    seen: dict = {}
+
+    def on_launch(fn, run, kwargs):
+        seen.setdefault(specialization(fn, kwargs), None)
+        return handler(fn, run, kwargs) if handler else None
+
+    TRACING = True
+    try:
+        gpu = torch.cuda.is_available()  # the two-pass choice as this GPU makes it
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if gpu else H100_SMS
+        with intercepted(on_launch, sms):
+            CASES[kind](*args)
+    finally:
+        TRACING = False
+    return list(seen)
+
+
+def traced(case: tuple[str, tuple]) -> list:
+    """:func:`trace`, or nothing where tracing fails (said in one line): that case then compiles
+    its kernels in its own run, and its own run reports what is wrong."""
+    try:
+        return trace(*case)
+    except Exception as e:  # noqa: BLE001 - a case the trace cannot follow still runs
+        print(f"trace failed for {describe(*case)}: {type(e).__name__}: {str(e)[:200]}")
+        return []
+
+
+def compile_one(kind: str, args: tuple, key) -> tuple[float, dict]:
+    """A compile-phase task: specialization ``key`` compiled into Triton's disk cache by tracing
+    its case, nothing launched or loaded (so no GPU local memory is reserved). Returns the
+    seconds and the kernel's registers, spill stack and shared memory."""
+    from _launches import compile_launch, resource_usage, specialization
+
+    found = {}
+
+    def handler(fn, run, kwargs):
+        if not found and specialization(fn, kwargs) == key:
+            found["kernel"] = compile_launch(fn, run, kwargs)
+
+    start = time.perf_counter()
+    trace(kind, args, handler)
+    return time.perf_counter() - start, resource_usage(found["kernel"]) if found else {}
 
 
 def _init_worker(smoke: bool, bwd_states_fp32: bool = False) -> None:
@@ -336,11 +436,12 @@ def run_case(kind: str, args: tuple):
 
 def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]:
     """Every case. bf16: each shape × each Triton rule. fp32 tests its own code path (fp32
-    operands, exact dots, narrower value blocks), not the rule table again: each shape with
-    delta (unit keys) and efla (raw keys), and every rule at T=65. Negative eigenvalues
-    alternate with the rule and the head sizes, not with T, so that shapes sharing head sizes
-    share compiled kernels (compilation is most of the wall time). Then decode, causality and
-    compile."""
+    operands, tf32x3 dots, narrower value blocks), not the rule table again: each shape with
+    delta, and every rule at T=65 (the rule's code is elementwise, the same at every head size:
+    efla at every shape as well cost 5 prepare and 5 gradient specializations, ~20 s of the
+    compile phase on an H100, and tested no new code). Negative eigenvalues alternate with the
+    rule and the head sizes, not with T, so that shapes sharing head sizes share compiled
+    kernels (compilation is most of the wall time). Then decode, causality and compile."""
     from deltaflow.rules import triton_rules
 
     rules = SMOKE_RULES if smoke else triton_rules()
@@ -350,21 +451,16 @@ def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]
     for dt in dtypes:
         for i, (label, B, T, Dk, Dv, lengths) in enumerate(shapes):
             for j, rule in enumerate(rules):
-                if dt == "fp32" and not smoke and rule not in ("delta", "efla") and label != "T=65":
+                if dt == "fp32" and not smoke and rule != "delta" and label != "T=65":
                     continue
                 # trapezoid + negative eigenvalues maps μ into (−3, 1]: unstable by design
                 # (results/stability), so its error grows with the state; check it without.
                 ne = (heads.index((Dk, Dv)) + j) % 2 == 1 and rule != "trapezoid"
                 case = (label, B, T, Dk, Dv, lengths, rule, ne, dt, i * 10 + j, device)
                 cases.append(("op", case))
-    # The slow cases (wide heads, long sequences) first, so that no worker starts one last;
-    # but the D=256 ones spread out: each holds GBs of local memory (register spills) while
-    # it runs, and a dozen at once ran the GPU out of memory.
+    # The slow cases (wide heads, long sequences) first, so that no worker starts one last.
+    # (How many run at once is the run phase's memory budget: _check_schedule.py.)
     cases.sort(key=lambda c: -(c[1][3] + c[1][4]) * (c[1][2] or 2000) ** 0.5)
-    wide = [c for c in cases if max(c[1][3], c[1][4]) > 128]
-    cases = [c for c in cases if c not in wide]
-    for n, case in enumerate(wide):
-        cases.insert(min(len(cases), n * 4), case)
     for rule in rules if not smoke else ["delta"]:
         cases.append(("causal", (rule, device)))
         if not smoke:
@@ -376,7 +472,7 @@ def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]
 
 
 def report(rows, device_name, wall, workers, smoke) -> tuple[str, bool]:
-    cols = ["o", "state"] + [f"d{n}" for n in NAMES] + ["bf16 floor"]
+    cols = ["o", "o fused", "state"] + [f"d{n}" for n in NAMES] + ["bf16 floor"]
     all_ok = all(r[5] for r in rows)
     lines = [
         f"# Triton backend check: {device_name}, torch {torch.__version__}, "
@@ -407,8 +503,31 @@ def report(rows, device_name, wall, workers, smoke) -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp32", "both"], default="both")
-    parser.add_argument("--workers", type=int, default=min(10, os.cpu_count() or 1))
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="case processes at once (also bounded by --gpu-memory); default: the CPU cores",
+    )
+    parser.add_argument(
+        "--compile-workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes of the compile phase (CPU only); default: the CPU cores",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        help="GB the case processes may hold at once (default: 85%% of the GPU's memory)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the cases and the kernel specializations each launches, run nothing "
+        "(CPU: the launches are traced on CPU tensors)",
+    )
     parser.add_argument(
         "--out",
         default=None,
@@ -418,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default=None,
-        help="run only the cases whose 'label rule' contains one of these comma-separated texts",
+        help="run only the cases whose description (as --plan prints it: 'op T=65 delta "
+        "ne=False bf16', 'decode efla', 'compile') contains one of these comma-separated texts",
     )
     parser.add_argument(
         "--bwd-states",
@@ -427,47 +547,71 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of the backward's stored states (triton_backend.BACKWARD_STATES_FP32)",
     )
     args = parser.parse_args(argv)
+    for flag in ("workers", "compile_workers"):
+        if getattr(args, flag) < 1:
+            parser.error(
+                f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
+            )
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        parser.error(f"--gpu-memory must be a positive number of GB, got {args.gpu_memory}")
     device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("error: check_triton needs a CUDA GPU; run it with --smoke on a CPU")
+    if device == "cuda" and not args.plan and not torch.cuda.is_available():
+        print("error: check_triton needs a CUDA GPU; run it with --smoke (or --plan) on a CPU")
         return 2
-    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
     if args.smoke:
         dtypes = ["fp32"] if args.dtype == "both" else dtypes
     cases = plan(dtypes, args.smoke, device)
     if args.only:  # comma-separated alternatives
         wanted = args.only.split(",")
-        cases = [
-            c
-            for c in cases
-            if any(w in f"{c[1][0]} {c[1][6] if c[0] == 'op' else ''}" for w in wanted)
-        ]
+        cases = [c for c in cases if any(w in describe(*c) for w in wanted)]
+    init_args = (args.smoke, args.bwd_states == "fp32")
+    if args.plan:
+        _init_worker(*init_args)
+        print_plan(cases, [trace(*case) for case in cases])
+        return 0
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter)"
     print(f"{len(cases)} cases on {name}, {args.workers} workers", flush=True)
     start = time.perf_counter()
     rows = []
     ctx = torch.multiprocessing.get_context("spawn")
+    budget, memory = float("inf"), [0.0] * len(cases)
+    if not args.smoke:  # the interpreter compiles nothing: no compile phase, no budget
+        _init_worker(*init_args)  # the trace launches what the workers will
+        keys = [traced(case) for case in cases]
+        usage = compile_phase(
+            first_case_of(cases, keys),
+            compile_one,
+            args.compile_workers,
+            ctx,
+            _init_worker,
+            init_args,
+        )
+        props = torch.cuda.get_device_properties(0)
+        threads = props.multi_processor_count * props.max_threads_per_multi_processor
+        memory = [case_memory_gb(case_keys, usage, threads) for case_keys in keys]
+        budget = args.gpu_memory or 0.85 * props.total_memory / 1e9
+        heavy = sum(m > BASE_GB + 1 for m in memory)
+        print(
+            f"run phase: {heavy} cases predicted over {BASE_GB + 1:.0f} GB; budget {budget:.0f} GB"
+        )
+
+    def on_result(result) -> None:
+        case_rows, seconds = result
+        rows.extend(case_rows)
+        for label, rule, ne, dt, errs, ok, note in case_rows:
+            errors = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+            print(
+                f"{'ok  ' if ok else 'FAIL'} {seconds:5.1f}s {label} {rule} ne={ne} {dt} "
+                f"{errors} {note}",
+                flush=True,
+            )
+
     # A fresh process per case: the driver keeps each process's local-memory reservation at its
-    # largest kernel's, so long-lived workers add up to more than the GPU has. Compiled kernels
-    # are shared through Triton's disk cache either way.
-    with ProcessPoolExecutor(
-        args.workers,
-        ctx,
-        _init_worker,
-        (args.smoke, args.bwd_states == "fp32"),
-        max_tasks_per_child=1,
-    ) as pool:
-        futures = [pool.submit(run_case, kind, case_args) for kind, case_args in cases]
-        for future in as_completed(futures):
-            case_rows, seconds = future.result()
-            rows += case_rows
-            for label, rule, ne, dt, errs, ok, note in case_rows:
-                errors = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
-                print(
-                    f"{'ok  ' if ok else 'FAIL'} {seconds:5.1f}s {label} {rule} ne={ne} {dt} "
-                    f"{errors} {note}",
-                    flush=True,
-                )
+    # largest kernel's until the process ends (_check_schedule.py).
+    run_phase(
+        cases, memory, budget, run_case, args.workers, ctx, _init_worker, init_args, on_result
+    )
     text, all_ok = report(rows, name, time.perf_counter() - start, args.workers, args.smoke)
     print(text)
     out = args.out

@@ -34,6 +34,7 @@ def lazy_attribute(package: str, exports: dict[str, str], name: str) -> Any:
 def __getattr__(name: str) -> Any:
     return lazy_attribute(__name__, _LAZY, name)
 
+
 __all__ = [
     "delta_rule",
     "delta_rule_step",

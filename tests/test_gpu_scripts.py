@@ -60,6 +60,14 @@ SCRIPTS = [
     Script(
         "benchmarks/context_parallel.py", ("--smoke", "--out", "{tmp}"), "context_parallel: done"
     ),
+    Script("benchmarks/tf32x3_error.py", ("--smoke",), "within the fp32 tolerance"),
+    # sm_90 compile of one small kernel on the CPU (the plan traced, the decode kernel compiled)
+    Script(
+        "benchmarks/compile_cost.py",
+        ("--only", "decode_kernel,RULE=1 ,Dv=64 "),
+        "compile_cost: ",
+        True,
+    ),
     Script("benchmarks/cpu_backends.py", ("--smoke", "--out", "{tmp}/cpu.md"), "wrote"),
     Script("benchmarks/cpu_threads.py", ("--smoke", "--json", "{tmp}/threads.json"), "wrote"),
     # experiments/: CPU tooling over committed results or a device call's archive

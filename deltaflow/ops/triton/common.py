@@ -27,8 +27,11 @@ def head_block(n: int) -> int:
 
 
 def dot_precision(dot_dtype: torch.dtype) -> str:
-    """fp32 operands multiply exactly ("ieee"); bf16/fp16 ones with the tensor cores."""
-    return "ieee" if dot_dtype == torch.float32 else "tf32"
+    """fp32 operands on the tensor cores as "tf32x3" (three tf32 products: within ~1e-6 of exact
+    fp32, benchmarks/tf32x3_error.py); bf16/fp16 ones as they are. Not "ieee": exact fp32 dots
+    are FMA loops that spill 20 KB of stack per thread and compile for minutes
+    (benchmarks/NOTES.md, issue 30)."""
+    return "tf32x3" if dot_dtype == torch.float32 else "tf32"
 
 
 class ChunkTables(NamedTuple):

@@ -34,6 +34,11 @@ from deltaflow.ops.triton.common import (
 GRADS_BV = 64
 GRADS_BV_FP32 = 32
 GRADS_WARPS = 8
+# fp32 operands as tf32x3 (common.dot_precision) stage each dot operand twice, its tf32 part and
+# its remainder: at a key block wider than this the key-side kernel then asks for 256-304 KB of
+# shared memory (Hopper has 227 KB; AOT sm_90, benchmarks/NOTES.md issue 30) whatever the value
+# block or stages, so there it multiplies exactly ("ieee": 200 KB, 21 KB of spill stack).
+GRADS_K_TF32X3_MAX_BK = 128
 
 
 @triton.jit
@@ -320,6 +325,9 @@ def launch_gradients(
         PREC=dot_precision(q.dtype),
         num_warps=GRADS_WARPS,
     )
+    key_side = dict(common)  # the key side's exact fp32 dots at wide key blocks (see above)
+    if fp32 and common["BK"] > GRADS_K_TF32X3_MAX_BK:
+        key_side["PREC"] = "ieee"
     grid = (tables.n_chunks, H)
     chunk_grads_v_kernel[grid](
         q_ptr=q,
@@ -334,9 +342,8 @@ def launch_gradients(
         r_ptr=scratch_r,
         **common,
     )
-    k_side = dict(common)
     if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
-        k_side["BV"] = min(head_block(Dv), GRADS_BV_FP32)
+        key_side["BV"] = min(head_block(Dv), GRADS_BV_FP32)
     chunk_grads_k_kernel[grid](
         q_ptr=q,
         k_ptr=k,
@@ -352,5 +359,5 @@ def launch_gradients(
         dk_ptr=dk,
         dbeta_ptr=q if dbeta is None else dbeta,
         dg_ptr=q if dlog_decay is None else dlog_decay,
-        **k_side,
+        **key_side,
     )

@@ -77,7 +77,7 @@ def chunk_forward_kernel(
     bos = tl.load(cu_seqlens_ptr + i_n)
     eos = tl.load(cu_seqlens_ptr + i_n + 1)
     c_first = tl.load(chunk_offsets_ptr + i_n)
-    DT = w_ptr.dtype.element_ty  # matrix-unit operand dtype (bf16/fp16, or fp32 exactly)
+    DT = w_ptr.dtype.element_ty  # matrix-unit operand dtype (bf16/fp16, or fp32 as tf32x3)
 
     rows = tl.arange(0, CHUNK)
     offs_k = tl.arange(0, BK)
