@@ -67,5 +67,7 @@ def test_check_triton_floor_verdict():
     f, ok = check.bf16_floor(x, {"dbeta": 1.0, "dq": 0.0}, g_ref, (do, ds), 1e-6, **kw)
     assert 1e-4 < f < 3e-2 and not ok
     assert check.bf16_floor(x, {"dbeta": f, "dq": 0.0}, g_ref, (do, ds), 1e-6, **kw) == (f, True)
+    over = {"dbeta": 1.2 * f, "dq": 0.0}  # past the margin: the kernels' own error
+    assert check.bf16_floor(x, over, g_ref, (do, ds), 1e-6, **kw) == (f, False)
     f_o, ok = check.bf16_floor(x, {"o": 1e-2, "dbeta": f}, g_ref, (do, ds), 1e-6, **kw)
     assert f_o != f_o and not ok  # NaN: no floor for the output
