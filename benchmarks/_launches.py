@@ -67,12 +67,16 @@ def specialization(fn: Any, kwargs: dict[str, Any]) -> Specialization:
     names = fn.arg_names
     const = {names[i] for i in fn.constexprs}
     missing = [n for n in names if n not in kwargs and n not in const]
+    # runtime ints Triton does not specialize on (jit(do_not_specialize=[...]))
+    unspecialized = {p.name for p in fn.params if p.do_not_specialize}
     if missing:  # a positional launch: the key would be wrong, so say so
         raise TypeError(f"{fn.__name__}: launch arguments must be keywords, missing {missing}")
     return Specialization(
         kernel=fn.__name__,
         constexprs=tuple((n, kwargs[n]) for n in names if n in const and n in kwargs),
-        args=tuple(_arg_type(kwargs[n]) for n in names if n not in const),
+        args=tuple(
+            "i32" if n in unspecialized else _arg_type(kwargs[n]) for n in names if n not in const
+        ),
         options=tuple((k, kwargs[k]) for k in sorted(kwargs) if k not in names),
     )
 

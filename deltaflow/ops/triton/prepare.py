@@ -105,7 +105,9 @@ def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
     return D - mm(M, D - mm(M, D - mm(M, D, PREC, F32), PREC, F32), PREC, F32)
 
 
-@triton.jit
+# store_t is a runtime flag, not a compile-time one: forward and backward share one compiled
+# kernel (it halved check_triton's prepare specializations, 88% of its compile work).
+@triton.jit(do_not_specialize=["store_t"])
 def chunk_prepare_kernel(
     k_ptr,
     v_ptr,
@@ -118,6 +120,7 @@ def chunk_prepare_kernel(
     cu_seqlens_ptr,
     chunk_indices_ptr,
     eps,
+    store_t,
     H: tl.constexpr,
     Dk: tl.constexpr,
     Dv: tl.constexpr,
@@ -129,7 +132,6 @@ def chunk_prepare_kernel(
     PREC: tl.constexpr,
     DIAG_PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
-    STORE_T: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages."""
@@ -188,7 +190,7 @@ def chunk_prepare_kernel(
         _store_tile(u_ptr, u, offs_t, mask_t, i_h, c + cols, H, Dv)
     tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
 
-    if STORE_T:  # T itself (fp32, [chunk, head, CHUNK, CHUNK]) for the backward
+    if store_t != 0:  # T itself (fp32, [chunk, head, CHUNK, CHUNK]) for the backward
         base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
         tl.store(base + rows[:, None] * CHUNK + rows[None, :], T)
 
@@ -221,11 +223,12 @@ def launch_prepare(
         g_ptr=k if log_decay is None else log_decay,
         w_ptr=w,
         u_ptr=u,
-        t_ptr=w if t is None else t,
+        t_ptr=k.new_empty(1, dtype=torch.float32) if t is None else t,  # one dtype: one kernel
         first_bad_ptr=first_bad,
         cu_seqlens_ptr=tables.cu_seqlens,
         chunk_indices_ptr=tables.chunk_indices,
         eps=eps,
+        store_t=int(t is not None),
         H=H,
         Dk=Dk,
         Dv=Dv,
@@ -237,7 +240,6 @@ def launch_prepare(
         PREC=dot_precision(k.dtype),
         DIAG_PREC=PREPARE_DIAG_PRECISION,
         LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32,
-        STORE_T=t is not None,
         num_warps=PREPARE_WARPS,
         **({} if PREPARE_MAXNREG is None else {"maxnreg": PREPARE_MAXNREG}),
     )
