@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 
-_CPU = torch.device("cpu")
-
 # The H100 SXM's multiprocessor count: what the forward's fused/two-pass choice
 # (triton_backend._use_two_pass) sees while tracing on a CPU.
 H100_SMS = 132
@@ -115,9 +113,10 @@ def intercepted(handler: Handler, sms: int = H100_SMS) -> Iterator[None]:
     def props(device: Any = None, *a: Any, **k: Any) -> Any:
         # The traced op asks about its CPU tensors' device; torch itself (initialising CUDA in a
         # compile process on a GPU machine) asks about real devices: those get real answers.
-        if isinstance(device, torch.device) and device.type == "cpu":
+        on_cpu = isinstance(device, torch.device) and device.type == "cpu"
+        if on_cpu or not torch.cuda.is_available():
             return types.SimpleNamespace(multi_processor_count=sms)
-        return real_props(device, *a, **k) if torch.cuda.is_available() else props(_CPU)
+        return real_props(device, *a, **k)
 
     torch.cuda.get_device_properties = props
     try:

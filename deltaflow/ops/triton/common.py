@@ -87,6 +87,17 @@ def load_rows(ptr, offs_t, mask_t, i_h, offs_d, mask_d, H: tl.constexpr, D: tl.c
 
 
 @triton.jit
+def store_rows(ptr, x, offs_t, mask_t, i_h, offs_d, mask_d, H: tl.constexpr, D: tl.constexpr):
+    """``x`` into rows ``offs_t``, columns ``offs_d`` of head ``i_h`` of a [.., T, H, D] tensor
+    (only where both masks hold), in the tensor's dtype: :func:`load_rows`' counterpart."""
+    tl.store(
+        ptr + (offs_t[:, None] * H + i_h) * D + offs_d[None, :],
+        x.to(ptr.dtype.element_ty),
+        mask=mask_t[:, None] & mask_d[None, :],
+    )
+
+
+@triton.jit
 def load_gates(
     beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr
 ):

@@ -26,10 +26,13 @@ from deltaflow.ops.triton.common import (
     SUB,
     ChunkTables,
     chunk_bounds,
+    decay_matrix,
     dot_precision,
+    head_block,
     load_gates,
     load_rows,
     mm,
+    store_rows,
 )
 
 # Launch settings (benchmarks/NOTES.md). TILE: head-dimension columns per step of the column
@@ -42,17 +45,6 @@ PREPARE_MAXNREG: int | None = 168  # a register cap per thread: more programs pe
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
 # tensor-core products); their error is T's, which every later stage inherits.
 PREPARE_DIAG_PRECISION = "tf32x3"
-
-
-@triton.jit
-def _store_tile(ptr, x, offs_t, mask_t, i_h, offs_d, H: tl.constexpr, D: tl.constexpr):
-    """Rows ``offs_t`` (those in ``mask_t``), columns ``offs_d`` of head i_h of a [.., T, H, D]
-    tensor."""
-    tl.store(
-        ptr + (offs_t[:, None] * H + i_h) * D + offs_d[None, :],
-        x.to(ptr.dtype.element_ty),
-        mask=mask_t[:, None] & (offs_d[None, :] < D),
-    )
 
 
 @triton.jit
@@ -88,7 +80,7 @@ def _stack_inverses(N, PREC: tl.constexpr):
 def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
     """T = (I + A)⁻¹ for a strictly lower-triangular CHUNK × CHUNK ``A``, in fp32.
 
-    The four SUB × SUB diagonal blocks are inverted exactly by substitution (D = their block
+    The four SUB × SUB diagonal blocks are inverted by :func:`_stack_inverses` (D = their block
     diagonal); the rest follows from I + A = (I + A_diag)(I + M), M = D·A_below, which is
     strictly block-lower with four blocks, so M⁴ = 0 and T = (I − M + M² − M³)·D,
     evaluated as D − M(D − M(D − M·D)): four CHUNK³ products on the tensor cores."""
@@ -166,8 +158,8 @@ def chunk_prepare_kernel(
 
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
-    decay = tl.exp(tl.where(pairs, gamma[:, None] - gamma[None, :], -float("inf")))
-    T = _unit_lower_inverse(tl.where(pairs, a[:, None] * decay * kk, 0.0), PREC, DIAG_PREC)
+    A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
+    T = _unit_lower_inverse(A, PREC, DIAG_PREC)
     T_dt = T.to(DT)
 
     # (4) W = T diag(aΓ) K
@@ -175,7 +167,8 @@ def chunk_prepare_kernel(
     for c in range(0, Dk, TILE):
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
         x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
-        _store_tile(w_ptr, mm(T_dt, x, PREC, DT), offs_t, mask_t, i_h, c + cols, H, Dk)
+        w = mm(T_dt, x, PREC, DT)
+        store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
 
     # (4) Ũ = T diag(b) V. A value tile is checked by the sum of its Ũ tile: only a tile with
     # a non-finite value row (rare) is recomputed with those rows zeroed, lowering first_bad.
@@ -187,7 +180,7 @@ def chunk_prepare_kernel(
             finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
             u = mm(T_dt, b[:, None] * tl.where(finite[:, None], v32, 0.0), PREC, DT)
             first_bad = tl.minimum(first_bad, _first_bad(finite))
-        _store_tile(u_ptr, u, offs_t, mask_t, i_h, c + cols, H, Dv)
+        store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
     tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
 
     if store_t != 0:  # T itself (fp32, [chunk, head, CHUNK, CHUNK]) for the backward
@@ -232,7 +225,7 @@ def launch_prepare(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        TILE=min(PREPARE_TILE, max(16, triton.next_power_of_2(max(Dk, Dv)))),
+        TILE=min(PREPARE_TILE, head_block(max(Dk, Dv))),
         RULE=kernel_id,
         NEG=bool(negative_eigenvalues),
         HAS_BETA=beta is not None,

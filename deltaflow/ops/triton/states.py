@@ -38,7 +38,8 @@ from deltaflow.ops.triton.common import (
 FUSED_BV = 64
 FUSED_BV_FP32 = 32
 FUSED_WARPS = 4
-FUSED_STAGES = 2  # bf16/fp16 operands; fp32 ones take twice the shared memory: one stage
+FUSED_STAGES = 2
+FUSED_STAGES_FP32 = 1  # fp32 operands at D = 256 needed 401 KB of shared memory with 2
 TWO_PASS_BV = 64  # the forward's state pass; 32 crashes in bf16 on Hopper with Triton 3.6
 STATES_WARPS = 4
 STATES_STAGES = 1
@@ -171,7 +172,7 @@ def launch_forward(
         HAS_S0=initial_state is not None,
         PREC=dot_precision(q.dtype),
         num_warps=FUSED_WARPS,
-        num_stages=1 if q.dtype == torch.float32 else FUSED_STAGES,
+        num_stages=FUSED_STAGES_FP32 if q.dtype == torch.float32 else FUSED_STAGES,
     )
 
 
