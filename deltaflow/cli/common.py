@@ -16,6 +16,13 @@ def _kv(text: str) -> str:
     return text
 
 
+def add_kv_flag(parser: Any, flag: str, dest: str, help: str) -> None:
+    """A repeatable ``KEY=VALUE`` flag collected into a list (``--set``, ``--task-arg``)."""
+    parser.add_argument(
+        flag, dest=dest, action="append", type=_kv, default=[], metavar="KEY=VALUE", help=help
+    )
+
+
 def _int_list(text: str) -> list[int]:
     """``512,1024`` -> [512, 1024] (argparse names the flag in its error)."""
     try:

@@ -10,8 +10,8 @@ from pathlib import Path
 from deltaflow.cli import COMMANDS
 from deltaflow.cli.common import (
     _device,
-    _kv,
     _positive_int,
+    add_kv_flag,
     check_out_dir,
 )
 from deltaflow.validation import did_you_mean
@@ -87,14 +87,11 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
         help="number of seeds (0..N-1) for every variant (replaces per-variant seed counts)",
     )
     p.add_argument("--batch-size", type=int, help="override the preset's batch size")
-    p.add_argument(
+    add_kv_flag(
+        p,
         "--set",
-        dest="overrides",
-        action="append",
-        type=_kv,
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a base config field of every run, e.g. "
+        "overrides",
+        "override a base config field of every run, e.g. "
         "model.num_layers=4 or 'eval_kwargs={num_examples: 64}' (repeatable)",
     )
     p.add_argument(

@@ -12,12 +12,12 @@ from deltaflow.cli import COMMANDS
 from deltaflow.cli.common import (
     _device,
     _int_list,
-    _kv,
     _load_trained,
     _positive_int,
     _resolved_device,
     _threads_flag,
     _trust_flag,
+    add_kv_flag,
     check_out_dir,
 )
 
@@ -32,14 +32,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--split", default="valid", choices=["train", "valid", "test"], help="split to evaluate"
     )
-    p.add_argument(
+    add_kv_flag(
+        p,
         "--task-arg",
-        dest="task_args",
-        action="append",
-        type=_kv,
-        default=[],
-        metavar="KEY=VALUE",
-        help="change a task argument, e.g. seq_len=1024",
+        "task_args",
+        "change a task argument, e.g. seq_len=1024",
     )
     p.add_argument(
         "--eval-lengths", type=_int_list, help="comma-separated lengths, e.g. 512,1024,2048"

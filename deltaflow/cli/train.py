@@ -18,9 +18,9 @@ from deltaflow.cli import COMMANDS
 from deltaflow.cli.common import (
     _device,
     _int_list,
-    _kv,
     _threads_flag,
     _vocab_size,
+    add_kv_flag,
     check_out_dir,
 )
 from deltaflow.ops.checks import BACKENDS
@@ -155,28 +155,22 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "model (512 wide, 8 layers) is sized for a GPU.",
     )
     p.add_argument("--config", type=Path, help="YAML file of TrainConfig fields")
-    p.add_argument(
+    add_kv_flag(
+        p,
         "--set",
-        dest="overrides",
-        action="append",
-        type=_kv,
-        default=[],
-        metavar="KEY=VALUE",
-        help="any config field, e.g. lr=3e-4 or model.qk_norm=l2 (repeatable)",
+        "overrides",
+        "any config field, e.g. lr=3e-4 or model.qk_norm=l2 (repeatable)",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config, exit")
     _threads_flag(p)
     groups = {name: p.add_argument_group(title) for name, title in _GROUP_TITLES.items()}
     for flag, f, kwargs in _config_flags():
         groups.get(f.metadata.get("group"), groups["runtime"]).add_argument(flag, **kwargs)
-    groups["task"].add_argument(
+    add_kv_flag(
+        groups["task"],
         "--task-arg",
-        dest="task_args",
-        action="append",
-        type=_kv,
-        default=[],
-        metavar="KEY=VALUE",
-        help="task constructor argument (repeatable)",
+        "task_args",
+        "task constructor argument (repeatable)",
     )
     for flag, (section, key, kwargs) in _SECTION_FLAGS.items():
         group = groups["task" if section == "task_kwargs" else "model"]
