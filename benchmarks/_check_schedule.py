@@ -103,6 +103,11 @@ def compile_phase(
                 continue
             usage[key] = {"seconds": seconds, **res}
     total = sum(u["seconds"] for u in usage.values())
+    slowest = sorted(usage, key=lambda k: -usage[k]["seconds"])[:5]
+    log(
+        "slowest compiles: "
+        + "; ".join(f"{usage[k]['seconds']:.0f} s {k.label()}" for k in slowest)
+    )
     log(
         f"compile phase: {len(usage)}/{len(first)} specializations, {total:.0f} s of compiling "
         f"on {workers} processes, {time.perf_counter() - start:.0f} s of wall time"

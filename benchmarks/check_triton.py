@@ -30,6 +30,7 @@ gradient within FLOOR_MARGIN (1.1) times its floor: bf16 itself reaches that err
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -110,6 +111,39 @@ TRACING = False
 def on(device: str) -> str:
     """Where a case's tensors live: its device, or the CPU while tracing."""
     return "cpu" if TRACING else device
+
+
+# Where a case process spends its time (reported beside each case's result): the seconds of
+# each phase of the case, and Triton compiles it did itself (the compile phase should leave
+# none: a compile here is a specialization the trace missed).
+TIMES: dict[str, float] = {}
+
+
+@contextlib.contextmanager
+def timed(phase: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        TIMES[phase] = TIMES.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _on_compile(*, src, metadata, metadata_group, times, cache_hit) -> None:
+    if not cache_hit:
+        TIMES["compiles"] = TIMES.get("compiles", 0) + 1
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux; 0 elsewhere): a case's start-up cost."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def rel(x, ref):
@@ -195,13 +229,15 @@ def case_op(label, B, T, Dk, Dv, lengths, rule, ne, dt, seed, device):
     kw = {"rule": rule, "negative_eigenvalues": ne, "cu_seqlens": cu}
     # The forward as "auto" chooses it (two-pass at H = 2: fewer programs than multiprocessors),
     # and the fused forward, which large batches take: both kernels, every shape and dtype.
-    o, s, grads = run(x, "triton", grad_dtype=DTYPES[dt], **kw)
-    o_fused = forward(x, "fused", **kw)
+    with timed("kernels"):
+        o, s, grads = run(x, "triton", grad_dtype=DTYPES[dt], **kw)
+        o_fused = forward(x, "fused", **kw)
     if TRACING:
         return []
-    o_ref, s_ref, g_ref = run(x, "torch", dtype=torch.float64, grad_dtype=DTYPES[dt], **kw)
+    with timed("reference"):
+        o_ref, s_ref, g_ref = run(x, "torch", dtype=torch.float64, grad_dtype=DTYPES[dt], **kw)
     if T <= 1000:  # the chunked float64 reference against the token loop
-        with torch.no_grad():
+        with torch.no_grad(), timed("token loop"):
             o_naive, s_naive = delta_rule(
                 **{n: t.double() for n, t in x.items()},
                 output_final_state=True,
@@ -213,9 +249,10 @@ def case_op(label, B, T, Dk, Dv, lengths, rule, ne, dt, seed, device):
     errs.update({f"d{n}": rel(grads[n], g_ref[n]) for n in NAMES})
     ok = worst(errs) <= TOL[dt]
     if dt == "bf16" and not ok:  # over tolerance: how far does bf16 itself get on these inputs?
-        errs["bf16 floor"], ok = bf16_floor(
-            x, errs, g_ref, output_grads(o_ref, s_ref, DTYPES[dt]), TOL[dt], **kw
-        )
+        with timed("floor"):
+            errs["bf16 floor"], ok = bf16_floor(
+                x, errs, g_ref, output_grads(o_ref, s_ref, DTYPES[dt]), TOL[dt], **kw
+            )
     return [(label, rule, ne, dt, errs, ok, "")]
 
 
@@ -421,14 +458,21 @@ def _init_worker(smoke: bool, bwd_states_fp32: bool = False) -> None:
         smoke_env()
     # a dozen processes share one GPU: allocate in growable segments, hold no spare blocks
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # as many processes as cores: one CPU thread each (spinning thread pools oversubscribe)
+    torch.set_num_threads(1)
     torch.backends.cuda.matmul.allow_tf32 = False
     from deltaflow.ops import triton_backend
 
     triton_backend.POISON_OUTPUTS = True
     triton_backend.BACKWARD_STATES_FP32 = bwd_states_fp32
+    import triton
+
+    triton.knobs.compilation.listener = _on_compile
 
 
 def run_case(kind: str, args: tuple):
+    TIMES.clear()
+    TIMES["start-up"] = process_age()
     start = time.perf_counter()
     try:
         rows = CASES[kind](*args)
@@ -437,7 +481,7 @@ def run_case(kind: str, args: tuple):
         rows = [(f"{kind} {args[:1]}", "-", False, "-", {}, False, error)]
     if torch.cuda.is_available():  # many workers share one GPU: keep no cached blocks
         torch.cuda.empty_cache()
-    return rows, time.perf_counter() - start
+    return rows, time.perf_counter() - start, dict(TIMES)
 
 
 def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]:
@@ -604,13 +648,16 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def on_result(result) -> None:
-        case_rows, seconds = result
+        case_rows, seconds, times = result
         rows.extend(case_rows)
+        spent = ", ".join(
+            f"{k} {v:.1f}s" if k != "compiles" else f"{k} {v}" for k, v in times.items()
+        )
         for label, rule, ne, dt, errs, ok, note in case_rows:
             errors = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
             print(
                 f"{'ok  ' if ok else 'FAIL'} {seconds:5.1f}s {label} {rule} ne={ne} {dt} "
-                f"{errors} {note}",
+                f"{errors} {note} [{spent}]",
                 flush=True,
             )
 

@@ -64,7 +64,7 @@ SCRIPTS = [
     # sm_90 compile of one small kernel on the CPU (the plan traced, the decode kernel compiled)
     Script(
         "benchmarks/compile_cost.py",
-        ("--only", "decode_kernel,RULE=1 ,Dv=64 "),
+        ("--only", "decode_kernel,Dv=64 "),
         "compile_cost: ",
         True,
     ),

@@ -37,14 +37,15 @@ EPS = 1e-6
 N = 128  # grid points, padded (a power of two for tl.arange)
 
 
-@triton.jit
-def _table_kernel(beta_ptr, lam_ptr, out_ptr, eps, N: tl.constexpr, RULE: tl.constexpr):
-    """The rule table's six values at N (β, λ) points: a, b and the four derivatives."""
+@triton.jit(do_not_specialize=["rule"])
+def _table_kernel(beta_ptr, lam_ptr, out_ptr, eps, rule, N: tl.constexpr):
+    """The rule table's six values at N (β, λ) points: a, b and the four derivatives, with the
+    kernel id a runtime argument as the op's kernels pass it."""
     offs = tl.arange(0, N)
     beta = tl.load(beta_ptr + offs)
     lam = tl.load(lam_ptr + offs)
-    a, b = rule_table.strengths(beta, lam, eps, RULE, False)
-    da_dbeta, da_dlam, db_dbeta, db_dlam = rule_table.derivatives(beta, lam, eps, RULE, False)
+    a, b = rule_table.strengths(beta, lam, eps, rule, 0)
+    da_dbeta, da_dlam, db_dbeta, db_dlam = rule_table.derivatives(beta, lam, eps, rule, 0)
     tl.store(out_ptr + offs, a)
     tl.store(out_ptr + N + offs, b)
     tl.store(out_ptr + 2 * N + offs, da_dbeta)
@@ -68,7 +69,7 @@ def table_values(kernel_id: int) -> torch.Tensor:
     """[6, N]: a, b, ∂a/∂β, ∂a/∂λ, ∂b/∂β, ∂b/∂λ from the rule table (float32)."""
     beta, lam = (x.to(DEVICE) for x in grid())
     out = torch.empty(6 * N, device=DEVICE)
-    _table_kernel[(1,)](beta_ptr=beta, lam_ptr=lam, out_ptr=out, eps=EPS, N=N, RULE=kernel_id)
+    _table_kernel[(1,)](beta_ptr=beta, lam_ptr=lam, out_ptr=out, eps=EPS, rule=kernel_id, N=N)
     return out.view(6, N).cpu().double()
 
 
@@ -126,9 +127,8 @@ def test_a_forgotten_id_fails_loudly():
         delta_rule(**x, rule=orphan, backend="triton")
     with pytest.raises(ValueError, match="kernel_id 99"):
         triton_backend.kernel_id_of(orphan)
-    # past the host check, the kernel itself refuses to compile (no fall-through entry)
-    with pytest.raises(Exception, match="no entry for this kernel_id"):
-        table_values(99)
+    # past the host check, the table gives NaN for it: no fall-through to another rule's entry
+    assert table_values(99).isnan().all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,11 +157,11 @@ def _damped_delta(beta, lam, eps):
 
 
 @triton.jit
-def _table_with_damped_delta(beta, lam, eps, RULE: tl.constexpr):
-    if RULE == DAMPED_ID:
+def _table_with_damped_delta(beta, lam, eps, rule):
+    if rule == DAMPED_ID:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _damped_delta(beta, lam, eps)
     else:
-        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _builtin_table(beta, lam, eps, RULE)
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _builtin_table(beta, lam, eps, rule)
     return a, b, da_dbeta, da_dlam, db_dbeta, db_dlam
 
 

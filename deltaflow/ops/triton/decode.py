@@ -16,7 +16,7 @@ DECODE_BV = 32
 DECODE_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
 def decode_kernel(
     q_ptr,
     k_ptr,
@@ -27,14 +27,14 @@ def decode_kernel(
     o_ptr,
     scale,
     eps,
+    rule,
+    neg,
     T,
     H: tl.constexpr,
     Dk: tl.constexpr,
     Dv: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    RULE: tl.constexpr,
-    NEG: tl.constexpr,
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
 ):
@@ -59,7 +59,7 @@ def decode_kernel(
         else:
             b_beta = 1.0
         lam = tl.sum(b_k * b_k, axis=0)
-        a, b = rule_table.strengths(b_beta, lam, eps, RULE, NEG)
+        a, b = rule_table.strengths(b_beta, lam, eps, rule, neg)
         kS = tl.sum(b_k[:, None] * S, axis=0)  # prediction kᵀS
         # (1) S_t = α_t (S − a k (kᵀS)) + b k vᵀ
         S = S - a * b_k[:, None] * kS[None, :]
@@ -106,8 +106,8 @@ def launch_decode(
         Dv=Dv,
         BK=head_block(Dk),
         BV=BV,
-        RULE=kernel_id,
-        NEG=bool(negative_eigenvalues),
+        rule=kernel_id,
+        neg=int(negative_eigenvalues),
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         num_warps=DECODE_WARPS,

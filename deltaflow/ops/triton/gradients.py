@@ -51,7 +51,7 @@ def _load_t_transposed(t_ptr, c, i_h, H):
 
 @triton.jit
 def _chunk_keys(
-    q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+    q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
 ):
     """What both gradient kernels load for a chunk: q, k, β, λ = ‖k‖², a, b (0 past eos), γ."""
     rows = tl.arange(0, CHUNK)
@@ -63,13 +63,13 @@ def _chunk_keys(
     b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
     k32 = b_k.to(tl.float32)
     lam = tl.sum(k32 * k32, axis=1)
-    a, b = rule_table.strengths(b_beta, lam, eps, RULE, NEG)
+    a, b = rule_table.strengths(b_beta, lam, eps, rule, neg)
     a = tl.where(mask_t, a, 0.0)
     b = tl.where(mask_t, b, 0.0)
     return b_q, b_k, b_beta, lam, a, b, tl.cumsum(b_g, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
 def chunk_grads_v_kernel(
     q_ptr,
     k_ptr,
@@ -87,13 +87,13 @@ def chunk_grads_v_kernel(
     chunk_indices_ptr,
     scale,
     eps,
+    rule,
+    neg,
     H: tl.constexpr,
     Dk: tl.constexpr,
     Dv: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    RULE: tl.constexpr,
-    NEG: tl.constexpr,
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
@@ -112,7 +112,7 @@ def chunk_grads_v_kernel(
     # The write strength b first; q, k and the rest are loaded again after the loop (from L2)
     # rather than kept in registers across it.
     _, _, _, _, _, b, _ = _chunk_keys(
-        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
     T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
 
@@ -138,7 +138,7 @@ def chunk_grads_v_kernel(
         )
 
     b_q, b_k, _, _, a, _, gamma = _chunk_keys(
-        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
     decay = decay_matrix(gamma)
     QK = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
@@ -159,7 +159,7 @@ def chunk_grads_v_kernel(
     tl.store(r_ptr + 2 * CHUNK + r_offs, db)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rule", "neg"])
 def chunk_grads_k_kernel(
     q_ptr,
     k_ptr,
@@ -181,13 +181,13 @@ def chunk_grads_k_kernel(
     chunk_indices_ptr,
     scale,
     eps,
+    rule,
+    neg,
     H: tl.constexpr,
     Dk: tl.constexpr,
     Dv: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    RULE: tl.constexpr,
-    NEG: tl.constexpr,
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
@@ -228,8 +228,10 @@ def chunk_grads_k_kernel(
         gs += G.to(tl.float32) * S0.to(tl.float32)
 
     b_q, b_k, b_beta, lam, a, b, gamma = _chunk_keys(
-        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, RULE, NEG, HAS_BETA, HAS_DECAY
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
+    # the rule's derivatives while few registers are live (the rule is a runtime branch)
+    da_dbeta, da_dlam, db_dbeta, db_dlam = rule_table.derivatives(b_beta, lam, eps, rule, neg)
     Gamma = tl.exp(gamma)
     gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
     to_end = tl.exp(gamma_last - gamma)
@@ -259,7 +261,6 @@ def chunk_grads_k_kernel(
     d_log_alpha = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
 
     # The rule: a(β, λ), b(β, λ) with λ = ‖k‖², so dk += 2 dλ k
-    da_dbeta, da_dlam, db_dbeta, db_dlam = rule_table.derivatives(b_beta, lam, eps, RULE, NEG)
     dk += (2.0 * (da * da_dlam + db * db_dlam))[:, None] * k32
 
     k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
@@ -318,8 +319,8 @@ def launch_gradients(
         Dv=Dv,
         BK=head_block(Dk),
         BV=min(head_block(Dv), GRADS_BV_FP32 if fp32 else GRADS_BV),
-        RULE=kernel_id,
-        NEG=bool(negative_eigenvalues),
+        rule=kernel_id,
+        neg=int(negative_eigenvalues),
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(q.dtype),

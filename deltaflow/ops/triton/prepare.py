@@ -97,9 +97,10 @@ def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
     return D - mm(M, D - mm(M, D - mm(M, D, PREC, F32), PREC, F32), PREC, F32)
 
 
-# store_t is a runtime flag, not a compile-time one: forward and backward share one compiled
-# kernel (it halved check_triton's prepare specializations, 88% of its compile work).
-@triton.jit(do_not_specialize=["store_t"])
+# store_t, the rule's kernel id and the negative-eigenvalue flag are runtime arguments, not
+# compile-time ones: forward and backward, and every rule, share one compiled kernel per head
+# size and dtype (check_triton's compile work, benchmarks/NOTES.md issue 30).
+@triton.jit(do_not_specialize=["store_t", "rule", "neg"])
 def chunk_prepare_kernel(
     k_ptr,
     v_ptr,
@@ -112,13 +113,13 @@ def chunk_prepare_kernel(
     cu_seqlens_ptr,
     chunk_indices_ptr,
     eps,
+    rule,
+    neg,
     store_t,
     H: tl.constexpr,
     Dk: tl.constexpr,
     Dv: tl.constexpr,
     TILE: tl.constexpr,
-    RULE: tl.constexpr,
-    NEG: tl.constexpr,
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
@@ -146,7 +147,7 @@ def chunk_prepare_kernel(
         kk += tl.dot(b_k.to(DT), tl.trans(b_k.to(DT)), input_precision=PREC)
 
     b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
-    a, b = rule_table.strengths(b_beta, lam, eps, RULE, NEG)
+    a, b = rule_table.strengths(b_beta, lam, eps, rule, neg)
     # Non-finite inputs (docs/design.md §8): a token whose key, β, strengths or log α is not
     # finite (x·0 is NaN unless x is finite) takes no part in any product; the later stages
     # make the outputs NaN from the chunk's first such token on.
@@ -226,8 +227,8 @@ def launch_prepare(
         Dk=Dk,
         Dv=Dv,
         TILE=min(PREPARE_TILE, head_block(max(Dk, Dv))),
-        RULE=kernel_id,
-        NEG=bool(negative_eigenvalues),
+        rule=kernel_id,
+        neg=int(negative_eigenvalues),
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(k.dtype),

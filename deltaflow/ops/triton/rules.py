@@ -4,8 +4,9 @@ one place, selected by the ``kernel_id`` its :class:`~deltaflow.rules.StepRule` 
 Each entry computes, elementwise from ``β``, ``λ = ‖k‖²`` and ``ε``, the erase and write
 strengths ``(a, b)`` of ``deltaflow/rules.py`` and their four partial derivatives (the fused
 backward's dβ and dλ, docs/design.md §7). The kernels call :func:`strengths` and
-:func:`derivatives`; an id without an entry stops compilation with a ``static_assert`` (and
-:func:`check_kernel_id` refuses it before launch), so a forgotten rule can never run another.
+:func:`derivatives` with the id as a runtime argument: one compiled kernel per head size and
+dtype serves every rule. An id without an entry gives NaN, and :func:`check_kernel_id` refuses
+it before any launch, so a forgotten rule can never run another.
 
 Adding a built-in rule: its :class:`StepRule` in ``deltaflow/rules.py`` (with a new
 ``kernel_id``), its entry here (a function and a branch in :func:`_table`), and tests
@@ -147,44 +148,48 @@ def _relaxed_kaczmarz(beta, lam, eps):
 
 
 @triton.jit
-def _table(beta, lam, eps, RULE: tl.constexpr):
-    """The entry of kernel id RULE. A constexpr if-chain: only the selected branch is compiled,
-    and an id with no entry fails compilation."""
-    if RULE == LINEAR:
+def _table(beta, lam, eps, rule):
+    """The entry of kernel id ``rule``: a runtime argument of the kernels, so that one compiled
+    kernel serves every rule (a chain of uniform branches, a few instructions per chunk; one
+    compile per rule made check_triton's compile phase 7x longer), or a constexpr (then only
+    the selected branch is compiled). An id with no entry gives NaN; check_kernel_id refuses
+    it before any launch."""
+    if rule == LINEAR:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _linear(beta, lam, eps)
-    elif RULE == DELTA:
+    elif rule == DELTA:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _delta(beta, lam, eps)
-    elif RULE == EFLA:
+    elif rule == EFLA:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _efla(beta, lam, eps)
-    elif RULE == LONGHORN:
+    elif rule == LONGHORN:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _longhorn(beta, lam, eps)
-    elif RULE == TRAPEZOID:
+    elif rule == TRAPEZOID:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _trapezoid(beta, lam, eps)
-    elif RULE == KACZMARZ:
+    elif rule == KACZMARZ:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _kaczmarz(beta, lam, eps)
-    elif RULE == RELAXED_KACZMARZ:
+    elif rule == RELAXED_KACZMARZ:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _relaxed_kaczmarz(beta, lam, eps)
     else:
-        tl.static_assert(False, "no entry for this kernel_id in deltaflow/ops/triton/rules.py")
+        nan = lam * 0.0 + float("nan")
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = nan, nan, nan, nan, nan, nan
     return a, b, da_dbeta, da_dlam, db_dbeta, db_dlam
 
 
 @triton.jit
-def strengths(beta, lam, eps, RULE: tl.constexpr, NEG: tl.constexpr):
-    """Erase and write strengths (a, b) of rule RULE, elementwise. NEG (negative eigenvalues):
-    both doubled, μ → 2μ − 1."""
-    a, b, _, _, _, _ = _table(beta, lam, eps, RULE)
-    if NEG:
+def strengths(beta, lam, eps, rule, neg):
+    """Erase and write strengths (a, b) of kernel id ``rule``, elementwise. ``neg`` (nonzero:
+    negative eigenvalues): both doubled, μ → 2μ − 1. Both runtime values or constexprs."""
+    a, b, _, _, _, _ = _table(beta, lam, eps, rule)
+    if neg != 0:
         a = 2.0 * a
         b = 2.0 * b
     return a, b
 
 
 @triton.jit
-def derivatives(beta, lam, eps, RULE: tl.constexpr, NEG: tl.constexpr):
+def derivatives(beta, lam, eps, rule, neg):
     """∂a/∂β, ∂a/∂λ, ∂b/∂β, ∂b/∂λ of :func:`strengths`, elementwise."""
-    _, _, da_dbeta, da_dlam, db_dbeta, db_dlam = _table(beta, lam, eps, RULE)
-    if NEG:
+    _, _, da_dbeta, da_dlam, db_dbeta, db_dlam = _table(beta, lam, eps, rule)
+    if neg != 0:
         da_dbeta, da_dlam = 2.0 * da_dbeta, 2.0 * da_dlam
         db_dbeta, db_dlam = 2.0 * db_dbeta, 2.0 * db_dlam
     return da_dbeta, da_dlam, db_dbeta, db_dlam
