@@ -14,12 +14,13 @@ Every kernel output is poisoned (NaN, or the most negative integer) before each 
 the decode kernel (in place, and under CUDA-graph capture), causality with a NaN/inf planted in
 k, v or beta (earlier outputs bit-identical, every rule), and torch.compile(fullgraph=True).
 
-Compilation dominates the wall time (each rule × dtype × head size × flags compiles its own
-kernels), so it runs first and alone (_check_schedule.py): every kernel specialization of the
-plan, found by tracing each case's launches on CPU tensors (``--plan`` prints them), compiled
-once on ``--compile-workers`` processes into Triton's disk cache; then every case runs in a
-fresh process, as many at once as ``--workers`` and the GPU-memory budget allow. Each case uses
-H = 2 so that shapes differing only in T reuse a compiled kernel.
+Compiling (each dtype × head size × flags compiles its own kernels; the rule is a runtime
+argument) runs first and alone (_check_schedule.py): every kernel specialization of the plan,
+found by tracing each case's launches on CPU tensors (``--plan`` prints them), compiled once on
+``--compile-workers`` processes into Triton's disk cache. Then the cases run in batches of one
+shape and dtype (``--batch``), each batch in a fresh process, as many at once as ``--workers``
+and the GPU-memory budget allow. Each case uses H = 2 so that shapes differing only in T reuse
+a compiled kernel. Each case's log line says where its time went.
 Where a bf16 case is over tolerance, its gradients are recomputed in float64 with the roundings
 any bf16 implementation does (``benchmarks/bf16_floor.py``'s FLOOR: bf16 storage of what fla
 stores in bf16 too) on the same inputs: the ``bf16 floor`` column, that recompute's error of the
@@ -38,6 +39,7 @@ from pathlib import Path
 
 from _check_schedule import (
     BASE_GB,
+    batches,
     case_memory_gb,
     compile_phase,
     describe,
@@ -130,9 +132,12 @@ def timed(phase: str):
         TIMES[phase] = TIMES.get(phase, 0.0) + time.perf_counter() - start
 
 
+COMPILED: list[str] = []  # kernels a case compiled itself, named in its log line
+
+
 def _on_compile(*, src, metadata, metadata_group, times, cache_hit) -> None:
     if not cache_hit:
-        TIMES["compiles"] = TIMES.get("compiles", 0) + 1
+        COMPILED.append(getattr(src, "name", "?"))
 
 
 def process_age() -> float:
@@ -472,7 +477,7 @@ def _init_worker(smoke: bool, bwd_states_fp32: bool = False) -> None:
 
 def run_case(kind: str, args: tuple):
     TIMES.clear()
-    TIMES["start-up"] = process_age()
+    COMPILED.clear()
     start = time.perf_counter()
     try:
         rows = CASES[kind](*args)
@@ -481,7 +486,25 @@ def run_case(kind: str, args: tuple):
         rows = [(f"{kind} {args[:1]}", "-", False, "-", {}, False, error)]
     if torch.cuda.is_available():  # many workers share one GPU: keep no cached blocks
         torch.cuda.empty_cache()
+    if COMPILED:
+        TIMES["compiled"] = ",".join(COMPILED)
     return rows, time.perf_counter() - start, dict(TIMES)
+
+
+def run_batch(*cases: tuple[str, tuple]) -> list:
+    """:func:`run_case` for each case, in this one process; the first result also says how
+    long the process took to start."""
+    age = process_age()
+    results = [run_case(*case) for case in cases]
+    results[0][2]["start-up"] = age
+    return results
+
+
+def batch_group(case: tuple[str, tuple]):
+    """Cases that launch the same kernels (the rule is a runtime argument): an op shape in one
+    dtype; each other kind."""
+    kind, args = case
+    return (kind, args[0], args[8]) if kind == "op" else kind
 
 
 def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]:
@@ -572,6 +595,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="GB the case processes may hold at once (default: 85%% of the GPU's memory)",
     )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=4,
+        help="cases per process, of one shape and dtype (their kernels load once)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
     parser.add_argument(
         "--plan",
@@ -598,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
         help="dtype of the backward's stored states (triton_backend.BACKWARD_STATES_FP32)",
     )
     args = parser.parse_args(argv)
-    for flag in ("workers", "compile_workers"):
+    for flag in ("workers", "compile_workers", "batch"):
         if getattr(args, flag) < 1:
             parser.error(
                 f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}"
@@ -647,24 +676,34 @@ def main(argv: list[str] | None = None) -> int:
             f"run phase: {heavy} cases predicted over {BASE_GB + 1:.0f} GB; budget {budget:.0f} GB"
         )
 
-    def on_result(result) -> None:
-        case_rows, seconds, times = result
-        rows.extend(case_rows)
-        spent = ", ".join(
-            f"{k} {v:.1f}s" if k != "compiles" else f"{k} {v}" for k, v in times.items()
-        )
-        for label, rule, ne, dt, errs, ok, note in case_rows:
-            errors = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
-            print(
-                f"{'ok  ' if ok else 'FAIL'} {seconds:5.1f}s {label} {rule} ne={ne} {dt} "
-                f"{errors} {note} [{spent}]",
-                flush=True,
+    def on_result(results) -> None:
+        for case_rows, seconds, times in results:
+            rows.extend(case_rows)
+            spent = ", ".join(
+                f"{k} {v:.1f}s" if isinstance(v, float) else f"{k} {v}" for k, v in times.items()
             )
+            for label, rule, ne, dt, errs, ok, note in case_rows:
+                errors = " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+                print(
+                    f"{'ok  ' if ok else 'FAIL'} {seconds:5.1f}s {label} {rule} ne={ne} {dt} "
+                    f"{errors} {note} [{spent}]",
+                    flush=True,
+                )
 
-    # A fresh process per case: the driver keeps each process's local-memory reservation at its
-    # largest kernel's until the process ends (_check_schedule.py).
+    # A fresh process per batch (cases sharing their kernels): the driver keeps each process's
+    # local-memory reservation at its largest kernel's until the process ends
+    # (_check_schedule.py); a batch is charged its largest case's memory.
+    groups = batches(cases, batch_group, args.batch)
     run_phase(
-        cases, memory, budget, run_case, args.workers, ctx, _init_worker, init_args, on_result
+        [tuple(cases[i] for i in g) for g in groups],
+        [max(memory[i] for i in g) for g in groups],
+        budget,
+        run_batch,
+        args.workers,
+        ctx,
+        _init_worker,
+        init_args,
+        on_result,
     )
     text, all_ok = report(rows, name, time.perf_counter() - start, args.workers, args.smoke)
     print(text)

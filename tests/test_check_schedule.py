@@ -66,3 +66,10 @@ def test_a_case_larger_than_the_budget_runs_alone() -> None:
     start, end = spans[0]
     assert sorted(spans) == [0, 1, 2]
     assert all(e <= start or s >= end for i, (s, e) in spans.items() if i != 0)
+
+
+def test_batches_keep_a_group_together_up_to_the_size_in_first_appearance_order():
+    cases = ["a1", "b1", "a2", "a3", "c1", "b2", "a4", "a5"]
+    groups = schedule.batches(cases, lambda c: c[0], 2)
+    assert groups == [[0, 2], [3, 6], [7], [1, 5], [4]]
+    assert sorted(i for g in groups for i in g) == list(range(len(cases)))
