@@ -136,8 +136,14 @@ COMPILED: list[str] = []  # kernels a case compiled itself, named in its log lin
 
 
 def _on_compile(*, src, metadata, metadata_group, times, cache_hit) -> None:
-    if not cache_hit:
-        COMPILED.append(getattr(src, "name", "?"))
+    """Name a kernel compiled outside the compile phase, and its pointers Triton did not find
+    16-byte aligned (the specialization detail most likely to differ from the trace's)."""
+    if cache_hit:
+        return
+    sig, attrs = getattr(src, "signature", {}), getattr(src, "attrs", {})
+    aligned = {i for (i, *_), v in attrs.items() if any(a[0] == "tt.divisibility" for a in v)}
+    odd = [n for i, (n, t) in enumerate(sig.items()) if str(t).startswith("*") and i not in aligned]
+    COMPILED.append(f"{getattr(src, 'name', '?')}(unaligned: {' '.join(odd) or 'none'})")
 
 
 def process_age() -> float:
