@@ -607,6 +607,13 @@ def main(argv: list[str] | None = None) -> int:
         default=4,
         help="cases per process, of one shape and dtype (their kernels load once)",
     )
+    parser.add_argument(
+        "--run-after",
+        default=None,
+        metavar="FILE",
+        help="start the run phase (the GPU part) only once FILE exists; the compile phase "
+        "(CPU only) does not wait (gpu_check.sh: fla autotunes on a quiet GPU meanwhile)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
     parser.add_argument(
         "--plan",
@@ -677,6 +684,11 @@ def main(argv: list[str] | None = None) -> int:
         threads = props.multi_processor_count * props.max_threads_per_multi_processor
         memory = [case_memory_gb(case_keys, usage, threads) for case_keys in keys]
         budget = args.gpu_memory or 0.85 * props.total_memory / 1e9
+        if args.run_after:  # the GPU is someone else's until then (gpu_check.sh: fla's tuning)
+            waited = time.perf_counter()
+            while not Path(args.run_after).exists():
+                time.sleep(1)
+            print(f"run phase: waited {time.perf_counter() - waited:.0f} s for {args.run_after}")
         heavy = sum(m > BASE_GB + 1 for m in memory)
         print(
             f"run phase: {heavy} cases predicted over {BASE_GB + 1:.0f} GB; budget {budget:.0f} GB"
