@@ -684,11 +684,6 @@ def main(argv: list[str] | None = None) -> int:
         threads = props.multi_processor_count * props.max_threads_per_multi_processor
         memory = [case_memory_gb(case_keys, usage, threads) for case_keys in keys]
         budget = args.gpu_memory or 0.85 * props.total_memory / 1e9
-        if args.run_after:  # the GPU is someone else's until then (gpu_check.sh: fla's tuning)
-            waited = time.perf_counter()
-            while not Path(args.run_after).exists():
-                time.sleep(1)
-            print(f"run phase: waited {time.perf_counter() - waited:.0f} s for {args.run_after}")
         heavy = sum(m > BASE_GB + 1 for m in memory)
         print(
             f"run phase: {heavy} cases predicted over {BASE_GB + 1:.0f} GB; budget {budget:.0f} GB"
@@ -708,6 +703,11 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
 
+    if args.run_after:  # the GPU is someone else's until then (gpu_check.sh: fla's tuning)
+        waited = time.perf_counter()
+        while not Path(args.run_after).exists():
+            time.sleep(1)
+        print(f"run phase: waited {time.perf_counter() - waited:.0f} s for {args.run_after}")
     # A fresh process per batch (cases sharing their kernels): the driver keeps each process's
     # local-memory reservation at its largest kernel's until the process ends
     # (_check_schedule.py); a batch is charged its largest case's memory.
