@@ -28,14 +28,19 @@ from deltaflow.rules import StepRule, get_rule
 try:
     import triton
 
+    from deltaflow.ops.triton import (
+        pin_cache_keys,
+        states,  # launch settings read at call time (sweepable)
+    )
     from deltaflow.ops.triton import rules as rule_table
-    from deltaflow.ops.triton import states  # launch settings read at call time (sweepable)
     from deltaflow.ops.triton.common import CHUNK, ChunkTables, chunk_tables
     from deltaflow.ops.triton.decode import launch_decode
     from deltaflow.ops.triton.gradients import launch_gradients
     from deltaflow.ops.triton.outputs import launch_outputs
     from deltaflow.ops.triton.prepare import launch_prepare
     from deltaflow.ops.triton.states import launch_dstates, launch_forward, launch_states
+
+    pin_cache_keys()  # one cache key per kernel in every process (pin_cache_keys says why)
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
