@@ -314,7 +314,8 @@ def emulate(
         seq["initial_state"] = x64["initial_state"][i]
         do = grad_o.double()[row, start:end].transpose(0, 1)
         n_chunks = -(-(end - start) // C)
-        mine = {n: t[chunk : chunk + n_chunks] for n, t in given.items()}
+        # (an empty sequence: no chunk in the kernels, one of padding in the emulation)
+        mine = {n: t[chunk : chunk + n_chunks] for n, t in given.items() if n_chunks}
         chunk += n_chunks
         ds = grad_state.double()[i]
         out = _sequence(seq, do, ds, rule, negative_eigenvalues, rounding, scale, eps, mine)
