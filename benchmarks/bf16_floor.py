@@ -70,10 +70,13 @@ KNOBS = {
     "S0_dot": "S_0 cast to bf16 for dO S_0ᵀ and dX (matters when h is stored in fp32)",
     "G_dot": "G cast to bf16 for U Gᵀ (matters when dh is stored in fp32)",
     "M": "M_P, M_A (the C×C scratch between the two gradient kernels) in bf16",
+    "TdU_tf32": "candidate: dA = −Tᵀ(dU Uᵀ), dX = −Tᵀ(dU S_0ᵀ), tf32 operands (no dY cast)",
 }
+# Knobs that round to tf32 (the others: to the dot dtype)
+TF32_KNOBS = ("T_tf32", "TdU_tf32")
 # What the Triton kernels round now: every knob but the two decayed keys, which the state pass
 # and the reverse pass no longer form (the decay scales U's rows, and dU's rows after K G).
-TRITON = tuple(k for k in KNOBS if k not in ("fwd_K", "rev_K"))
+TRITON = tuple(k for k in KNOBS if k not in ("fwd_K", "rev_K", "TdU_tf32"))
 # What any bf16 implementation rounds, the "bf16 floor": the values a kernel stores between
 # launches (fla stores W, Ũ, its A = T, h, v_new, dh and dv2 in bf16 too) and the state passes'
 # dot operands (fla's too: the state in v_new = u − w h, v_new and dh for the k products, its
@@ -95,6 +98,11 @@ def split(x: Tensor, low: torch.dtype = torch.bfloat16) -> Tensor:
     """x as a dot sees it split into two ``low`` parts, hi + lo (~16 significant bits in bf16)."""
     hi = bf16(x, low)
     return hi + bf16(x - hi, low)
+
+
+def fp32(x: Tensor, low: torch.dtype = torch.bfloat16) -> Tensor:
+    """x rounded to fp32 (what the Triton interpreter's dots compute, whatever their precision)."""
+    return x.float().to(x.dtype)
 
 
 def tf32(x: Tensor, low: torch.dtype = torch.bfloat16) -> Tensor:
@@ -203,7 +211,11 @@ def _sequence(x: dict, do: Tensor, ds: Tensor, rule, ne, knobs, scale, eps, give
     dY = T_t @ dU
     dYb = r("dY_dot", dY)
     dP = scale * (do @ U.mT)
-    dA = (-(dYb @ U.mT)).masked_fill(~strict, 0)
+    if "TdU_tf32" in knobs:  # the candidate: Tᵀ times products of stored values, in tf32
+        dA = -(r("TdU_tf32", T).mT @ r("TdU_tf32", dU @ U.mT))
+    else:
+        dA = -(dYb @ U.mT)
+    dA = dA.masked_fill(~strict, 0)
     db = (dY * v).sum(-1)
     dv = b[..., None] * dY
     da = (dA * Dm * KK).sum(-1)
@@ -220,7 +232,10 @@ def _sequence(x: dict, do: Tensor, ds: Tensor, rule, ne, knobs, scale, eps, give
     S0 = r("S0_dot", h)
     dQS = do @ S0.mT
     dKte = U @ r("G_dot", dh).mT
-    dX = -(dYb @ S0.mT)
+    if "TdU_tf32" in knobs:
+        dX = -(r("TdU_tf32", T).mT @ r("TdU_tf32", dU @ S0.mT))
+    else:
+        dX = -(dYb @ S0.mT)
     dq = scale * Gamma[..., None] * dQS + M_P @ k
     dk = M_P.mT @ q + to_end[..., None] * dKte + M_A @ k + M_A.mT @ k
     t = (dKte * k * to_end[..., None]).sum(-1)
@@ -291,13 +306,14 @@ def emulate(
     rounding = {}
     for knob in knobs:
         name, _, fmt = knob.partition("=")
-        if name not in KNOBS or fmt not in ("", "bf16", "tf32", "split"):
+        if name not in KNOBS or fmt not in ("", "bf16", "tf32", "split", "fp32"):
             raise ValueError(
-                f"knobs: each must be a name of KNOBS {sorted(KNOBS)}, optionally '=tf32' or "
-                f"'=split' (rounded to tf32, or to a bf16 hi + lo pair, instead), got {knob!r}"
+                f"knobs: each must be a name of KNOBS {sorted(KNOBS)}, optionally '=tf32', "
+                f"'=split' or '=fp32' (rounded to tf32, to a bf16 hi + lo pair, or to fp32 "
+                f"instead), got {knob!r}"
             )
-        fmt = "tf32" if name == "T_tf32" else fmt or "bf16"
-        fn = {"bf16": bf16, "tf32": tf32, "split": split}[fmt]
+        fmt = fmt or ("tf32" if name in TF32_KNOBS else "bf16")
+        fn = {"bf16": bf16, "tf32": tf32, "split": split, "fp32": fp32}[fmt]
         rounding[name] = functools.partial(fn, low=low)
     x64 = {name: t.detach().double() for name, t in x.items()}
     B, T, H, Dk = x64["q"].shape
@@ -389,12 +405,17 @@ CASES = [
     ("T=65", "relaxed_kaczmarz"),
 ]
 # Triton variants: launch-setting flags set for one run (name -> {"module.FLAG": value}, the
-# module under deltaflow.ops). A diagnostic, not a fix: W and Ũ from fp32 operands (tf32)
-# instead of bf16 ones (the emulation's T_W, X and Y roundings gone). (The backward's states in
-# fp32, triton_backend.BACKWARD_STATES_FP32, moved none of these cases: session 12, call 5.)
+# module under deltaflow.ops). Diagnostics and candidates: W and Ũ from fp32 operands (tf32)
+# instead of bf16 ones (the emulation's T_W, X and Y roundings gone); T's off-diagonal products
+# fp32-accurate (tf32x3: T_tf32 gone); the gradient kernels' products with T on T as stored
+# (fp32, tf32 dots), reassociated (T_dot, dY_dot gone: "emu: triton, T fp32 reassociated").
+# (The backward's states in fp32, triton_backend.BACKWARD_STATES_FP32, moved none of these
+# cases: session 12, call 5.)
 FLAGS = {
     "triton": {},
     "triton, prepare W Ũ tf32": {"triton.prepare.PREPARE_LOW_PRECISION_DOTS": False},
+    "triton, T tf32x3": {"triton.prepare.PREPARE_T_PRECISION": "tf32x3"},
+    "triton, T fp32 reassociated": {"triton.gradients.GRADS_T_FP32": True},
 }
 # The buffers the kernels store, in the order the backward forms them: the "emu on the kernels'
 # buffers" rows replace the emulation's own with the kernels' one stage more at a time, so the
@@ -406,12 +427,16 @@ def _emulations() -> dict[str, tuple[str, ...]]:
     """Emulation variants: the kernels, the floor, each knob alone, candidate fixes."""
     keep_fp32 = tuple(k for k in TRITON if k not in ("h", "dh"))
     split = tuple(f"{k}=split" if k in ("rev_G", "dU", "dY_dot") else k for k in TRITON)
+    t_fp32 = tuple("T_dot=tf32" if k == "T_dot" else k for k in TRITON if k != "dY_dot")
     return {
         "emu: triton": TRITON,
         "emu: bf16 floor": FLOOR,
+        "emu: bf16 floor + T_W X Y (fla's recompute_w_u)": (*FLOOR, "T_W", "X", "Y"),
         **{f"emu: {k} alone": (k,) for k in KNOBS},
         "emu: triton, states fp32": keep_fp32,
         "emu: triton, G dU dY split": split,
+        "emu: triton, T fp32 reassociated": (*t_fp32, "TdU_tf32"),
+        "emu: triton, T tf32x3": tuple(k for k in TRITON if k != "T_tf32"),
     }
 
 

@@ -45,6 +45,10 @@ PREPARE_MAXNREG: int | None = 168  # a register cap per thread: more programs pe
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
 # tensor-core products); their error is T's, which every later stage inherits.
 PREPARE_DIAG_PRECISION = "tf32x3"
+# T's four CHUNK³ products (the off-diagonal part): None takes the inputs' dot precision
+# (common.dot_precision: "tf32" for bf16/fp16, "tf32x3" for fp32); "tf32x3" for bf16 inputs is
+# a diagnostic of T's own error (benchmarks/bf16_floor.py, knob T_tf32; issue 30 item 4).
+PREPARE_T_PRECISION: str | None = None
 
 
 @triton.jit
@@ -122,6 +126,7 @@ def chunk_prepare_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
+    T_PREC: tl.constexpr,
     DIAG_PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
 ):
@@ -159,7 +164,7 @@ def chunk_prepare_kernel(
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
-    T = _unit_lower_inverse(A, PREC, DIAG_PREC)
+    T = _unit_lower_inverse(A, T_PREC, DIAG_PREC)
     T_dt = T.to(DT)
 
     # (4) W = T diag(aΓ) K
@@ -231,6 +236,7 @@ def launch_prepare(
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(k.dtype),
+        T_PREC=PREPARE_T_PRECISION or dot_precision(k.dtype),
         DIAG_PREC=PREPARE_DIAG_PRECISION,
         LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32,
         num_warps=PREPARE_WARPS,
