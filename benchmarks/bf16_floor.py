@@ -48,7 +48,7 @@ C = 64  # the Triton chunk (deltaflow.ops.chunk.TRITON_CHUNK_SIZE)
 
 # One knob per rounding point of the Triton backward (what is rounded, where):
 KNOBS = {
-    "T_tf32": "prepare: T = D − M(D − M(D − M D)), M = D A_below, tf32 operands in each product",
+    "T_tf32": "prepare: T = D − M(D − M(D − M D)), M = D A_below, tf32 operands (truncated)",
     "T_W": "prepare: T rounded to bf16 as the operand of W = T X and Ũ = T Y",
     "X": "prepare: X = diag(aΓ) K rounded to bf16 as the operand of W = T X",
     "Y": "prepare: Y = diag(b) V rounded to bf16 as the operand of Ũ = T Y",
@@ -72,7 +72,8 @@ KNOBS = {
     "M": "M_P, M_A (the C×C scratch between the two gradient kernels) in bf16",
     "TdU_tf32": "candidate: dA = −Tᵀ(dU Uᵀ), dX = −Tᵀ(dU S_0ᵀ), tf32 operands (no dY cast)",
 }
-# Knobs that round to tf32 (the others: to the dot dtype)
+# Knobs of tf32 dots (by default rounded as sm_90 reads fp32 for them, tf32z; the others: to
+# the dot dtype)
 TF32_KNOBS = ("T_tf32", "TdU_tf32")
 # What the Triton kernels round now: every knob but the two decayed keys, which the state pass
 # and the reverse pass no longer form (the decay scales U's rows, and dU's rows after K G).
@@ -106,9 +107,22 @@ def fp32(x: Tensor, low: torch.dtype = torch.bfloat16) -> Tensor:
 
 
 def tf32(x: Tensor, low: torch.dtype = torch.bfloat16) -> Tensor:
-    """Round to tf32's 10-bit mantissa (round half away from zero on the bit pattern)."""
+    """Round to tf32's 10-bit mantissa (round half away from zero on the bit pattern): what
+    Triton's tf32x3 split and cvt.rna do."""
     i = x.float().view(torch.int32)
     return ((i + 0x1000) & ~0x1FFF).view(torch.float32).to(x.dtype)
+
+
+def tf32z(x: Tensor, low: torch.dtype = torch.bfloat16) -> Tensor:
+    """fp32 read as tf32 by dropping its 13 low mantissa bits (toward zero): a tf32 dot's fp32
+    operands on sm_90, where Triton 3.6 passes them to wgmma unconverted (its PTX has no
+    cvt.rna.tf32 for input_precision="tf32", only for tf32x3's split)."""
+    i = x.float().view(torch.int32)
+    return (i & ~0x1FFF).view(torch.float32).to(x.dtype)
+
+
+# What a knob can round to ("name=FORMAT"): bf16 is the dot dtype (``low``)
+FORMATS = {"bf16": bf16, "tf32": tf32, "tf32z": tf32z, "split": split, "fp32": fp32}
 
 
 def _unit_lower_inverse(A: Tensor, r) -> Tensor:
@@ -306,14 +320,14 @@ def emulate(
     rounding = {}
     for knob in knobs:
         name, _, fmt = knob.partition("=")
-        if name not in KNOBS or fmt not in ("", "bf16", "tf32", "split", "fp32"):
+        if name not in KNOBS or (fmt and fmt not in FORMATS):
             raise ValueError(
-                f"knobs: each must be a name of KNOBS {sorted(KNOBS)}, optionally '=tf32', "
-                f"'=split' or '=fp32' (rounded to tf32, to a bf16 hi + lo pair, or to fp32 "
-                f"instead), got {knob!r}"
+                f"knobs: each must be a name of KNOBS {sorted(KNOBS)}, optionally '=FORMAT' "
+                f"with FORMAT one of {sorted(FORMATS)} (what it is rounded to instead), "
+                f"got {knob!r}"
             )
-        fmt = fmt or ("tf32" if name in TF32_KNOBS else "bf16")
-        fn = {"bf16": bf16, "tf32": tf32, "split": split, "fp32": fp32}[fmt]
+        fmt = fmt or ("tf32z" if name in TF32_KNOBS else "bf16")
+        fn = FORMATS[fmt]
         rounding[name] = functools.partial(fn, low=low)
     x64 = {name: t.detach().double() for name, t in x.items()}
     B, T, H, Dk = x64["q"].shape
@@ -437,6 +451,9 @@ def _emulations() -> dict[str, tuple[str, ...]]:
         "emu: triton, G dU dY split": split,
         "emu: triton, T fp32 reassociated": (*t_fp32, "TdU_tf32"),
         "emu: triton, T tf32x3": tuple(k for k in TRITON if k != "T_tf32"),
+        "emu: triton, T's tf32 rounded, not truncated": tuple(
+            "T_tf32=tf32" if k == "T_tf32" else k for k in TRITON
+        ),
     }
 
 
