@@ -64,7 +64,8 @@ KNOBS = {
     "rev_P": "reverse pass: P cast to bf16 for dU = scale·Pᵀ dO",
     "rev_K": "reverse pass: K̃ = diag(e^{γ_C − γ}) K cast to bf16 for dU += K̃ G",
     "rev_G": "reverse pass: G cast to bf16 for dU += K̃ G",
-    "rev_update": "reverse pass: Γq and dU cast to bf16 for the G update",
+    "rev_update": "reverse pass: dU cast to bf16 for the G update's Wᵀ dU",
+    "rev_q": "reverse pass: Γq cast to bf16 for the G update's (Γq)ᵀ dO",
     "T_dot": "T cast to bf16 for dY = Tᵀ dU",
     "dY_dot": "dY cast to bf16 for dY Uᵀ and dX = −dY S_0ᵀ",
     "S0_dot": "S_0 cast to bf16 for dO S_0ᵀ and dX (matters when h is stored in fp32)",
@@ -76,13 +77,34 @@ KNOBS = {
 # the dot dtype)
 TF32_KNOBS = ("T_tf32", "TdU_tf32")
 # What the Triton kernels round now: every knob but the two decayed keys, which the state pass
-# and the reverse pass no longer form (the decay scales U's rows, and dU's rows after K G).
+# and the reverse pass no longer form (the decay scales U's rows, and dU's rows after K G), and
+# the candidate TdU_tf32 (gradients.GRADS_T_FP32, off). Beyond the floor (FLOOR below) that
+# leaves T_tf32, dY_dot and rev_q (S0_dot and G_dot round nothing while h and dh are stored in
+# bf16; M enters dq and dk only).
 TRITON = tuple(k for k in KNOBS if k not in ("fwd_K", "rev_K", "TdU_tf32"))
-# What any bf16 implementation rounds, the "bf16 floor": the values a kernel stores between
-# launches (fla stores W, Ũ, its A = T, h, v_new, dh and dv2 in bf16 too) and the state passes'
-# dot operands (fla's too: the state in v_new = u − w h, v_new and dh for the k products, its
-# attention block for dv). The inputs and the output gradient are rounded on both sides.
-FLOOR = ("W", "Ut", "h", "U", "fwd_S", "fwd_U", "dh", "dU", "rev_P", "rev_G", "rev_update", "T_dot")
+# What a bf16 chunked implementation rounds, the "bf16 floor": each knob is a rounding that fla
+# (flash-linear-attention, the reference bf16 implementation: ops/gated_delta_rule/chunk.py,
+# wy_fast.py, ops/common/chunk_delta_h.py, chunk_o.py) does at the same point of the same
+# algorithm, so that a gradient within the floor is within what bf16 storage itself costs on
+# those inputs. The inputs and the output gradient are rounded on both sides. Per knob:
+FLOOR_REASONS = {
+    "T_W": "T stored in bf16 (solve_tril(output_dtype=k.dtype)) and the operand of W, Ũ",
+    "X": "recompute_w_u_fwd: (k·β·e^g).to(k.dtype) before the dot with A = T",
+    "Y": "recompute_w_u_fwd: (v·β).to(v.dtype) before the dot with A = T",
+    "W": "w = torch.empty_like(k): W stored in bf16",
+    "Ut": "u = torch.empty_like(v): Ũ stored in bf16",
+    "h": "chunk_gated_delta_rule_fwd_h: h = k.new_empty(...), the states in bf16",
+    "U": "v_new = torch.empty_like(u): U stored in bf16",
+    "fwd_S": "fwd_h: tl.dot(b_w, b_h.to(b_w.dtype)), the state cast for W S_0",
+    "fwd_U": "fwd_h: b_v (decayed U) .to(k.dtype) for the state update Kᵀ U",
+    "dh": "bwd_dhu: dh = q.new_empty(...), the state gradients in bf16",
+    "dU": "bwd_dhu: dv2 = torch.empty_like(dv), dU stored in bf16",
+    "rev_P": "chunk_bwd_dv_local: the masked Q Kᵀ block cast to bf16 for its dot with dO",
+    "rev_G": "bwd_dhu: tl.dot(b_k, b_dh.to(b_k.dtype)), G cast for K G",
+    "rev_update": "bwd_dhu: tl.dot(b_w, b_dv.to(b_w.dtype)), dU cast for Wᵀ dU",
+    "T_dot": "prepare_wy_repr_bwd: tl.dot(b_A, b_du) with A = T in bf16",
+}
+FLOOR = tuple(FLOOR_REASONS)
 
 
 # The backward's buffers of the state passes, as ``steps`` names them
@@ -215,7 +237,7 @@ def _sequence(x: dict, do: Tensor, ds: Tensor, rule, ne, knobs, scale, eps, give
         k_te = r("rev_K", k[c] * to_end[c][..., None])
         dUc = scale * P.mT @ do[c] + k_te @ r("rev_G", G)
         dU[c] = r("dU", dUc)
-        q_g = r("rev_update", q[c] * (scale * Gamma[c])[..., None])
+        q_g = r("rev_q", q[c] * (scale * Gamma[c])[..., None])
         G = Gamma[c, :, -1, None, None] * G + q_g.mT @ do[c] - W[c].mT @ r("rev_update", dUc)
     d_s0 = G
     h, U, dh, dU = (take(n, torch.stack(t)) for n, t in zip(STATES, (h, U, dh, dU)))
@@ -445,7 +467,9 @@ def _emulations() -> dict[str, tuple[str, ...]]:
     return {
         "emu: triton": TRITON,
         "emu: bf16 floor": FLOOR,
-        "emu: bf16 floor + T_W X Y (fla's recompute_w_u)": (*FLOOR, "T_W", "X", "Y"),
+        "emu: bf16 floor of session 12 (no T_W X Y)": tuple(
+            k for k in FLOOR if k not in ("T_W", "X", "Y")
+        ),
         **{f"emu: {k} alone": (k,) for k in KNOBS},
         "emu: triton, states fp32": keep_fp32,
         "emu: triton, G dU dY split": split,
