@@ -90,7 +90,7 @@ def test_captured_buffers_reproduce_the_kernels_gradients():
     # the launchers) computes what the kernels computed, here in fp16 through the Triton
     # interpreter (its fp16 dots are right): packed sequences, an empty one included.
     pytest.importorskip("triton")
-    lengths = [0, 1, 63, 64, 70, 0, 5]
+    lengths = [0, 1, 70, 0, 5]
     cu = torch.tensor([0] + lengths).cumsum(0)
     x = check.make(1, sum(lengths), 16, 16, "longhorn", torch.float16, "cpu", len(lengths), 3)
     kw = {"rule": "longhorn", "negative_eigenvalues": True, "cu_seqlens": cu}
