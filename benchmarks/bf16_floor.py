@@ -441,15 +441,14 @@ CASES = [
     ("T=65", "relaxed_kaczmarz"),
 ]
 # Triton variants: launch-setting flags set for one run (name -> {"module.FLAG": value}, the
-# module under deltaflow.ops). Diagnostics and candidates: W and Ũ from fp32 operands (tf32)
-# instead of bf16 ones (the emulation's T_W, X and Y roundings gone); T's off-diagonal products
-# fp32-accurate (tf32x3: T_tf32 gone); the gradient kernels' products with T on T as stored
+# module under deltaflow.ops). Diagnostics and candidates: T's off-diagonal products
+# fp32-accurate (tf32x3: T_tf32 gone), and the gradient kernels' products with T on T as stored
 # (fp32, tf32 dots), reassociated (T_dot, dY_dot gone: "emu: triton, T fp32 reassociated").
-# (The backward's states in fp32, triton_backend.BACKWARD_STATES_FP32, moved none of these
-# cases: session 12, call 5.)
+# (Not here: the backward's states in fp32, triton_backend.BACKWARD_STATES_FP32, moved none of
+# these cases, session 12 call 5; W and Ũ from tf32 operands, prepare.PREPARE_LOW_PRECISION_DOTS
+# = False, removes floor roundings only, and costs a compile the 150 s call cannot spare.)
 FLAGS = {
     "triton": {},
-    "triton, prepare W Ũ tf32": {"triton.prepare.PREPARE_LOW_PRECISION_DOTS": False},
     "triton, T tf32x3": {"triton.prepare.PREPARE_T_PRECISION": "tf32x3"},
     "triton, T fp32 reassociated": {"triton.gradients.GRADS_T_FP32": True},
 }
