@@ -52,6 +52,8 @@ KNOBS = {
     "T_W": "prepare: T rounded to bf16 as the operand of W = T X and Ũ = T Y",
     "X": "prepare: X = diag(aΓ) K rounded to bf16 as the operand of W = T X",
     "Y": "prepare: Y = diag(b) V rounded to bf16 as the operand of Ũ = T Y",
+    "T_X": "prepare, strengths folded: T diag(aΓ) rounded to bf16 for W = (T diag(aΓ)) K",
+    "T_Y": "prepare, strengths folded: T diag(b) rounded to bf16 for Ũ = (T diag(b)) V",
     "W": "W stored in bf16 by prepare",
     "Ut": "Ũ stored in bf16 by prepare",
     "h": "S_0 of every chunk stored in bf16 by the state pass (h)",
@@ -81,7 +83,9 @@ TF32_KNOBS = ("T_tf32", "TdU_tf32")
 # the candidate TdU_tf32 (gradients.GRADS_T_FP32, off). Beyond the floor (FLOOR below) that
 # leaves T_tf32, dY_dot and rev_q (S0_dot and G_dot round nothing while h and dh are stored in
 # bf16; M enters dq and dk only).
-TRITON = tuple(k for k in KNOBS if k not in ("fwd_K", "rev_K", "TdU_tf32"))
+TRITON = tuple(k for k in KNOBS if k not in ("fwd_K", "rev_K", "TdU_tf32", "T_X", "T_Y"))
+# ... and with prepare.PREPARE_FOLD_STRENGTHS
+TRITON_FOLD = tuple(k for k in TRITON if k not in ("T_W", "X", "Y")) + ("T_X", "T_Y")
 # What a bf16 chunked implementation rounds, the "bf16 floor": each knob is a rounding that fla
 # (flash-linear-attention, the reference bf16 implementation: ops/gated_delta_rule/chunk.py,
 # wy_fast.py, ops/common/chunk_delta_h.py, chunk_o.py) does at the same point of the same
@@ -210,9 +214,15 @@ def _sequence(x: dict, do: Tensor, ds: Tensor, rule, ne, knobs, scale, eps, give
     # prepare (3)-(4)
     A = (a[..., :, None] * Dm * KK).masked_fill(~strict, 0)
     T = take("t", _unit_lower_inverse(A, lambda t: r("T_tf32", t)))
-    X, Y = r("X", (a * Gamma)[..., None] * k), r("Y", b[..., None] * v)
-    T_W = r("T_W", T)
-    W, Ut = take("w", r("W", T_W @ X)), take("u", r("Ut", T_W @ Y))
+    if "T_X" in knobs:  # prepare.PREPARE_FOLD_STRENGTHS: T diag(aΓ) rounded, K as loaded
+        W = r("T_X", T * (a * Gamma)[..., None, :]) @ k
+    else:
+        W = r("T_W", T) @ r("X", (a * Gamma)[..., None] * k)
+    if "T_Y" in knobs:
+        Ut = r("T_Y", T * b[..., None, :]) @ v
+    else:
+        Ut = r("T_W", T) @ r("Y", b[..., None] * v)
+    W, Ut = take("w", r("W", W)), take("u", r("Ut", Ut))
 
     # the state pass (4), (6): h and U
     S = x["initial_state"]
@@ -233,9 +243,9 @@ def _sequence(x: dict, do: Tensor, ds: Tensor, rule, ne, knobs, scale, eps, give
     dh, dU = [None] * n, [None] * n
     for c in reversed(range(n)):
         dh[c] = r("dh", G)
-        P = r("rev_P", QK[c] * Dm[c])
+        P = r("rev_P", scale * QK[c] * Dm[c])  # scaled, then rounded (the kernel, fla)
         k_te = r("rev_K", k[c] * to_end[c][..., None])
-        dUc = scale * P.mT @ do[c] + k_te @ r("rev_G", G)
+        dUc = P.mT @ do[c] + k_te @ r("rev_G", G)
         dU[c] = r("dU", dUc)
         q_g = r("rev_q", q[c] * (scale * Gamma[c])[..., None])
         G = Gamma[c, :, -1, None, None] * G + q_g.mT @ do[c] - W[c].mT @ r("rev_update", dUc)
@@ -441,14 +451,17 @@ CASES = [
     ("T=65", "relaxed_kaczmarz"),
 ]
 # Triton variants: launch-setting flags set for one run (name -> {"module.FLAG": value}, the
-# module under deltaflow.ops). Diagnostics and candidates: T's off-diagonal products
+# module under deltaflow.ops). Diagnostics and candidates: W and Ũ from T diag(aΓ) and T diag(b)
+# rounded once, K and V as loaded (X and Y's roundings gone: session 13's probe found Y's alone
+# 2.2e-2 of D=256's dβ, and W Ũ from fp32 operands took it from 3.1e-2 to 6.8e-3); T's products
 # fp32-accurate (tf32x3: T_tf32 gone), and the gradient kernels' products with T on T as stored
 # (fp32, tf32 dots), reassociated (T_dot, dY_dot gone: "emu: triton, T fp32 reassociated").
 # (Not here: the backward's states in fp32, triton_backend.BACKWARD_STATES_FP32, moved none of
 # these cases, session 12 call 5; W and Ũ from tf32 operands, prepare.PREPARE_LOW_PRECISION_DOTS
-# = False, removes floor roundings only, and costs a compile the 150 s call cannot spare.)
+# = False, measured in results/issue30/s13probe: 3 of the 5 cases under 5e-3, fp32 tile dots.)
 FLAGS = {
     "triton": {},
+    "triton, strengths folded into T": {"triton.prepare.PREPARE_FOLD_STRENGTHS": True},
     "triton, T tf32x3": {"triton.prepare.PREPARE_T_PRECISION": "tf32x3"},
     "triton, T fp32 reassociated": {"triton.gradients.GRADS_T_FP32": True},
 }
@@ -474,6 +487,7 @@ def _emulations() -> dict[str, tuple[str, ...]]:
         "emu: triton, G dU dY split": split,
         "emu: triton, T fp32 reassociated": (*t_fp32, "TdU_tf32"),
         "emu: triton, T tf32x3": tuple(k for k in TRITON if k != "T_tf32"),
+        "emu: triton, strengths folded into T": TRITON_FOLD,
         "emu: triton, T's tf32 rounded, not truncated": tuple(
             "T_tf32=tf32" if k == "T_tf32" else k for k in TRITON
         ),

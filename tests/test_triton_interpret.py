@@ -240,11 +240,16 @@ def test_half_precision_backward_with_fp32_states():
 
 @pytest.mark.parametrize(
     "module, flag, value",
-    [("prepare", "PREPARE_T_PRECISION", "tf32x3"), ("gradients", "GRADS_T_FP32", True)],
+    [
+        ("prepare", "PREPARE_T_PRECISION", "tf32x3"),
+        ("prepare", "PREPARE_FOLD_STRENGTHS", True),
+        ("gradients", "GRADS_T_FP32", True),
+    ],
 )
 def test_half_precision_backward_with_t_flags(monkeypatch, module, flag, value):
     # issue 30 item 4's switches (benchmarks/bf16_floor.py FLAGS): T's off-diagonal products
-    # fp32-accurate, and the gradient kernels' products with T on T as stored (fp32), with
+    # fp32-accurate, the strengths folded into T for W and Ũ (K and V as loaded), and the
+    # gradient kernels' products with T on T as stored (fp32), with
     # dA = −Tᵀ(dU Uᵀ) and dX = −Tᵀ(dU S_0ᵀ) reassociated: the same gradients. Dv = 80 spans two
     # value blocks of the gradient kernels (the reassociated sums run over them).
     import importlib

@@ -49,6 +49,8 @@ PREPARE_DIAG_PRECISION = "tf32x3"
 # (common.dot_precision: "tf32" for bf16/fp16, "tf32x3" for fp32); "tf32x3" for bf16 inputs is
 # a diagnostic of T's own error (benchmarks/bf16_floor.py, knob T_tf32; issue 30 item 4).
 PREPARE_T_PRECISION: str | None = None
+# W and Ũ from T diag(aΓ) and T diag(b) rounded once, with K and V as loaded (see the kernel)
+PREPARE_FOLD_STRENGTHS = False
 
 
 @triton.jit
@@ -129,6 +131,7 @@ def chunk_prepare_kernel(
     T_PREC: tl.constexpr,
     DIAG_PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages."""
@@ -165,25 +168,39 @@ def chunk_prepare_kernel(
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
     T = _unit_lower_inverse(A, T_PREC, DIAG_PREC)
-    T_dt = T.to(DT)
-
-    # (4) W = T diag(aΓ) K
+    # (4) W = T diag(aΓ) K and Ũ = T diag(b) V. FOLD: the strengths scale T's columns before
+    # its one rounding to DT, so K and V enter the products as loaded (exact); otherwise T and
+    # diag(aΓ) K, diag(b) V are rounded apart (fla's way: benchmarks/bf16_floor.py knobs T_W,
+    # X, Y; Y's rounding alone was the H100's D=256 dβ error, issue 30 item 4).
     scale = a * tl.exp(gamma)
+    if FOLD:
+        T_dt = (T * scale[None, :]).to(DT)
+    else:
+        T_dt = T.to(DT)
     for c in range(0, Dk, TILE):
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-        x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
+        if FOLD:
+            x = tl.where(ok[:, None], b_k, 0.0)
+        else:
+            x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
         w = mm(T_dt, x, PREC, DT)
         store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
 
-    # (4) Ũ = T diag(b) V. A value tile is checked by the sum of its Ũ tile: only a tile with
-    # a non-finite value row (rare) is recomputed with those rows zeroed, lowering first_bad.
+    # A value tile is checked by the sum of its Ũ tile: only a tile with a non-finite value row
+    # (rare) is recomputed with those rows zeroed, lowering first_bad.
+    if FOLD:
+        T_dt = (T * b[None, :]).to(DT)
     for c in range(0, Dv, TILE):
         b_v = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
         v32 = b_v.to(tl.float32)
-        u = mm(T_dt, b[:, None] * v32, PREC, DT)
+        if FOLD:
+            y = v32
+        else:
+            y = b[:, None] * v32
+        u = mm(T_dt, y, PREC, DT)
         if not _all_finite(u):
             finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
-            u = mm(T_dt, b[:, None] * tl.where(finite[:, None], v32, 0.0), PREC, DT)
+            u = mm(T_dt, tl.where(finite[:, None], y, 0.0), PREC, DT)
             first_bad = tl.minimum(first_bad, _first_bad(finite))
         store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
     tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
@@ -239,6 +256,7 @@ def launch_prepare(
         T_PREC=PREPARE_T_PRECISION or dot_precision(k.dtype),
         DIAG_PREC=PREPARE_DIAG_PRECISION,
         LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32,
+        FOLD=PREPARE_FOLD_STRENGTHS,
         num_warps=PREPARE_WARPS,
         **({} if PREPARE_MAXNREG is None else {"maxnreg": PREPARE_MAXNREG}),
     )
