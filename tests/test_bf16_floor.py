@@ -71,3 +71,47 @@ def test_check_triton_floor_verdict():
     assert check.bf16_floor(x, over, g_ref, (do, ds), 1e-6, **kw) == (f, False)
     f_o, ok = check.bf16_floor(x, {"o": 1e-2, "dbeta": f}, g_ref, (do, ds), 1e-6, **kw)
     assert f_o != f_o and not ok  # NaN: no floor for the output
+
+
+def test_floor_is_knobs_with_reasons_and_the_kernels_round_there():
+    # every rounding of the floor is a knob with fla's reason, and one the kernels do too
+    assert set(floor.FLOOR) == set(floor.FLOOR_REASONS) <= set(floor.TRITON_UNFOLDED)
+    assert set(floor.TRITON) <= set(floor.KNOBS)
+    assert all(floor.FLOOR_REASONS.values())
+
+
+def test_low_dtype_is_one_clear_error():
+    x, cu, do, ds, _ = _case(*CASES[0])
+    with pytest.raises(ValueError, match="low: the dot dtype must be torch.bfloat16 or"):
+        floor.emulate(x, "delta", False, do, ds, low=torch.float32)
+
+
+def test_captured_buffers_reproduce_the_kernels_gradients():
+    # The bisection tool: the emulation started from the kernels' own buffers (captured from
+    # the launchers) computes what the kernels computed, here in fp16 through the Triton
+    # interpreter (its fp16 dots are right): packed sequences, an empty one included.
+    pytest.importorskip("triton")
+    lengths = [0, 1, 70, 0, 5]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    x = check.make(1, sum(lengths), 16, 16, "longhorn", torch.float16, "cpu", len(lengths), 3)
+    kw = {"rule": "longhorn", "negative_eigenvalues": True, "cu_seqlens": cu}
+    o, s, g_ref = check.run(x, "torch", dtype=torch.float64, grad_dtype=torch.float16, **kw)
+    do, ds = check.output_grads(o, s, torch.float16)
+    found: dict = {}
+    with floor.capture(found, floor.spans_of(1, sum(lengths), cu)):
+        grads = check.run(x, "triton", grad_dtype=torch.float16, **kw)[2]
+    assert sorted(found) == sorted(n for stage in floor.STAGES for n in stage)
+    steps: dict = {}
+    knobs = tuple(k for k in floor.TRITON if k != "T_tf32")  # the interpreter's dots are exact
+    emu = floor.emulate(
+        x, "longhorn", True, do, ds, cu_seqlens=cu, knobs=knobs, steps=steps, low=torch.float16
+    )
+    for name, t in found.items():  # the same buffers, each within its own rounding
+        assert check.rel(t, steps[name]) < 2e-3, name
+    again = floor.emulate(
+        x, "longhorn", True, do, ds, cu_seqlens=cu, knobs=knobs, low=torch.float16, given=found
+    )
+    for name in ("beta", "log_decay"):  # fp32 outputs (dq, dk are stored in fp16)
+        kernel = check.rel(grads[name], g_ref[name])
+        assert check.rel(again[name], g_ref[name]) == pytest.approx(kernel, rel=0.02), name
+        assert check.rel(emu[name], g_ref[name]) < 3 * kernel, name

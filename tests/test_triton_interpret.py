@@ -236,3 +236,31 @@ def test_half_precision_backward_with_fp32_states():
             triton_backend.BACKWARD_STATES_FP32 = False
         for name, g, g_ref in zip(["o", "state", *NAMES], got, ref):
             assert rel_err(g, g_ref) <= 1e-2, (fp32_states, name)
+
+
+@pytest.mark.parametrize(
+    "module, flag, value",
+    [
+        ("prepare", "PREPARE_T_PRECISION", "tf32x3"),
+        ("prepare", "PREPARE_FOLD_STRENGTHS", True),
+        ("gradients", "GRADS_T_FP32", True),
+    ],
+)
+def test_half_precision_backward_with_t_flags(monkeypatch, module, flag, value):
+    # issue 30 item 4's switches (benchmarks/bf16_floor.py FLAGS): T's off-diagonal products
+    # fp32-accurate, the strengths folded into T for W and Ũ (K and V as loaded), and the
+    # gradient kernels' products with T on T as stored (fp32), with
+    # dA = −Tᵀ(dU Uᵀ) and dX = −Tᵀ(dU S_0ᵀ) reassociated: the same gradients. Dv = 80 spans two
+    # value blocks of the gradient kernels (the reassociated sums run over them).
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(f"deltaflow.ops.triton.{module}"), flag, value)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    inputs = make_inputs(1, 70, 2, 16, 80, rule="longhorn", dtype=torch.float32, seed=9)
+    for n in ("q", "k", "v"):
+        inputs[n] = inputs[n].to(dtype)
+    inputs = on_device(inputs)
+    ref = _fwd_bwd({n: t.double() for n, t in inputs.items()}, "reference", rule="longhorn")
+    got = _fwd_bwd(inputs, "triton", rule="longhorn")
+    for name, g, g_ref in zip(["o", "state", *NAMES], got, ref):
+        assert rel_err(g, g_ref) <= 1e-2, name

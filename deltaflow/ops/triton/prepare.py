@@ -45,6 +45,15 @@ PREPARE_MAXNREG: int | None = 168  # a register cap per thread: more programs pe
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
 # tensor-core products); their error is T's, which every later stage inherits.
 PREPARE_DIAG_PRECISION = "tf32x3"
+# T's four CHUNK³ products (the off-diagonal part): None takes the inputs' dot precision
+# (common.dot_precision: "tf32" for bf16/fp16, "tf32x3" for fp32); "tf32x3" for bf16 inputs is
+# a diagnostic of T's own error (benchmarks/bf16_floor.py, knob T_tf32; issue 30 item 4).
+PREPARE_T_PRECISION: str | None = None
+# W and Ũ from T diag(aΓ) and T diag(b) rounded once, with K and V as loaded (see the kernel):
+# the same products with two roundings fewer (aΓK, bV). Measured (H100, session 13 probe,
+# benchmarks/results/issue30/s13call3): the bf16 dβ of T=200 D=256 longhorn+neg 3.1e-2 ->
+# 1.5e-2, varlen longhorn+neg 5.8e-3 -> 3.9e-3; AOT sm_90: 168 registers, no spill stack.
+PREPARE_FOLD_STRENGTHS = True
 
 
 @triton.jit
@@ -123,8 +132,10 @@ def chunk_prepare_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
+    T_PREC: tl.constexpr,
     DIAG_PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages."""
@@ -160,26 +171,40 @@ def chunk_prepare_kernel(
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
-    T = _unit_lower_inverse(A, PREC, DIAG_PREC)
-    T_dt = T.to(DT)
-
-    # (4) W = T diag(aΓ) K
+    T = _unit_lower_inverse(A, T_PREC, DIAG_PREC)
+    # (4) W = T diag(aΓ) K and Ũ = T diag(b) V. FOLD: the strengths scale T's columns before
+    # its one rounding to DT, so K and V enter the products as loaded (exact); otherwise T and
+    # diag(aΓ) K, diag(b) V are rounded apart (fla's way: benchmarks/bf16_floor.py knobs T_W,
+    # X, Y; Y's rounding alone was the H100's D=256 dβ error, issue 30 item 4).
     scale = a * tl.exp(gamma)
+    if FOLD:
+        T_dt = (T * scale[None, :]).to(DT)
+    else:
+        T_dt = T.to(DT)
     for c in range(0, Dk, TILE):
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-        x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
+        if FOLD:
+            x = tl.where(ok[:, None], b_k, 0.0)
+        else:
+            x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
         w = mm(T_dt, x, PREC, DT)
         store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
 
-    # (4) Ũ = T diag(b) V. A value tile is checked by the sum of its Ũ tile: only a tile with
-    # a non-finite value row (rare) is recomputed with those rows zeroed, lowering first_bad.
+    # A value tile is checked by the sum of its Ũ tile: only a tile with a non-finite value row
+    # (rare) is recomputed with those rows zeroed, lowering first_bad.
+    if FOLD:
+        T_dt = (T * b[None, :]).to(DT)
     for c in range(0, Dv, TILE):
         b_v = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
         v32 = b_v.to(tl.float32)
-        u = mm(T_dt, b[:, None] * v32, PREC, DT)
+        if FOLD:
+            y = v32
+        else:
+            y = b[:, None] * v32
+        u = mm(T_dt, y, PREC, DT)
         if not _all_finite(u):
             finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
-            u = mm(T_dt, b[:, None] * tl.where(finite[:, None], v32, 0.0), PREC, DT)
+            u = mm(T_dt, tl.where(finite[:, None], y, 0.0), PREC, DT)
             first_bad = tl.minimum(first_bad, _first_bad(finite))
         store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
     tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
@@ -232,8 +257,10 @@ def launch_prepare(
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(k.dtype),
+        T_PREC=PREPARE_T_PRECISION or dot_precision(k.dtype),
         DIAG_PREC=PREPARE_DIAG_PRECISION,
         LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32,
+        FOLD=PREPARE_FOLD_STRENGTHS,
         num_warps=PREPARE_WARPS,
         **({} if PREPARE_MAXNREG is None else {"maxnreg": PREPARE_MAXNREG}),
     )
