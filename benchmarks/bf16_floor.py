@@ -83,9 +83,7 @@ TF32_KNOBS = ("T_tf32", "TdU_tf32")
 # the candidate TdU_tf32 (gradients.GRADS_T_FP32, off). Beyond the floor (FLOOR below) that
 # leaves T_tf32, dY_dot and rev_q (S0_dot and G_dot round nothing while h and dh are stored in
 # bf16; M enters dq and dk only).
-TRITON_UNFOLDED = tuple(
-    k for k in KNOBS if k not in ("fwd_K", "rev_K", "TdU_tf32", "T_X", "T_Y")
-)
+TRITON_UNFOLDED = tuple(k for k in KNOBS if k not in ("fwd_K", "rev_K", "TdU_tf32", "T_X", "T_Y"))
 # ... as they are, with prepare.PREPARE_FOLD_STRENGTHS (on since session 13's probe): T diag(aΓ)
 # and T diag(b) rounded once for W and Ũ, K and V as loaded (no T_W, X, Y)
 TRITON = tuple(k for k in TRITON_UNFOLDED if k not in ("T_W", "X", "Y")) + ("T_X", "T_Y")

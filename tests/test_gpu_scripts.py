@@ -50,9 +50,7 @@ SCRIPTS = [
         "benchmarks/tune_backward.py", ("--smoke", "--profile", "--out", "{tmp}"), "wrote", True
     ),
     Script("benchmarks/check_training.py", ("--smoke", "--out", "{tmp}"), "check_training: done"),
-    Script(
-        "benchmarks/check_compile_grads.py", ("--smoke",), "check_compile_grads: done", True
-    ),
+    Script("benchmarks/check_compile_grads.py", ("--smoke",), "check_compile_grads: done", True),
     Script("benchmarks/model_training.py", ("--smoke", "--llama", "--out", "{tmp}"), "wrote"),
     Script("benchmarks/generation.py", ("--smoke", "--out", "{tmp}"), "generation: done"),
     Script("benchmarks/saved_activations.py", ("--smoke", "--out", "{tmp}"), "wrote"),
