@@ -16,8 +16,12 @@
 #   t = 0      check_triton     cores 1..C-1, compile phase on C-1 processes (~130 s),
 #                               then the cases (~140 s)                      ~270 s, limit 300
 #   t = 0      kernels_warm     cores 1..C-1, nice 10: our kernels compiled
-#                               on the CPU, no GPU (kernels.py --warm-only);
-#                               it gets the cores the check leaves idle       ~200 s, limit 300
+#                               on the CPU, no GPU (kernels.py --warm-only;
+#                               31 specializations, ~80 s of compiling): it
+#                               gets the cores the check leaves idle          ~170 s, limit 300
+#   t = 0      generation_warm  the same for the generation check's 6 kernels
+#                               (generation.py --warm-only; ~45 s of
+#                               compiling, the longest fp32's prepare ~27 s)  ~165 s, limit 300
 #   t = 0      fla_install      core 0 alone                                  ~10 s, limit 60
 #   then       fla_warm         core 0 alone, normal priority: fla compiles
 #                               and autotunes in one process (compile-bound,
@@ -25,9 +29,12 @@
 #                               check it starved: session 12, 330 s cut). Its
 #                               tuning times on a GPU the check's compile
 #                               phase leaves idle for its first ~130 s        ~150 s, limit 240
-#   then       generation       nice 10, any core (core 0 is idle by then):
-#                               the decode checks, correctness only           ~60 s, limit 150
-#   wait for all four (everything above ends by ~270 s), then, alone on the machine:
+#   then       generation       after fla_warm and generation_warm, nice 10,
+#                               any core (core 0 is idle by then):
+#                               the decode checks, correctness only; its
+#                               Triton kernels warm, torch.compile of three
+#                               2-layer decode steps is most of it             ~40 s, limit 150
+#   wait for all of the above (it ends by ~270 s), then, alone on the machine:
 #   ~270 s     kernels          timed against fla, 2 rounds, everything warm:
 #                               fla's tunings read from Triton's cache        ~35 s, limit 120
 #   ~305 s     model_training   one compiled training shape, timed            ~55 s, limit 90
@@ -95,11 +102,19 @@ FLA_PATH=""
     PYTHONPATH=$FLA_PATH$PYTHONPATH step fla_warm "$(bg_limit $L_FLA)" "$FLA_CPUS" 0 \
       python3 benchmarks/kernels.py --warm-fla $SMOKE
   fi
+} &
+FLA_PID=$!
+step kernels_warm "$(bg_limit $L_WARM)" "$OTHER_CPUS" 10 python3 benchmarks/kernels.py \
+  --warm-only "$OTHER_CORES" $SMOKE &
+{
+  # 6 kernels, one of them half the work: more than 3 processes would not finish sooner
+  step generation_warm "$(bg_limit $L_WARM)" "$OTHER_CPUS" 10 python3 benchmarks/generation.py \
+    --warm-only $((OTHER_CORES < 3 ? OTHER_CORES : 3)) $SMOKE
+  # the check's decode runs launch on the GPU: only once fla's tuning is over
+  while kill -0 "$FLA_PID" 2> /dev/null; do sleep 1; done
   step generation "$(bg_limit $L_GEN)" "" 10 python3 benchmarks/generation.py --check-only \
     --out "$OUT_DIR" $SMOKE
 } &
-step kernels_warm "$(bg_limit $L_WARM)" "$OTHER_CPUS" 10 python3 benchmarks/kernels.py \
-  --warm-only "$OTHER_CORES" $SMOKE &
 step check_triton $L_CHECK "$OTHER_CPUS" 0 python3 benchmarks/check_triton.py \
   --compile-workers "$OTHER_CORES" "${CHECK_ARGS[@]}" --out "$OUT_DIR/check_triton.md"
 wait
