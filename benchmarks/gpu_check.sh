@@ -16,7 +16,8 @@
 #   t = 0      check_triton     cores 1..C-1, compile phase on C-1 processes (~130 s),
 #                               then the cases (~140 s)                      ~270 s, limit 300
 #   t = 0      kernels_warm     cores 1..C-1, nice 10: our kernels compiled
-#                               on the CPU, no GPU (kernels.py --warm-only;
+#                               on the CPU on <= 8 processes (kernels.py
+#                               --warm-only; no GPU launch;
 #                               31 specializations, ~80 s of compiling): it
 #                               gets the cores the check leaves idle          ~170 s, limit 300
 #   t = 0      generation_warm  the same for the generation check's 6 kernels
@@ -104,8 +105,10 @@ FLA_PATH=""
   fi
 } &
 FLA_PID=$!
+# 31 kernels, ~80 s of compiling, the longest ~9 s: 8 processes finish within ~15 s of getting
+# the cores (each process a CUDA context's worth of GPU memory beside the check's 50 GB)
 step kernels_warm "$(bg_limit $L_WARM)" "$OTHER_CPUS" 10 python3 benchmarks/kernels.py \
-  --warm-only "$OTHER_CORES" $SMOKE &
+  --warm-only $((OTHER_CORES < 8 ? OTHER_CORES : 8)) $SMOKE &
 {
   # 6 kernels, one of them half the work: more than 3 processes would not finish sooner
   step generation_warm "$(bg_limit $L_WARM)" "$OTHER_CPUS" 10 python3 benchmarks/generation.py \

@@ -7,8 +7,10 @@ two run at once (the CI box has 2 cores) and each test waits for its own.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +35,7 @@ class Script:
     name: str = ""  # the test id where one script runs twice (default: the file's stem)
     runner: tuple[str, ...] = ()  # the interpreter (default: this Python)
     expect: tuple[str, ...] = ()  # more lines the output must hold
+    timeout_s: int = TIMEOUT_S
 
     @property
     def id(self) -> str:
@@ -55,6 +58,7 @@ SCRIPTS = [
         "0 step(s) failed",
         True,
         runner=("bash",),
+        timeout_s=900,  # 95-120 s alone on the 2-core box; steps run at once, beside a script
         # summary.txt's line for each step: its exit status, seconds and start
         expect=tuple(
             f"{step}: exit 0 in "
@@ -108,18 +112,26 @@ def _run(script: Script, tmp: Path) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("TRITON_INTERPRET", None)  # conftest sets it here: --smoke must set it itself
     args = [a.replace("{tmp}", str(tmp)) for a in script.args]
+    cmd = [*(script.runner or (sys.executable,)), script.path, *args]
+    # its own session: a script past its time is stopped with every process it started
+    # (gpu_check.sh runs steps in the background; worker pools outlive a killed parent)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        return subprocess.run(
-            [*(script.runner or (sys.executable,)), script.path, *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else ""
-        return subprocess.CompletedProcess(e.cmd, -9, out, f"timed out after {TIMEOUT_S} s")
+        out, err = proc.communicate(timeout=script.timeout_s)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):  # ended in between
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return subprocess.CompletedProcess(cmd, -9, out, f"timed out after {script.timeout_s} s")
 
 
 @dataclass
