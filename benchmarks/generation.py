@@ -32,6 +32,7 @@ import gc
 import importlib.util
 import json
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -40,8 +41,10 @@ from typing import Any
 
 from _common import copy_bandwidth, git_commit, output_dir, smoke_env, smoke_requested
 
-if smoke_requested():
-    smoke_env()  # before torch/triton are imported
+# before torch/triton are imported; --warm-only traces Triton's launches (its JIT intercepted),
+# which the interpreter would run instead, so its smoke run leaves the interpreter off
+if smoke_requested() and not any(a.startswith("--warm-only") for a in sys.argv[1:]):
+    smoke_env()
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -51,7 +54,7 @@ _HERE = Path(__file__).resolve().parent
 SMOKE = dict(
     device="cpu",
     dtype="fp32",
-    layers=4,  # the hybrid check's softmax attention is every 4th layer
+    layers=2,
     hidden=32,
     heads=2,
     head_dim=16,
@@ -169,12 +172,17 @@ def per_token_ms(gen, ids: torch.Tensor, n_new: int, device, repeats: int) -> fl
 
 # The checks' sizes: left-padded fp32 batch, its prompt and new tokens; the bf16 teacher-forced
 # prompt and forced tokens (--smoke: smaller, the same paths); and the layers of the checked
-# models: the benchmark's architecture but 4 layers deep, the hybrid's softmax attention still
-# among them. What the checks compare (tokens and logits of one model across decode paths)
-# does not depend on depth, and torch.compile's time for the "compile" path (three models:
-# fp32 pure and hybrid, bf16) grows with it: 24 layers took the check past 90 s on an H100.
-CHECK = dict(batch=4, prompt=96, new=64, bf16_prompt=128, forced=16, layers=4)
-SMOKE_CHECK = dict(batch=2, prompt=24, new=8, bf16_prompt=16, forced=4, layers=4)
+# models: the benchmark's architecture but 2 layers deep, the hybrid's second one softmax
+# attention. What the checks compare (tokens and logits of one model across decode paths) is
+# per-layer code run once per layer; two layers still cover what crosses layers (each layer's
+# own state buffers in the static cache, one layer's output feeding the next, a delta layer
+# feeding an attention layer). The "compile" path compiles one graph per model (fp32 pure, fp32
+# hybrid, bf16: three, no recompiles beyond them: TORCH_LOGS=recompiles on a CPU), and
+# torch.compile's time grows with the layers it traces (24 layers took the check past 90 s on
+# an H100; on a CPU a 2-layer graph compiles in about half the time of a 4-layer one,
+# benchmarks/NOTES.md, issue 30 session 13).
+CHECK = dict(batch=4, prompt=96, new=64, bf16_prompt=128, forced=16, layers=2)
+SMOKE_CHECK = dict(batch=2, prompt=24, new=8, bf16_prompt=16, forced=4, layers=2)
 
 
 @torch.no_grad()
@@ -187,7 +195,11 @@ def run_checks(
     report: dict[str, Any] = {"layers": sizes["layers"]}
     arch = {**arch, "num_layers": sizes["layers"]}
     # fp32: identical greedy tokens across decode paths (pure and hybrid models)
-    for label, extra in (("gated_deltanet", {}), ("hybrid_attn_every_4", {"attn_every": 4})):
+    last = sizes["layers"]  # the hybrid: softmax attention in the last layer, delta before it
+    for label, extra in (
+        ("gated_deltanet", {}),
+        (f"hybrid_attn_every_{last}", {"attn_every": last}),
+    ):
         model = build("deltaflow", arch, torch.float32, device, **extra)
         ids, mask = left_padded(sizes["batch"], sizes["prompt"], arch["vocab_size"], device)
         want = generator_for(model, "transformers")(ids, sizes["new"], mask)
@@ -241,6 +253,87 @@ def run_checks(
     del model
     gc.collect()
     return report
+
+
+# ------------------------------------------------------------------------------- warm-up
+
+
+def _prefills(arch: dict[str, Any], sizes: dict[str, int]) -> list[Callable[[], Any]]:
+    """The chunked forwards the checks run (every decode path prefills through them; the
+    one-token steps run the decode kernel), on CPU tensors with the Triton backend forced:
+    what :func:`warm` traces. fp32 pure and hybrid models on the left-padded batch, the bf16
+    check's prompt in fp32 and bf16."""
+    from deltaflow.layers import DeltaFlowCache
+
+    arch = {**arch, "num_layers": sizes["layers"]}
+    cpu = torch.device("cpu")
+
+    def forward(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None) -> Callable:
+        for m in model.modules():
+            if hasattr(m, "step_rule") and hasattr(m, "backend"):
+                m.backend = "triton"  # 'auto' picks torch for CPU tensors
+        cache = DeltaFlowCache(model.config.num_layers)
+        return lambda: model(ids, attention_mask=mask, past_key_values=cache, logits_to_keep=1)
+
+    ids, mask = left_padded(sizes["batch"], sizes["prompt"], arch["vocab_size"], cpu)
+    bf16_ids = prompt(2, sizes["bf16_prompt"], arch["vocab_size"], cpu)
+    last = sizes["layers"]
+    return [
+        lambda: forward(build("deltaflow", arch, torch.float32, cpu), ids, mask)(),
+        lambda: forward(build("deltaflow", arch, torch.float32, cpu, attn_every=last), ids, mask)(),
+        lambda: forward(build("deltaflow", arch, torch.float32, cpu), bf16_ids, None)(),
+        lambda: forward(build("deltaflow", arch, torch.bfloat16, cpu), bf16_ids, None)(),
+    ]
+
+
+def _compile_warm(kind: str, args: tuple, key: Any) -> tuple[float, dict]:
+    """A compile task: specialization ``key`` of prefill ``args[0]`` compiled into Triton's
+    disk cache (traced on CPU tensors, nothing launched on the GPU)."""
+    from _launches import compile_launch, intercepted, resource_usage, specialization
+
+    index, sms, arch, sizes = args
+    found = {}
+
+    def handler(fn: Any, run: Any, kwargs: dict[str, Any]) -> None:
+        if not found and specialization(fn, kwargs) == key:
+            found["kernel"] = compile_launch(fn, run, kwargs)
+
+    start = time.perf_counter()
+    with torch.no_grad(), intercepted(handler, sms):
+        _prefills(arch, sizes)[index]()
+    return time.perf_counter() - start, resource_usage(found["kernel"]) if found else {}
+
+
+def _no_init() -> None:
+    pass
+
+
+def warm(arch: dict[str, Any], sizes: dict[str, int], workers: int, smoke: bool) -> int:
+    """Compile the Triton kernels the checks' prefills launch (6: the chunked forward's three
+    kernels in fp32 and in bf16; fp32's prepare, tf32x3 dots, is the longest compile), each once
+    on ``workers`` processes, on the CPU: check_triton's compile phase over these traces.
+    Compiled in the check's own process they are ~40 s of its time, one after another;
+    gpu_check.sh runs this beside check_triton instead. Smoke: trace only."""
+    from _check_schedule import compile_phase, first_case_of
+    from _launches import record
+
+    start = time.perf_counter()
+    sms = 132 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
+    with torch.no_grad():
+        keys = [record(fn, sms) for fn in _prefills(arch, sizes)]
+    cases = [("prefill", (i, sms, arch, sizes)) for i in range(len(keys))]
+    first = first_case_of(cases, keys)
+    print(f"warm: {len(first)} specializations traced in {time.perf_counter() - start:.0f} s")
+    if not first:  # a warm-up that warms nothing must not pass
+        print("error: --warm-only traced no Triton launch")
+        return 1
+    if smoke:
+        print("generation: done (traced, nothing compiled)")
+        return 0
+    ctx = torch.multiprocessing.get_context("spawn")
+    usage = compile_phase(first, _compile_warm, workers, ctx, _no_init, ())
+    print(f"generation: done (warm-up in {time.perf_counter() - start:.0f} s)")
+    return 0 if len(usage) == len(first) else 1
 
 
 # ------------------------------------------------------------------------------- benchmark
@@ -377,6 +470,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip-fla", action="store_true")
     p.add_argument("--check", action="store_true", help="run the GPU checks first")
     p.add_argument("--check-only", action="store_true")
+    p.add_argument(
+        "--warm-only",
+        type=int,
+        default=0,
+        metavar="WORKERS",
+        help="only compile the checks' Triton kernels on this many processes (CPU only), exit",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, --check, no fla")
     if smoke_requested(argv):
         p.set_defaults(**SMOKE)
@@ -387,6 +487,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     modes = [m for m in args.modes.split(",") if m]
     device = torch.device(args.device)
     arch = MT.shared_architecture(args)
+    if args.warm_only < 0:
+        p.error(f"--warm-only must be a number of processes >= 1, got {args.warm_only}")
+    if args.warm_only:
+        if not args.smoke and not torch.cuda.is_available():
+            raise SystemExit("error: --warm-only compiles for this machine's GPU: none found")
+        code = warm(arch, SMOKE_CHECK if args.smoke else CHECK, args.warm_only, args.smoke)
+        raise SystemExit(code)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {
         "device": name,

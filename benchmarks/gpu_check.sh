@@ -1,67 +1,136 @@
 #!/usr/bin/env bash
 # The GPU truth in one command, on a fresh GPU machine (issue 30): the Triton check whole, the
 # kernels against fla, the generation check and one compiled training shape, everything under
-# one folder. Target: under 9 minutes on one H100.
+# one folder (each step's log, summary.txt with each step's exit status, start and seconds).
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]     # default: gpu_check_<date>/ (git-ignored)
+#   bash benchmarks/gpu_check.sh --smoke [OUT_DIR]   # the same schedule at toy size, CPU (CI)
 #
 # fla is optional: wheels in .whl/ (flash-linear-attention, fla-core, einops; README.md, "The
 # GPU truth") are installed into /tmp/site; without them the fla columns are left out.
-# `bash benchmarks/gpu_check.sh --smoke` runs the same steps at toy size on a CPU (CI).
+# Exit status: 0 when every step exited 0 (check_triton exits 1 when a case fails).
+#
+# Schedule and budget (target 540 s, goal 360 s; expected seconds on one H100 machine with 16
+# cores, from session 12's logs, benchmarks/NOTES.md "session 13, item 6"). C = nproc.
+#
+#   t = 0      check_triton     cores 1..C-1, compile phase on C-1 processes (~130 s),
+#                               then the cases (~140 s)                      ~270 s, limit 300
+#   t = 0      kernels_warm     cores 1..C-1, nice 10: our kernels compiled
+#                               on the CPU on <= 8 processes (kernels.py
+#                               --warm-only; no GPU launch;
+#                               31 specializations, ~80 s of compiling): it
+#                               gets the cores the check leaves idle          ~170 s, limit 300
+#   t = 0      generation_warm  the same for the generation check's 6 kernels
+#                               (generation.py --warm-only; ~45 s of
+#                               compiling, the longest fp32's prepare ~27 s)  ~165 s, limit 300
+#   t = 0      fla_install      core 0 alone                                  ~10 s, limit 60
+#   then       fla_warm         core 0 alone, normal priority: fla compiles
+#                               and autotunes in one process (compile-bound,
+#                               one core is all it uses; niced beside the
+#                               check it starved: session 12, 330 s cut). Its
+#                               tuning times on a GPU the check's compile
+#                               phase leaves idle for its first ~130 s        ~150 s, limit 240
+#   then       generation       after fla_warm and generation_warm, nice 10,
+#                               any core (core 0 is idle by then):
+#                               the decode checks, correctness only; its
+#                               Triton kernels warm, torch.compile of three
+#                               2-layer decode steps is most of it             ~40 s, limit 150
+#   wait for all of the above (it ends by ~270 s), then, alone on the machine:
+#   ~270 s     kernels          timed against fla, 2 rounds, everything warm:
+#                               fla's tunings read from Triton's cache        ~35 s, limit 120
+#   ~305 s     model_training   one compiled training shape, timed            ~55 s, limit 90
+#   ~360 s     end
+#
+# Every background step also stops at BG_DEADLINE (330 s), so that a hung one still leaves the
+# two timed steps their limits: 330 + 120 + 90 = 540 s at worst.
 set -u
 cd "$(dirname "$0")/.."
 SMOKE=""
 if [ "${1:-}" = "--smoke" ]; then SMOKE="--smoke"; shift; fi
 OUT_DIR="${1:-gpu_check_$(date +%Y%m%d_%H%M%S)}"
 mkdir -p "$OUT_DIR"
+SUMMARY="$OUT_DIR/summary.txt"
+: > "$SUMMARY"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
-FLA_PATH=""
-if [ -z "$SMOKE" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && FLA_PATH=/tmp/site:
+
+CORES=$(nproc)  # the cores this process may use (affinity-aware)
+if [ "$CORES" -ge 2 ] && command -v taskset > /dev/null; then
+  FLA_CPUS=0 OTHER_CPUS="1-$((CORES - 1))" OTHER_CORES=$((CORES - 1))
+else  # one core, or no taskset: nothing pinned, said in the summary
+  FLA_CPUS="" OTHER_CPUS="" OTHER_CORES=$CORES
+  echo "gpu_check: $CORES core(s), taskset: $(command -v taskset || echo none): nothing pinned" \
+    | tee -a "$SUMMARY"
 fi
-START=$(date +%s)
-step() {  # name, timeout (s), command...: run one step, log it, never stop the others
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
-  local rc=$?
-  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT_DIR/summary.txt"
-}
-background() {  # name, timeout (s), command...: like step, beside the others, at low CPU priority
-  local name=$1 limit=$2; shift 2
-  ( local t0=$(date +%s)
-    timeout "$limit" nice -n 10 "$@" > "$OUT_DIR/$name.log" 2>&1
-    echo "$name: exit $? in $(( $(date +%s) - t0 )) s (beside check_triton)" | tee -a "$OUT_DIR/summary.txt"
-  ) &
-}
-if [ -n "$SMOKE" ]; then
-  step check_triton 300 python3 benchmarks/check_triton.py --smoke --workers 2
-  step kernels 200 python3 benchmarks/kernels.py --smoke
+if [ -n "$SMOKE" ]; then  # the CPU is slow and the check's smoke mode is its own
+  BG_DEADLINE=100000 L_CHECK=900 L_WARM=900 L_INSTALL=60 L_FLA=300 L_GEN=600 L_KERNELS=300
+  L_TRAIN=600
+  CHECK_ARGS=(--smoke --workers 2)
+  TRAIN_ARGS=(--steps 1 --warmup 1)
 else
-  # Budget (540 s in all, measured 445 s in session 12 with two steps cut): the timed steps
-  # run one after another: check_triton (limit 280 s: its target is 240 s and a slower run
-  # still writes its report), the generation check (correctness only, 4-layer models,
-  # benchmarks/generation.py says why; beside fla's warm-up, which times nothing either),
-  # kernels (120 s) and one compiled training shape (60 s; measured 47 s). Beside the check,
-  # niced, so that its compile phase keeps the cores: compiling our kernels and compiling +
-  # autotuning fla's for the kernels step (fla in its own process: a hang or a crash there
-  # costs the rest nothing; 240 s beside the check did not finish its second shape, so it may
-  # run on past the check, until 330 s). The check's processes get 50 GB of the GPU's memory.
-  if [ -n "$FLA_PATH" ]; then
-    PYTHONPATH=$FLA_PATH$PYTHONPATH background fla_warm 330 python3 benchmarks/kernels.py \
-      --skip-torch --rounds 1 --out "$OUT_DIR/fla_warm"
-  fi
-  background kernels_warm 240 python3 benchmarks/kernels.py --warm-only 3
-  step check_triton 280 python3 benchmarks/check_triton.py --gpu-memory 50 \
-    --out "$OUT_DIR/check_triton.md"
-  PYTHONPATH=$FLA_PATH$PYTHONPATH step generation 100 python3 benchmarks/generation.py \
-    --check-only --out "$OUT_DIR"
-  wait
-  PYTHONPATH=$FLA_PATH$PYTHONPATH step kernels 120 python3 benchmarks/kernels.py --skip-torch \
-    --rounds 2 --out "$OUT_DIR"
-  step model_training 60 python3 benchmarks/model_training.py --compile blocks --skip-fla \
-    --steps 5 --warmup 2 --top 0 --out "$OUT_DIR"
+  BG_DEADLINE=330 L_CHECK=300 L_WARM=300 L_INSTALL=60 L_FLA=240 L_GEN=150 L_KERNELS=120 L_TRAIN=90
+  CHECK_ARGS=(--gpu-memory 50)  # the rest of the GPU's memory for fla's warm-up and generation
+  TRAIN_ARGS=(--steps 5 --warmup 2)
 fi
-echo "gpu_check: $(( $(date +%s) - START )) s in all; results in $OUT_DIR" | tee -a "$OUT_DIR/summary.txt"
-grep -hE "wall time|ALL OK" "$OUT_DIR"/check_triton*.md 2>/dev/null
+
+START=$SECONDS
+# step NAME LIMIT CPUS NICE COMMAND...: run COMMAND under `timeout` (a background step: also
+# BG_DEADLINE), pinned to CPUS ("" = any core) at priority NICE, log to NAME.log, and write its
+# exit status, start and seconds to summary.txt. Returns the command's exit status.
+step() {
+  local name=$1 limit=$2 cpus=$3 niceness=$4; shift 4
+  local t0=$SECONDS prefix=()
+  [ -n "$cpus" ] && prefix=(taskset -c "$cpus")
+  timeout "$limit" ${prefix[@]+"${prefix[@]}"} nice -n "$niceness" "$@" > "$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0)) s (started at $((t0 - START)) s)" | tee -a "$SUMMARY"
+  return $rc
+}
+bg_limit() {  # LIMIT: the smaller of LIMIT and what is left until BG_DEADLINE (at least 1)
+  local left=$((BG_DEADLINE - (SECONDS - START)))
+  [ "$left" -lt 1 ] && left=1
+  echo $(($1 < left ? $1 : left))
+}
+
+# ---- beside the check (background): nothing here is timed
+FLA_PATH=""
+{
+  if [ -z "$SMOKE" ] && ls .whl/*.whl > /dev/null 2>&1; then
+    step fla_install "$(bg_limit $L_INSTALL)" "$FLA_CPUS" 0 python3 -m pip install -q \
+      --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && FLA_PATH=/tmp/site:
+  fi
+  if [ -n "$FLA_PATH" ] || [ -n "$SMOKE" ]; then
+    PYTHONPATH=$FLA_PATH$PYTHONPATH step fla_warm "$(bg_limit $L_FLA)" "$FLA_CPUS" 0 \
+      python3 benchmarks/kernels.py --warm-fla $SMOKE
+  fi
+} &
+FLA_PID=$!
+# 31 kernels, ~80 s of compiling, the longest ~9 s: 8 processes finish within ~15 s of getting
+# the cores (each process a CUDA context's worth of GPU memory beside the check's 50 GB)
+step kernels_warm "$(bg_limit $L_WARM)" "$OTHER_CPUS" 10 python3 benchmarks/kernels.py \
+  --warm-only $((OTHER_CORES < 8 ? OTHER_CORES : 8)) $SMOKE &
+{
+  # 6 kernels, one of them half the work: more than 3 processes would not finish sooner
+  step generation_warm "$(bg_limit $L_WARM)" "$OTHER_CPUS" 10 python3 benchmarks/generation.py \
+    --warm-only $((OTHER_CORES < 3 ? OTHER_CORES : 3)) $SMOKE
+  # the check's decode runs launch on the GPU: only once fla's tuning is over
+  while kill -0 "$FLA_PID" 2> /dev/null; do sleep 1; done
+  step generation "$(bg_limit $L_GEN)" "" 10 python3 benchmarks/generation.py --check-only \
+    --out "$OUT_DIR" $SMOKE
+} &
+step check_triton $L_CHECK "$OTHER_CPUS" 0 python3 benchmarks/check_triton.py \
+  --compile-workers "$OTHER_CORES" "${CHECK_ARGS[@]}" --out "$OUT_DIR/check_triton.md"
+wait
+
+# ---- timed, alone on the machine
+grep -q "^fla_install: exit 0 " "$SUMMARY" && FLA_PATH=/tmp/site:  # (set in a subshell above)
+PYTHONPATH=$FLA_PATH$PYTHONPATH step kernels $L_KERNELS "" 0 python3 benchmarks/kernels.py \
+  --skip-torch --rounds 2 --out "$OUT_DIR" $SMOKE
+step model_training $L_TRAIN "" 0 python3 benchmarks/model_training.py --compile blocks \
+  --skip-fla "${TRAIN_ARGS[@]}" --top 0 --out "$OUT_DIR" $SMOKE
+
+FAILED=$(grep -c -v ": exit 0 in \|nothing pinned" "$SUMMARY")
+echo "gpu_check: $((SECONDS - START)) s in all, $FAILED step(s) failed; results in $OUT_DIR" \
+  | tee -a "$SUMMARY"
+grep -hE "wall time|ALL OK" "$OUT_DIR"/check_triton*.md 2> /dev/null
+[ "$FAILED" -eq 0 ]

@@ -11,6 +11,23 @@ drift during the run shows as spread instead of as a difference between implemen
 Writes ``kernels_<device>.json`` and ``kernels_<device>.md`` with device, dtype and commit.
 fla's gated backward is refused on Hopper with Triton < 3.7.1 (fla issue #640); its guard is
 forced here for timing only (fla's gradients are not used for anything).
+
+Warm-up (benchmarks/gpu_check.sh runs both beside the check, each in its own process):
+
+    python benchmarks/kernels.py --warm-only 8   # compile our kernels on 8 processes, no GPU
+    python benchmarks/kernels.py --warm-fla      # compile + autotune fla's at the timed shapes
+
+Everything warm, the timed part is ~33 timings a round (every rule at the two RULE_SHAPES,
+delta and fla at every shape, decode), each one ``do_bench`` of 25 ms warm-up + 100 ms of
+repeats plus its setup: ~0.2 s, ~7 s a round, ~15 s for ``--rounds 2`` (each round prints
+its seconds). Cold, the time is all compiling: our kernels (31 specializations, prepare's the
+longest) and fla's autotuning (every config of every autotuned kernel compiled and timed, one
+process: minutes). fla 0.6.0 creates every autotuner with ``cache_results=True``
+(``fla.utils.env.autotune_cache_kwargs``: ``FLA_CACHE_RESULTS``, default 1), so Triton 3.6
+writes each tuning result into its disk cache (``<kernel>.autotune.json``, keyed by the
+kernel's source, its configs and its autotune key) and a later process reuses it without
+timing anything: the ``--warm-fla`` process tunes, the timed run reads.
+``TRITON_CACHE_AUTOTUNING=1`` turns the same on for autotuners created without the flag.
 """
 
 # Closures below are timed at once inside their loop iteration, so late binding is harmless.
@@ -21,11 +38,15 @@ import argparse
 import functools
 import json
 import statistics
+import sys
+import time
 from pathlib import Path
 
 from _common import copy_bandwidth, git_commit, load_fla, smoke_env, smoke_requested
 
-if smoke_requested():
+# --warm-only traces launches (Triton's JIT intercepted, no GPU needed): the interpreter would
+# run the kernels instead, so its smoke run leaves the interpreter off.
+if smoke_requested() and not any(a.startswith("--warm-only") for a in sys.argv[1:]):
     smoke_env()
 
 import torch  # noqa: E402
@@ -43,6 +64,13 @@ RULE_SHAPES = [(8, 4096, 16, 128), (16, 2048, 32, 64)]  # every Triton rule's fo
 DECODE_BATCHES = [1, 64, 256]
 SMOKE_SHAPES = [(1, 65, 2, 32)]
 SMOKE_DECODE_BATCHES = [1]
+DECODE_HEADS = (16, 128)  # decode's (H, D); smoke: SMOKE_DECODE_HEADS
+SMOKE_DECODE_HEADS = (2, 32)
+# The warm-up compiles at this sequence length instead of each shape's: the kernels specialise
+# on heads, head sizes and batch (and on ints being 1 or multiples of 16), which T = 128 keeps;
+# traced on a CPU, the four SHAPES and their T = 128 twins launch the same 31 specializations
+# (tests/test_gpu_scripts.py checks the same at small shapes).
+WARM_T = 128
 DEVICE = "cuda"
 
 
@@ -68,8 +96,12 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def measurements(fla, skip_torch: bool, shapes, decode_batches):
-    """(kind, shape, impl, rule, bytes or None, the function to time), in the order they run."""
+def measurements(
+    fla, skip_torch: bool, shapes, decode_batches, decode_heads=DECODE_HEADS, all_rules=False
+):
+    """(kind, shape, impl, rule, bytes or None, the function to time), in the order they run.
+    Every Triton rule's forward where (B, H, D) is a RULE_SHAPES one (``all_rules``: at every
+    shape, as the smoke run does), delta's elsewhere."""
     for B, T, H, D in shapes:
         shape = [B, T, H, D]
         q, k, v, beta, ld = inputs(B, T, H, D)
@@ -80,7 +112,7 @@ def measurements(fla, skip_torch: bool, shapes, decode_batches):
         )
         # every rule where (B, H, D) is a rule shape's: the warm-up's short T compiles the same
         every_rule = any((B, H, D) == (b, h, d) for b, _, h, d in RULE_SHAPES)
-        rules = triton_rules() if every_rule or DEVICE == "cpu" else ["delta"]
+        rules = triton_rules() if every_rule or all_rules else ["delta"]
         for rule in rules:
             yield (
                 "forward",
@@ -133,7 +165,7 @@ def measurements(fla, skip_torch: bool, shapes, decode_batches):
 
             yield "forward+backward", shape, "fla", "delta", None, fwd_bwd_fla
 
-    H, D = (16, 128) if DEVICE == "cuda" else (2, 32)
+    H, D = decode_heads
     for B in decode_batches:
         q, k, v, beta, ld = inputs(B, 1, H, D)
         state = torch.randn(B, H, D, D, device=DEVICE)
@@ -165,25 +197,98 @@ def measurements(fla, skip_torch: bool, shapes, decode_batches):
             )
 
 
-def _warm_worker(index: int, workers: int) -> int:
-    """Compile (run once, at a short T) every kernel the timed run launches; every
-    ``workers``-th measurement from ``index``. Compiling is most of a first run's time, and the
-    kernels specialise on heads and head sizes, not on T."""
-    shapes = [(B, 128, H, D) for B, _, H, D in SHAPES]
-    todo = list(measurements(None, True, shapes, DECODE_BATCHES))
-    for *_, fn in todo[index::workers]:
+def warm_shapes(shapes: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    return [(B, WARM_T, H, D) for B, _, H, D in shapes]
+
+
+def warm_specializations(shapes, sms: int, all_rules: bool = False) -> list[list]:
+    """What each measurement at ``shapes`` launches (decode aside: it needs CUDA tensors to
+    reach its kernel and compiles in about a second), traced on CPU tensors: nothing runs."""
+    from _launches import record
+
+    global DEVICE
+    device, DEVICE = DEVICE, "cpu"
+    try:
+        todo = measurements(None, True, shapes, [], all_rules=all_rules)
+        return [record(fn, sms) for *_, fn in todo]
+    finally:
+        DEVICE = device
+
+
+def _compile_warm(kind: str, args: tuple, key) -> tuple[float, dict]:
+    """A compile task: specialization ``key`` of measurement ``args[0]`` (at the warm shapes,
+    traced on CPU tensors) compiled into Triton's disk cache, nothing launched on the GPU."""
+    import itertools
+
+    from _launches import compile_launch, intercepted, resource_usage, specialization
+
+    global DEVICE
+    index, sms, shapes = args
+    DEVICE = "cpu"
+    todo = measurements(None, True, shapes, [])
+    *_, fn = next(itertools.islice(todo, index, None))
+    found = {}
+
+    def handler(jit_fn, run, kwargs):
+        if not found and specialization(jit_fn, kwargs) == key:
+            found["kernel"] = compile_launch(jit_fn, run, kwargs)
+
+    start = time.perf_counter()
+    with intercepted(handler, sms):
         fn()
-    torch.cuda.synchronize()
-    return len(todo[index::workers])
+    return time.perf_counter() - start, resource_usage(found["kernel"]) if found else {}
 
 
-def warm(workers: int) -> None:
-    from concurrent.futures import ProcessPoolExecutor
+def _no_init() -> None:
+    pass
 
+
+def warm(workers: int, smoke: bool) -> int:
+    """Compile every kernel specialization the timed run launches (decode aside), each once,
+    the longest first, on ``workers`` processes: check_triton's compile phase
+    (_check_schedule.compile_phase) over this script's measurements. CPU only: no GPU memory
+    and no launch beside fla's autotuning (gpu_check.sh runs both at once). Smoke: trace only
+    (the interpreter compiles nothing)."""
+    from _check_schedule import compile_phase, first_case_of
+
+    start = time.perf_counter()
+    sms = 132 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = warm_shapes(SMOKE_SHAPES if smoke else SHAPES)
+    keys = warm_specializations(shapes, sms, all_rules=smoke)
+    cases = [("measurement", (i, sms, shapes)) for i in range(len(keys))]
+    first = first_case_of(cases, keys)
+    print(f"warm: {len(first)} specializations traced in {time.perf_counter() - start:.0f} s")
+    if not first:  # the tracer saw no launch: a warm-up that warms nothing must not pass
+        print("error: --warm-only traced no Triton launch")
+        return 1
+    if smoke:
+        print("smoke ok: traced, nothing compiled")
+        return 0
     ctx = torch.multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, ctx) as pool:
-        done = sum(pool.map(_warm_worker, range(workers), [workers] * workers))
-    print(f"warm: compiled the kernels of {done} measurements in {workers} processes")
+    usage = compile_phase(first, _compile_warm, workers, ctx, _no_init, ())
+    print(f"warm: done in {time.perf_counter() - start:.0f} s")
+    return 0 if len(usage) == len(first) else 1
+
+
+def warm_fla(fla) -> int:
+    """Run each of fla's measurements once at the timed shapes: every autotuned kernel is
+    compiled and tuned for the autotune keys the timed run will use, and the results land in
+    Triton's disk cache (the module docstring says why the timed run then reuses them). The
+    head sizes the Done-when compares (128, then 64) come first, D = 256 last: on a shared GPU
+    the later tunings are the ones another process's kernels may disturb."""
+    if fla is None:
+        print("warm-fla: fla not available, nothing to warm")
+        return 0
+    start = time.perf_counter()
+    for kind, shape, impl, _, _, fn in measurements(fla, True, SHAPES, DECODE_BATCHES):
+        if impl != "fla":
+            continue
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        print(f"warm-fla: {kind} {tuple(shape)} {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"warm-fla: done in {time.perf_counter() - start:.0f} s")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,27 +303,41 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="WORKERS",
         default=0,
-        help="only compile every kernel the timed run needs, in this many processes, and exit",
+        help="only compile every kernel of ours the timed run needs, on this many processes "
+        "(CPU only), and exit",
+    )
+    parser.add_argument(
+        "--warm-fla",
+        action="store_true",
+        help="only run fla's measurements once (compile + autotune into Triton's disk cache) "
+        "and exit",
     )
     args = parser.parse_args(argv)
-    if args.warm_only:
-        warm(args.warm_only)
-        return 0
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.warm_only < 0:
+        parser.error(f"--warm-only must be a number of processes >= 1, got {args.warm_only}")
+    if args.warm_only and args.warm_fla:
+        parser.error("--warm-only and --warm-fla are separate processes: give one")
+    if not args.smoke and not torch.cuda.is_available():
+        print("error: kernels.py needs a CUDA GPU; run it with --smoke on a CPU")
+        return 2
+    if args.warm_only:
+        return warm(args.warm_only, args.smoke)
     if args.smoke:
         DEVICE = "cpu"
         fla, shapes, batches, rounds = None, SMOKE_SHAPES, SMOKE_DECODE_BATCHES, 1
+        decode_heads = SMOKE_DECODE_HEADS
         print("smoke mode: CPU, Triton interpreter, fla skipped")
     else:
-        if not torch.cuda.is_available():
-            print("error: kernels.py needs a CUDA GPU; run it with --smoke on a CPU")
-            return 2
         fla = load_fla(
             "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
             "fla.ops.gated_delta_rule:fused_recurrent_gated_delta_rule",
         )
         shapes, batches, rounds = SHAPES, DECODE_BATCHES, args.rounds
+        decode_heads = DECODE_HEADS
+    if args.warm_fla:
+        return warm_fla(fla)
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     bw = copy_bandwidth(DEVICE)
     commit = git_commit()
@@ -226,9 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[tuple, list[float]] = {}
     meta_of: dict[tuple, tuple] = {}
     for r in range(rounds):
+        round_start, timed = time.perf_counter(), 0
         for kind, shape, impl, rule, nbytes, fn in measurements(
-            fla, args.skip_torch or args.smoke, shapes, batches
+            fla, args.skip_torch or args.smoke, shapes, batches, decode_heads, args.smoke
         ):
+            timed += 1
             key = (kind, tuple(shape), impl, rule)
             times.setdefault(key, []).append(bench(fn))
             meta_of[key] = nbytes
@@ -238,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
+        # round 0 includes what was not warm (compiles, fla's tuning); later rounds only timing
+        print(f"round {r}: {timed} timings in {time.perf_counter() - round_start:.1f} s")
 
     records = []
     for (kind, shape, impl, rule), ms_list in times.items():

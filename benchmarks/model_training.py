@@ -34,8 +34,11 @@ from typing import Any
 
 from _common import git_commit, load_fla, output_dir, smoke_env, smoke_requested
 
-if smoke_requested():
-    smoke_env()  # before torch/triton are imported
+# Before torch/triton are imported; run as a script only: an importer (generation.py,
+# saved_activations.py) decides for itself (generation.py --smoke --warm-only traces compiled
+# kernels, which the interpreter would replace).
+if smoke_requested() and __name__ == "__main__":
+    smoke_env()
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402

@@ -7,8 +7,10 @@ two run at once (the CI box has 2 cores) and each test waits for its own.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,10 +32,14 @@ class Script:
     success: str  # a line the script prints when it finished
     triton: bool = False  # needs Triton (the interpreter): skipped without it
     marks: tuple = field(default=())
+    name: str = ""  # the test id where one script runs twice (default: the file's stem)
+    runner: tuple[str, ...] = ()  # the interpreter (default: this Python)
+    expect: tuple[str, ...] = ()  # more lines the output must hold
+    timeout_s: int = TIMEOUT_S
 
     @property
     def id(self) -> str:
-        return Path(self.path).stem
+        return self.name or Path(self.path).stem
 
 
 SCRIPTS = [
@@ -42,6 +48,31 @@ SCRIPTS = [
         "benchmarks/bf16_floor.py", ("--smoke", "--out", "{tmp}/floor.md"), "bf16_floor: done", True
     ),
     Script("benchmarks/kernels.py", ("--smoke",), "smoke ok", True),
+    # the warm-ups trace real launches (no interpreter): what they would compile on a GPU
+    Script("benchmarks/kernels.py", ("--smoke", "--warm-only", "2"), "smoke ok", True, name="kw"),
+    Script("benchmarks/generation.py", ("--smoke", "--warm-only", "2"), "done", True, name="gw"),
+    # the GPU truth's whole schedule (background steps, pinning, waits, summary) at toy size
+    Script(
+        "benchmarks/gpu_check.sh",
+        ("--smoke", "{tmp}/out"),
+        "0 step(s) failed",
+        True,
+        runner=("bash",),
+        timeout_s=900,  # 95-120 s alone on the 2-core box; steps run at once, beside a script
+        # summary.txt's line for each step: its exit status, seconds and start
+        expect=tuple(
+            f"{step}: exit 0 in "
+            for step in (
+                "fla_warm",
+                "kernels_warm",
+                "generation_warm",
+                "check_triton",
+                "generation",
+                "kernels",
+                "model_training",
+            )
+        ),
+    ),
     Script("benchmarks/kernel_times.py", ("--smoke",), "smoke ok", True),
     Script("benchmarks/convert_fla_check.py", ("--smoke",), "fla", True),
     Script("benchmarks/smoke_triton.py", ("--smoke",), "smoke_triton: ok", True),
@@ -81,18 +112,26 @@ def _run(script: Script, tmp: Path) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("TRITON_INTERPRET", None)  # conftest sets it here: --smoke must set it itself
     args = [a.replace("{tmp}", str(tmp)) for a in script.args]
+    cmd = [*(script.runner or (sys.executable,)), script.path, *args]
+    # its own session: a script past its time is stopped with every process it started
+    # (gpu_check.sh runs steps in the background; worker pools outlive a killed parent)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        return subprocess.run(
-            [sys.executable, script.path, *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else ""
-        return subprocess.CompletedProcess(e.cmd, -9, out, f"timed out after {TIMEOUT_S} s")
+        out, err = proc.communicate(timeout=script.timeout_s)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):  # ended in between
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return subprocess.CompletedProcess(cmd, -9, out, f"timed out after {script.timeout_s} s")
 
 
 @dataclass
@@ -129,9 +168,40 @@ def test_script_runs_in_smoke_mode(script: Script, started: Started) -> None:
     proc = started.runs[script.id].result()
     tail = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, f"{script.path} exited {proc.returncode}{tail}"
-    assert script.success in proc.stdout, f"{script.path}: no {script.success!r}{tail}"
+    for line in (script.success, *script.expect):
+        assert line in proc.stdout, f"{script.path}: no {line!r}{tail}"
     # a smoke run's report never lands among the committed GPU results
     assert sorted(RESULTS.rglob("*")) == started.results_before
+
+
+def test_kernels_warm_shapes_launch_what_the_timed_shapes_launch(tmp_path: Path) -> None:
+    """kernels.py compiles its warm-up at T = WARM_T instead of each shape's T: traced on CPU
+    tensors (no interpreter, nothing runs), both launch the same kernel specializations, so the
+    timed run finds every kernel of ours compiled. Small shapes here, the T of the real ones
+    (benchmarks/NOTES.md: the four real SHAPES, 31 specializations, the same result)."""
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    code = (
+        "import kernels as K\n"
+        "shapes = [(2, 4096, 2, 32), (1, 2048, 2, 64)]\n"
+        "timed = K.warm_specializations(shapes, 132)\n"
+        "warm = K.warm_specializations(K.warm_shapes(shapes), 132)\n"
+        "assert timed and all(timed), timed\n"
+        "assert warm == timed, (warm, timed)\n"
+        "print('same', sum(map(len, timed)))\n"
+    )
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the tracer intercepts compiled kernels' launches
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO / "benchmarks",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert proc.returncode == 0 and "same" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 def test_gpu_check_script_parses_and_names_every_step() -> None:
