@@ -10,36 +10,33 @@
 # GPU truth") are installed into /tmp/site; without them the fla columns are left out.
 # Exit status: 0 when every step exited 0 (check_triton exits 1 when a case fails).
 #
-# Schedule and budget (target 540 s, goal 360 s; expected seconds on one H100 machine with 16
-# cores, from session 12's logs, benchmarks/NOTES.md "session 13, item 6"). C = nproc.
+# Schedule and budget (target 540 s, goal 360 s; seconds on one H100 machine with 16 cores,
+# benchmarks/NOTES.md "session 13, item 6"). C = nproc.
 #
-#   t = 0      check_triton     cores 1..C-1, compile phase on C-1 processes (~130 s),
-#                               then the cases (~140 s)                      ~270 s, limit 300
-#   t = 0      kernels_warm     cores 1..C-1, nice 10: our kernels compiled
-#                               on the CPU on <= 8 processes (kernels.py
-#                               --warm-only; no GPU launch;
-#                               31 specializations, ~80 s of compiling): it
-#                               gets the cores the check leaves idle          ~170 s, limit 300
-#   t = 0      generation_warm  the same for the generation check's 6 kernels
-#                               (generation.py --warm-only; ~45 s of
-#                               compiling, the longest fp32's prepare ~27 s)  ~165 s, limit 300
 #   t = 0      fla_install      core 0 alone                                  ~10 s, limit 60
 #   then       fla_warm         core 0 alone, normal priority: fla compiles
-#                               and autotunes in one process (compile-bound,
+#                               and autotunes in one process (compile-bound:
 #                               one core is all it uses; niced beside the
-#                               check it starved: session 12, 330 s cut). Its
-#                               tuning times on a GPU the check's compile
-#                               phase leaves idle for its first ~130 s        ~150 s, limit 240
+#                               check it starved: session 12, 330 s cut), on a
+#                               GPU nothing else launches on until it ends    ~150 s, limit 200
+#   t = 0      check_triton     cores 1..C-1: its compile phase on C-1
+#                               processes (CPU only, ~50 s; session 13: 45 s
+#                               on 16), then it waits for fla_warm
+#                               (--run-after), then its cases (~40 s)         ~200 s, limit 300
+#   t = 0      kernels_warm     cores 1..C-1, nice 10: our kernels compiled
+#                               on the CPU on <= 8 processes (kernels.py
+#                               --warm-only; no GPU launch; 31
+#                               specializations, ~80 s of compiling)          ~100 s, limit 300
+#   t = 0      generation_warm  the same for the generation check's 6 kernels
+#                               (generation.py --warm-only)                    ~60 s, limit 300
 #   then       generation       after fla_warm and generation_warm, nice 10,
-#                               any core (core 0 is idle by then):
-#                               the decode checks, correctness only; its
-#                               Triton kernels warm, torch.compile of three
-#                               2-layer decode steps is most of it             ~40 s, limit 150
-#   wait for all of the above (it ends by ~270 s), then, alone on the machine:
-#   ~270 s     kernels          timed against fla, 2 rounds, everything warm:
+#                               any core: the decode checks, correctness only
+#                               (beside the check's cases: nothing timed)      ~40 s, limit 150
+#   wait for all of the above (~200 s), then, alone on the machine:
+#   ~200 s     kernels          timed against fla, 3 rounds, everything warm:
 #                               fla's tunings read from Triton's cache        ~35 s, limit 120
-#   ~305 s     model_training   one compiled training shape, timed            ~55 s, limit 90
-#   ~360 s     end
+#   ~235 s     model_training   one compiled training shape, timed            ~55 s, limit 90
+#   ~290 s     end
 #
 # Every background step also stops at BG_DEADLINE (330 s), so that a hung one still leaves the
 # two timed steps their limits: 330 + 120 + 90 = 540 s at worst.
@@ -67,12 +64,14 @@ if [ -n "$SMOKE" ]; then  # the CPU is slow and the check's smoke mode is its ow
   CHECK_ARGS=(--smoke --workers 2)
   TRAIN_ARGS=(--steps 1 --warmup 1)
 else
-  BG_DEADLINE=330 L_CHECK=300 L_WARM=300 L_INSTALL=60 L_FLA=240 L_GEN=150 L_KERNELS=120 L_TRAIN=90
+  BG_DEADLINE=330 L_CHECK=300 L_WARM=300 L_INSTALL=60 L_FLA=200 L_GEN=150 L_KERNELS=120 L_TRAIN=90
   CHECK_ARGS=(--gpu-memory 50)  # the rest of the GPU's memory for fla's warm-up and generation
   TRAIN_ARGS=(--steps 5 --warmup 2)
 fi
 
 START=$SECONDS
+GPU_FREE="$OUT_DIR/.gpu_free"  # written when fla's warm-up is over
+rm -f "$GPU_FREE"
 # step NAME LIMIT CPUS NICE COMMAND...: run COMMAND under `timeout` (a background step: also
 # BG_DEADLINE), pinned to CPUS ("" = any core) at priority NICE, log to NAME.log, and write its
 # exit status, start and seconds to summary.txt. Returns the command's exit status.
@@ -103,6 +102,7 @@ FLA_PATH=""
     PYTHONPATH=$FLA_PATH$PYTHONPATH step fla_warm "$(bg_limit $L_FLA)" "$FLA_CPUS" 0 \
       python3 benchmarks/kernels.py --warm-fla $SMOKE
   fi
+  touch "$GPU_FREE"  # fla's tuning is over (or there is none): the check may use the GPU
 } &
 FLA_PID=$!
 # 31 kernels, ~80 s of compiling, the longest ~9 s: 8 processes finish within ~15 s of getting
@@ -118,14 +118,20 @@ step kernels_warm "$(bg_limit $L_WARM)" "$OTHER_CPUS" 10 python3 benchmarks/kern
   step generation "$(bg_limit $L_GEN)" "" 10 python3 benchmarks/generation.py --check-only \
     --out "$OUT_DIR" $SMOKE
 } &
+# The check compiles on the CPU at once and runs its cases on the GPU once fla has tuned on a
+# quiet GPU (--run-after): fla's autotuner picks its configs by timing them, and 16 case
+# processes beside it would make it pick on noise, and the comparison unfair to it.
 step check_triton $L_CHECK "$OTHER_CPUS" 0 python3 benchmarks/check_triton.py \
-  --compile-workers "$OTHER_CORES" "${CHECK_ARGS[@]}" --out "$OUT_DIR/check_triton.md"
+  --compile-workers "$OTHER_CORES" "${CHECK_ARGS[@]}" --run-after "$GPU_FREE" \
+  --out "$OUT_DIR/check_triton.md"
 wait
+# a step cut by its timeout leaves its worker processes behind: none may run beside the timings
+pkill -9 -f "from multiprocessing.spawn import" 2> /dev/null
 
 # ---- timed, alone on the machine
 grep -q "^fla_install: exit 0 " "$SUMMARY" && FLA_PATH=/tmp/site:  # (set in a subshell above)
 PYTHONPATH=$FLA_PATH$PYTHONPATH step kernels $L_KERNELS "" 0 python3 benchmarks/kernels.py \
-  --skip-torch --rounds 2 --out "$OUT_DIR" $SMOKE
+  --skip-torch --rounds 3 --out "$OUT_DIR" $SMOKE
 step model_training $L_TRAIN "" 0 python3 benchmarks/model_training.py --compile blocks \
   --skip-fla "${TRAIN_ARGS[@]}" --top 0 --out "$OUT_DIR" $SMOKE
 
