@@ -518,12 +518,13 @@ def measure(label: str, rule: str, smoke: bool) -> tuple[str, dict, dict]:
     """One case: ({variant: {gradient: ‖Δ‖/‖ref‖}}, {variant: {buffer: ‖Δ‖/‖ref‖}}) for the
     Triton variants, the emulations and the emulation on the kernels' buffers; buffers against
     the float64 emulation's."""
-    import check_triton as ct
+    import _check_cases as ct
+    import check_triton
 
     device = "cpu" if smoke else "cuda"
     dt = "fp32" if smoke else "bf16"  # the interpreter's bf16 dots are wrong: plumbing only
     dtype = torch.float16 if smoke else ct.DTYPES[dt]
-    cases = [c[1] for c in ct.plan([dt], smoke, device) if c[0] == "op"]
+    cases = [c[1] for c in check_triton.plan([dt], smoke, device) if c[0] == "op"]
     _, B, T, Dk, Dv, lengths, rule, ne, _, seed, _ = next(
         c for c in cases if c[0] == label and c[6] == rule
     )

@@ -73,7 +73,7 @@ class Products(TorchDispatchMode):
 
 def errors(B, T, Dk, Dv, rule, ne, cu_lengths=None) -> dict[str, float]:
     """Worst ‖Δ‖/‖ref‖ over o, the state and the six gradients, per product mode."""
-    import check_triton as ct
+    import _check_cases as ct
 
     cu = None
     if cu_lengths is not None:

@@ -9,7 +9,7 @@ import torch
 from _scripts import load_script
 
 floor = load_script("benchmarks/bf16_floor.py")
-check = load_script("benchmarks/check_triton.py")
+check = load_script("benchmarks/_check_cases.py")
 
 # (rule, negative eigenvalues, B, T, Dk, Dv, varlen lengths): unit and raw keys, a rule without
 # beta, a chunk boundary, Dk != Dv, packed sequences with empty and 1-token ones
