@@ -206,14 +206,15 @@ def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]
     return cases
 
 
-def report(rows, device_name, wall, workers, smoke) -> tuple[str, bool]:
+def report(rows, device_name, wall, waited, workers, smoke) -> tuple[str, bool]:
     cols = ["o", "o fused", "state"] + [f"d{n}" for n in NAMES] + ["bf16 floor"]
     all_ok = all(r[5] for r in rows)
     lines = [
         f"# Triton backend check: {device_name}, torch {torch.__version__}, "
         f"triton {__import__('triton').__version__}, commit {git_commit()}",
         "",
-        f"wall time: {wall:.0f} s ({workers} worker processes{', smoke mode' if smoke else ''})",
+        f"wall time: {wall:.0f} s ({workers} worker processes{', smoke mode' if smoke else ''}"
+        + (f"; not counted: {waited:.0f} s waiting for the GPU, --run-after)" if waited else ")"),
         "",
         "‖Δ‖/‖ref‖ vs float64; tolerance bf16 5e-3, fp32 1e-4; outputs poisoned before every "
         "launch. bf16 floor (cases over tolerance): the float64 gradient recomputed with bf16 "
@@ -359,11 +360,13 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
 
+    waited = 0.0  # not the check's own time: the report's wall time leaves it out, and says so
     if args.run_after:  # the GPU is someone else's until then (gpu_check.sh: fla's tuning)
-        waited = time.perf_counter()
+        since = time.perf_counter()
         while not Path(args.run_after).exists():
             time.sleep(1)
-        print(f"run phase: waited {time.perf_counter() - waited:.0f} s for {args.run_after}")
+        waited = time.perf_counter() - since
+        print(f"run phase: waited {waited:.0f} s for {args.run_after}")
     # A fresh process per batch (cases sharing their kernels): the driver keeps each process's
     # local-memory reservation at its largest kernel's until the process ends
     # (_check_schedule.py); a batch is charged its largest case's memory.
@@ -379,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         init_args,
         on_result,
     )
-    text, all_ok = report(rows, name, time.perf_counter() - start, args.workers, args.smoke)
+    wall = time.perf_counter() - start - waited
+    text, all_ok = report(rows, name, wall, waited, args.workers, args.smoke)
     print(text)
     out = args.out
     if out is None and not args.smoke:
