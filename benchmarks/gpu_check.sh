@@ -13,18 +13,18 @@
 # Schedule and budget (target 540 s, goal 360 s; seconds on one H100 machine with 16 cores,
 # benchmarks/NOTES.md "session 13, item 6"). C = nproc.
 #
-#   t = 0      fla_install      cores 0..C/4-1                                ~10 s, limit 60
-#   then       fla_warm         cores 0..C/4-1, normal priority: fla compiles
+#   t = 0      fla_install      cores 0..C/2-1                                ~10 s, limit 60
+#   then       fla_warm         cores 0..C/2-1, normal priority: fla compiles
 #                               and autotunes in one process (niced beside
 #                               the check it starved: session 12, 330 s cut;
 #                               on one core it did half its shapes in 200 s:
-#                               session 13), on a GPU nothing else launches
-#                               on until it ends                              ~170 s, limit 230
+#                               session 13; on 4 cores 228 s), on a GPU
+#                               nothing else launches on until it ends        ~200 s, limit 260
 #   t = 0      check_triton     the other cores: its compile phase on them
-#                               (CPU only, ~55 s; session 13: 53 s on 15),
+#                               (CPU only, ~60 s; session 13: 45 s on 12),
 #                               then it waits for fla_warm (--run-after;
 #                               not in its reported wall time), then its
-#                               cases (~50 s)                                 ~220 s, limit 300
+#                               cases (~50 s; session 13: 92 s in all)        ~250 s, limit 330
 #   t = 0      kernels_warm     the other cores, nice 10: our kernels compiled
 #                               on the CPU on <= 8 processes (kernels.py
 #                               --warm-only; no GPU launch; 31
@@ -35,15 +35,17 @@
 #                               any core: the decode checks, correctness only
 #                               (beside the check's cases: nothing timed;
 #                               session 13: 68 s)                              ~70 s, limit 150
-#   wait for all of the above (~250 s), then, alone on the machine:
-#   ~250 s     kernels          timed against fla, 3 rounds, everything warm:
-#                               fla's tunings read from Triton's cache        ~40 s, limit 120
-#   ~290 s     model_training   one compiled training shape, timed
-#                               (session 13: 54 s)                            ~55 s, limit 90
-#   ~345 s     end
+#   wait for all of the above (~270 s; session 13: 281 s), then, alone on the machine:
+#   ~270 s     kernels          timed against fla, 3 rounds, everything warm:
+#                               fla's tunings read from Triton's cache
+#                               (session 13: 29 s)                            ~30 s, limit 120
+#   ~300 s     model_training   one compiled training shape, timed
+#                               (session 13: 43 s)                            ~50 s, limit 90
+#   ~350 s     end (session 13, call 5, fla on 4 cores: 353 s)
 #
-# Every background step also stops at BG_DEADLINE (330 s), so that a hung one still leaves the
-# two timed steps their limits: 330 + 120 + 90 = 540 s at worst.
+# Every background step also stops at BG_DEADLINE (330 s), and the check at its own 330 s, so
+# that a hung one still leaves the two timed steps their limits: 330 + 120 + 90 = 540 s at
+# worst.
 set -u
 cd "$(dirname "$0")/.."
 SMOKE=""
@@ -56,9 +58,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CA
 
 CORES=$(nproc)  # the cores this process may use (affinity-aware)
 if [ "$CORES" -ge 2 ] && command -v taskset > /dev/null; then
-  # fla gets a quarter of the cores (one core took 200 s for half its shapes, session 13
-  # call 4: Triton's compile is multithreaded), the rest the check and the warm-ups
-  FLA_N=$(((CORES + 3) / 4))
+  # fla gets half the cores (session 13: one core did half its shapes in 200 s; four cores all
+  # of them in 228 s); the check's compile phase, which waits for it anyway, the other half
+  FLA_N=$(((CORES + 1) / 2))
   FLA_CPUS="0-$((FLA_N - 1))" OTHER_CPUS="$FLA_N-$((CORES - 1))" OTHER_CORES=$((CORES - FLA_N))
 else  # one core, or no taskset: nothing pinned, said in the summary
   FLA_CPUS="" OTHER_CPUS="" OTHER_CORES=$CORES
@@ -71,7 +73,7 @@ if [ -n "$SMOKE" ]; then  # the CPU is slow and the check's smoke mode is its ow
   CHECK_ARGS=(--smoke --workers 2)
   TRAIN_ARGS=(--steps 1 --warmup 1)
 else
-  BG_DEADLINE=330 L_CHECK=300 L_WARM=300 L_INSTALL=60 L_FLA=230 L_GEN=150 L_KERNELS=120 L_TRAIN=90
+  BG_DEADLINE=330 L_CHECK=330 L_WARM=300 L_INSTALL=60 L_FLA=260 L_GEN=150 L_KERNELS=120 L_TRAIN=90
   CHECK_ARGS=(--gpu-memory 50)  # the rest of the GPU's memory for fla's warm-up and generation
   TRAIN_ARGS=(--steps 5 --warmup 2)
 fi
