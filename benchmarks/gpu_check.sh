@@ -13,13 +13,13 @@
 # Schedule and budget (target 540 s, goal 360 s; seconds on one H100 machine with 16 cores,
 # benchmarks/NOTES.md "session 13, item 6"). C = nproc.
 #
-#   t = 0      fla_install      cores 0..C/2-1                                ~10 s, limit 60
-#   then       fla_warm         cores 0..C/2-1, normal priority: fla compiles
+#   t = 0      fla_install      cores 0..C/4-1                                ~10 s, limit 60
+#   then       fla_warm         cores 0..C/4-1, normal priority: fla compiles
 #                               and autotunes in one process (niced beside
 #                               the check it starved: session 12, 330 s cut;
 #                               on one core it did half its shapes in 200 s:
 #                               session 13; on 4 cores 228 s), on a GPU
-#                               nothing else launches on until it ends        ~200 s, limit 260
+#                               nothing else launches on until it ends        ~230 s, limit 250
 #   t = 0      check_triton     the other cores: its compile phase on them
 #                               (CPU only, ~60 s; session 13: 45 s on 12),
 #                               then it waits for fla_warm (--run-after;
@@ -58,9 +58,10 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CA
 
 CORES=$(nproc)  # the cores this process may use (affinity-aware)
 if [ "$CORES" -ge 2 ] && command -v taskset > /dev/null; then
-  # fla gets half the cores (session 13: one core did half its shapes in 200 s; four cores all
-  # of them in 228 s); the check's compile phase, which waits for it anyway, the other half
-  FLA_N=$(((CORES + 1) / 2))
+  # fla gets a quarter of the cores (session 13 on 16: one core did half its shapes in 200 s;
+  # four all of them in 228 s, the whole script 353 s; eight took longer per shape, > 260 s, as
+  # the other eight, oversubscribed, slowed everything: call 6), the rest the check and warm-ups
+  FLA_N=$(((CORES + 3) / 4))
   FLA_CPUS="0-$((FLA_N - 1))" OTHER_CPUS="$FLA_N-$((CORES - 1))" OTHER_CORES=$((CORES - FLA_N))
 else  # one core, or no taskset: nothing pinned, said in the summary
   FLA_CPUS="" OTHER_CPUS="" OTHER_CORES=$CORES
@@ -73,7 +74,7 @@ if [ -n "$SMOKE" ]; then  # the CPU is slow and the check's smoke mode is its ow
   CHECK_ARGS=(--smoke --workers 2)
   TRAIN_ARGS=(--steps 1 --warmup 1)
 else
-  BG_DEADLINE=330 L_CHECK=330 L_WARM=300 L_INSTALL=60 L_FLA=260 L_GEN=150 L_KERNELS=120 L_TRAIN=90
+  BG_DEADLINE=330 L_CHECK=330 L_WARM=300 L_INSTALL=60 L_FLA=250 L_GEN=150 L_KERNELS=120 L_TRAIN=90
   CHECK_ARGS=(--gpu-memory 50)  # the rest of the GPU's memory for fla's warm-up and generation
   TRAIN_ARGS=(--steps 5 --warmup 2)
 fi
