@@ -441,10 +441,13 @@ def spans_of(B: int, T: int, cu_seqlens: Tensor | None) -> list[tuple[int, int, 
 
 
 # ------------------------------------------------------------------------------- the GPU script
-# check_triton's bf16 cases over tolerance and over 1.1x their floor on the H100 at 760bd6b
-# (benchmarks/NOTES.md, issue 30, session 12), by label and rule; check_triton.plan gives their
-# shapes, negative eigenvalues and seeds.
+# check_triton's bf16 cases over tolerance and over 1.1x their floor on the H100, by label and
+# rule (check_triton.plan gives their shapes, negative eigenvalues and seeds): at 2e6ac73
+# (session 13, call 5: strengths folded into T) the first two; at 760bd6b (session 12) the rest,
+# which pass since the fold.
 CASES = [
+    ("T=64", "trapezoid"),
+    ("T=65", "longhorn"),
     ("T=200 Dk=Dv=256", "longhorn"),
     ("varlen", "longhorn"),
     ("T=65", "trapezoid"),
