@@ -84,8 +84,8 @@ def compile_phase(
     task: Callable[..., tuple[float, dict]],
     workers: int,
     ctx: Any,
-    init: Callable[..., None],
-    init_args: tuple,
+    init: Callable[..., None] | None = None,
+    init_args: tuple = (),
     log: Callable[[str], None] = print,
 ) -> dict[Any, dict]:
     """Compile every key of ``first`` (key → the case whose trace launches it) with
@@ -127,6 +127,32 @@ def batches(cases: list, group_of: Callable[[Any], Any], size: int) -> list[list
     for i, case in enumerate(cases):
         groups.setdefault(group_of(case), []).append(i)
     return [g[j : j + size] for g in groups.values() for j in range(0, len(g), size)]
+
+
+def warm_up(
+    cases: list,
+    keys: list[list],
+    task: Callable[..., tuple[float, dict]],
+    workers: int,
+    smoke: bool,
+    started: float,
+) -> bool:
+    """The --warm-only path of kernels.py and generation.py: every specialization of ``keys``
+    (``keys[i]``: what ``cases[i]`` launches, traced since ``started``) compiled once with
+    ``task`` by :func:`compile_phase` on spawned processes. False when the trace saw no launch
+    (a warm-up that warms nothing must not pass) or a compile failed; smoke: trace only (the
+    interpreter compiles nothing)."""
+    import multiprocessing
+
+    first = first_case_of(cases, keys)
+    print(f"warm: {len(first)} specializations traced in {time.perf_counter() - started:.0f} s")
+    if not first:
+        print("error: --warm-only traced no Triton launch")
+        return False
+    if smoke:
+        return True
+    ctx = multiprocessing.get_context("spawn")  # torch's threads do not survive a fork
+    return len(compile_phase(first, task, workers, ctx)) == len(first)
 
 
 def case_memory_gb(keys: list[Any], usage: dict[Any, dict], threads: int) -> float:

@@ -13,6 +13,7 @@ registers, spill stack and shared memory of each, for sm_90 on a CPU).
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -86,6 +87,22 @@ def compile_launch(fn: Any, run: Callable[..., Any], kwargs: dict[str, Any]) -> 
     """Compile (or find in the disk cache) what this launch needs, launching nothing: Triton's
     warm-up path. Returns the compiled kernel (``.asm``, ``.metadata``)."""
     return run(fn, grid=(1,), warmup=True, **kwargs)
+
+
+def compile_task(key: Specialization, traced: Callable[[Handler], Any]) -> tuple[float, dict]:
+    """A compile phase's task (_check_schedule.compile_phase): ``traced(handler)`` runs some code
+    with its Triton launches sent to ``handler``, which compiles the first launch of
+    specialization ``key`` into Triton's disk cache (nothing launched or loaded on the GPU).
+    Returns the seconds and the kernel's :func:`resource_usage` (empty if ``key`` never came)."""
+    found: dict[str, Any] = {}
+
+    def handler(fn: Any, run: Callable[..., Any], kwargs: dict[str, Any]) -> None:
+        if not found and specialization(fn, kwargs) == key:
+            found["kernel"] = compile_launch(fn, run, kwargs)
+
+    start = time.perf_counter()
+    traced(handler)
+    return time.perf_counter() - start, resource_usage(found["kernel"]) if found else {}
 
 
 @contextlib.contextmanager

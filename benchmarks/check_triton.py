@@ -107,17 +107,9 @@ def compile_one(kind: str, args: tuple, key) -> tuple[float, dict]:
     """A compile-phase task: specialization ``key`` compiled into Triton's disk cache by tracing
     its case, nothing launched or loaded (so no GPU local memory is reserved). Returns the
     seconds and the kernel's registers, spill stack and shared memory."""
-    from _launches import compile_launch, resource_usage, specialization
+    from _launches import compile_task
 
-    found = {}
-
-    def handler(fn, run, kwargs):
-        if not found and specialization(fn, kwargs) == key:
-            found["kernel"] = compile_launch(fn, run, kwargs)
-
-    start = time.perf_counter()
-    trace(kind, args, handler)
-    return time.perf_counter() - start, resource_usage(found["kernel"]) if found else {}
+    return compile_task(key, lambda handler: trace(kind, args, handler))
 
 
 def _init_worker(smoke: bool, bwd_states_fp32: bool = False) -> None:

@@ -289,23 +289,15 @@ def _prefills(arch: dict[str, Any], sizes: dict[str, int]) -> list[Callable[[], 
 def _compile_warm(kind: str, args: tuple, key: Any) -> tuple[float, dict]:
     """A compile task: specialization ``key`` of prefill ``args[0]`` compiled into Triton's
     disk cache (traced on CPU tensors, nothing launched on the GPU)."""
-    from _launches import compile_launch, intercepted, resource_usage, specialization
+    from _launches import compile_task, intercepted
 
     index, sms, arch, sizes = args
-    found = {}
 
-    def handler(fn: Any, run: Any, kwargs: dict[str, Any]) -> None:
-        if not found and specialization(fn, kwargs) == key:
-            found["kernel"] = compile_launch(fn, run, kwargs)
+    def traced(handler: Any) -> None:
+        with torch.no_grad(), intercepted(handler, sms):
+            _prefills(arch, sizes)[index]()
 
-    start = time.perf_counter()
-    with torch.no_grad(), intercepted(handler, sms):
-        _prefills(arch, sizes)[index]()
-    return time.perf_counter() - start, resource_usage(found["kernel"]) if found else {}
-
-
-def _no_init() -> None:
-    pass
+    return compile_task(key, traced)
 
 
 def warm(arch: dict[str, Any], sizes: dict[str, int], workers: int, smoke: bool) -> int:
@@ -314,7 +306,7 @@ def warm(arch: dict[str, Any], sizes: dict[str, int], workers: int, smoke: bool)
     on ``workers`` processes, on the CPU: check_triton's compile phase over these traces.
     Compiled in the check's own process they are ~40 s of its time, one after another;
     gpu_check.sh runs this beside check_triton instead. Smoke: trace only."""
-    from _check_schedule import compile_phase, first_case_of
+    from _check_schedule import warm_up
     from _launches import record
 
     start = time.perf_counter()
@@ -322,18 +314,13 @@ def warm(arch: dict[str, Any], sizes: dict[str, int], workers: int, smoke: bool)
     with torch.no_grad():
         keys = [record(fn, sms) for fn in _prefills(arch, sizes)]
     cases = [("prefill", (i, sms, arch, sizes)) for i in range(len(keys))]
-    first = first_case_of(cases, keys)
-    print(f"warm: {len(first)} specializations traced in {time.perf_counter() - start:.0f} s")
-    if not first:  # a warm-up that warms nothing must not pass
-        print("error: --warm-only traced no Triton launch")
+    if not warm_up(cases, keys, _compile_warm, workers, smoke, start):
         return 1
-    if smoke:
-        print("generation: done (traced, nothing compiled)")
-        return 0
-    ctx = torch.multiprocessing.get_context("spawn")
-    usage = compile_phase(first, _compile_warm, workers, ctx, _no_init, ())
-    print(f"generation: done (warm-up in {time.perf_counter() - start:.0f} s)")
-    return 0 if len(usage) == len(first) else 1
+    done = (
+        "traced, nothing compiled" if smoke else f"warm-up in {time.perf_counter() - start:.0f} s"
+    )
+    print(f"generation: done ({done})")
+    return 0
 
 
 # ------------------------------------------------------------------------------- benchmark

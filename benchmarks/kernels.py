@@ -220,27 +220,19 @@ def _compile_warm(kind: str, args: tuple, key) -> tuple[float, dict]:
     traced on CPU tensors) compiled into Triton's disk cache, nothing launched on the GPU."""
     import itertools
 
-    from _launches import compile_launch, intercepted, resource_usage, specialization
+    from _launches import compile_task, intercepted
 
     global DEVICE
     index, sms, shapes = args
     DEVICE = "cpu"
     todo = measurements(None, True, shapes, [])
     *_, fn = next(itertools.islice(todo, index, None))
-    found = {}
 
-    def handler(jit_fn, run, kwargs):
-        if not found and specialization(jit_fn, kwargs) == key:
-            found["kernel"] = compile_launch(jit_fn, run, kwargs)
+    def traced(handler) -> None:
+        with intercepted(handler, sms):
+            fn()
 
-    start = time.perf_counter()
-    with intercepted(handler, sms):
-        fn()
-    return time.perf_counter() - start, resource_usage(found["kernel"]) if found else {}
-
-
-def _no_init() -> None:
-    pass
+    return compile_task(key, traced)
 
 
 def warm(workers: int, smoke: bool) -> int:
@@ -249,25 +241,21 @@ def warm(workers: int, smoke: bool) -> int:
     (_check_schedule.compile_phase) over this script's measurements. CPU only: no GPU memory
     and no launch beside fla's autotuning (gpu_check.sh runs both at once). Smoke: trace only
     (the interpreter compiles nothing)."""
-    from _check_schedule import compile_phase, first_case_of
+    from _check_schedule import warm_up
 
     start = time.perf_counter()
     sms = 132 if smoke else torch.cuda.get_device_properties(0).multi_processor_count
     shapes = warm_shapes(SMOKE_SHAPES if smoke else SHAPES)
     keys = warm_specializations(shapes, sms, all_rules=smoke)
     cases = [("measurement", (i, sms, shapes)) for i in range(len(keys))]
-    first = first_case_of(cases, keys)
-    print(f"warm: {len(first)} specializations traced in {time.perf_counter() - start:.0f} s")
-    if not first:  # the tracer saw no launch: a warm-up that warms nothing must not pass
-        print("error: --warm-only traced no Triton launch")
+    if not warm_up(cases, keys, _compile_warm, workers, smoke, start):
         return 1
-    if smoke:
-        print("smoke ok: traced, nothing compiled")
-        return 0
-    ctx = torch.multiprocessing.get_context("spawn")
-    usage = compile_phase(first, _compile_warm, workers, ctx, _no_init, ())
-    print(f"warm: done in {time.perf_counter() - start:.0f} s")
-    return 0 if len(usage) == len(first) else 1
+    print(
+        "smoke ok: traced, nothing compiled"
+        if smoke
+        else f"warm: done in {time.perf_counter() - start:.0f} s"
+    )
+    return 0
 
 
 def warm_fla(fla) -> int:

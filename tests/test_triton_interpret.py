@@ -101,14 +101,18 @@ def test_varlen_with_initial_states():
     assert rel_err(o, o_ref) <= 1e-4 and rel_err(s, s_ref) <= 1e-4
 
 
-def test_half_precision_inputs():
-    # fp16 here: the CPU interpreter's bf16 tl.dot is wrong (numpy has no bf16), so bf16 is
-    # checked on the GPU by benchmarks/check_triton.py (and here too when a GPU is present).
+def _half_inputs(T: int, Dk: int, Dv: int, rule: str, seed: int) -> tuple[torch.dtype, dict]:
+    """Inputs with q, k, v in half precision: bf16 on a GPU, fp16 in the CPU interpreter (whose
+    bf16 tl.dot is wrong: numpy has no bf16; benchmarks/check_triton.py checks bf16 on the GPU)."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    inputs = make_inputs(1, 80, 2, 32, 32, rule="delta", dtype=torch.float32, seed=6)
+    inputs = make_inputs(1, T, 2, Dk, Dv, rule=rule, dtype=torch.float32, seed=seed)
     for n in ("q", "k", "v"):
         inputs[n] = inputs[n].to(dtype)
-    inputs = on_device(inputs)
+    return dtype, on_device(inputs)
+
+
+def test_half_precision_inputs():
+    dtype, inputs = _half_inputs(80, 32, 32, "delta", seed=6)
     o_ref, _ = delta_rule(**{n: t.double() for n, t in inputs.items()}, backend="reference")
     o, _ = delta_rule(**inputs, backend="triton")
     assert o.dtype == dtype and rel_err(o, o_ref) <= 1e-2
@@ -222,11 +226,7 @@ def test_chunk_size_is_refused_not_ignored():
 def test_half_precision_backward_with_fp32_states():
     # triton_backend.BACKWARD_STATES_FP32 gives the key-side gradient kernel narrower value
     # blocks (gradients.GRADS_BV_FP32; Dv = 48 spans two of them): same gradients either way.
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    inputs = make_inputs(1, 70, 2, 16, 48, rule="longhorn", dtype=torch.float32, seed=9)
-    for n in ("q", "k", "v"):
-        inputs[n] = inputs[n].to(dtype)
-    inputs = on_device(inputs)
+    _, inputs = _half_inputs(70, 16, 48, "longhorn", seed=9)
     ref = _fwd_bwd({n: t.double() for n, t in inputs.items()}, "reference", rule="longhorn")
     for fp32_states in (False, True):
         triton_backend.BACKWARD_STATES_FP32 = fp32_states
@@ -242,24 +242,20 @@ def test_half_precision_backward_with_fp32_states():
     "module, flag, value",
     [
         ("prepare", "PREPARE_T_PRECISION", "tf32x3"),
-        ("prepare", "PREPARE_FOLD_STRENGTHS", True),
+        ("prepare", "PREPARE_FOLD_STRENGTHS", False),  # on by default: the unfolded form
         ("gradients", "GRADS_T_FP32", True),
     ],
 )
 def test_half_precision_backward_with_t_flags(monkeypatch, module, flag, value):
     # issue 30 item 4's switches (benchmarks/bf16_floor.py FLAGS): T's off-diagonal products
-    # fp32-accurate, the strengths folded into T for W and Ũ (K and V as loaded), and the
+    # fp32-accurate, the strengths not folded into T (aΓK and bV rounded for W and Ũ), and the
     # gradient kernels' products with T on T as stored (fp32), with
     # dA = −Tᵀ(dU Uᵀ) and dX = −Tᵀ(dU S_0ᵀ) reassociated: the same gradients. Dv = 80 spans two
     # value blocks of the gradient kernels (the reassociated sums run over them).
     import importlib
 
     monkeypatch.setattr(importlib.import_module(f"deltaflow.ops.triton.{module}"), flag, value)
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
-    inputs = make_inputs(1, 70, 2, 16, 80, rule="longhorn", dtype=torch.float32, seed=9)
-    for n in ("q", "k", "v"):
-        inputs[n] = inputs[n].to(dtype)
-    inputs = on_device(inputs)
+    _, inputs = _half_inputs(70, 16, 80, "longhorn", seed=9)
     ref = _fwd_bwd({n: t.double() for n, t in inputs.items()}, "reference", rule="longhorn")
     got = _fwd_bwd(inputs, "triton", rule="longhorn")
     for name, g, g_ref in zip(["o", "state", *NAMES], got, ref):
