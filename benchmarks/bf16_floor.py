@@ -48,7 +48,8 @@ C = 64  # the Triton chunk (deltaflow.ops.chunk.TRITON_CHUNK_SIZE)
 
 # One knob per rounding point of the Triton backward (what is rounded, where):
 KNOBS = {
-    "T_tf32": "prepare: T = D − M(D − M(D − M D)), M = D A_below, tf32 operands (truncated)",
+    "T_tf32": "prepare: T = D − M(D − M(D − M D)), M = D A_below, tf32 operands (truncated;"
+    " =split: the backward's hi + lo pairs, prepare.BACKWARD_T_PRECISION)",
     "T_W": "prepare: T rounded to bf16 as the operand of W = T X and Ũ = T Y",
     "X": "prepare: X = diag(aΓ) K rounded to bf16 as the operand of W = T X",
     "Y": "prepare: Y = diag(b) V rounded to bf16 as the operand of Ũ = T Y",
@@ -78,15 +79,6 @@ KNOBS = {
 # Knobs of tf32 dots (by default rounded as sm_90 reads fp32 for them, tf32z; the others: to
 # the dot dtype)
 TF32_KNOBS = ("T_tf32", "TdU_tf32")
-# What the Triton kernels round now: every knob but the two decayed keys, which the state pass
-# and the reverse pass no longer form (the decay scales U's rows, and dU's rows after K G), and
-# the candidate TdU_tf32 (gradients.GRADS_T_FP32, off). Beyond the floor (FLOOR below) that
-# leaves T_tf32, dY_dot and rev_q (S0_dot and G_dot round nothing while h and dh are stored in
-# bf16; M enters dq and dk only).
-TRITON_UNFOLDED = tuple(k for k in KNOBS if k not in ("fwd_K", "rev_K", "TdU_tf32", "T_X", "T_Y"))
-# ... as they are, with prepare.PREPARE_FOLD_STRENGTHS (on since session 13's probe): T diag(aΓ)
-# and T diag(b) rounded once for W and Ũ, K and V as loaded (no T_W, X, Y)
-TRITON = tuple(k for k in TRITON_UNFOLDED if k not in ("T_W", "X", "Y")) + ("T_X", "T_Y")
 # What a bf16 chunked implementation rounds, the "bf16 floor": each knob is a rounding that fla
 # (flash-linear-attention, the reference bf16 implementation: ops/gated_delta_rule/chunk.py,
 # wy_fast.py, ops/common/chunk_delta_h.py, chunk_o.py) does at the same point of the same
@@ -110,6 +102,20 @@ FLOOR_REASONS = {
     "T_dot": "prepare_wy_repr_bwd: tl.dot(b_A, b_du) with A = T in bf16",
 }
 FLOOR = tuple(FLOOR_REASONS)
+# What the Triton backward rounds (bf16/fp16 inputs; issue 30 item 4, session 14): the floor's
+# roundings (the backward's prepare does not fold the strengths and forms T's products from
+# hi + lo bf16 pairs, ~16 bits: prepare.BACKWARD_T_PRECISION, BACKWARD_FOLD_STRENGTHS), M
+# (which reaches dq and dk only), and dY and Γq as hi + lo pairs for their products
+# (common.dot_split: fla keeps both in fp32).
+# S0_dot and G_dot round nothing while h and dh are stored in bf16.
+TRITON = (*FLOOR, "M", "dY_dot=split", "rev_q=split", "T_tf32=split")
+# What it rounded until session 13 (the forward's prepare settings: T's products on truncated
+# tf32, the strengths folded into T; dY and Γq cast to bf16): 0.73-1.7x the floor over CPU
+# draws, two of check_triton's cases over 1.1x on the H100 (results/issue30/s13call5).
+TRITON_S13 = (
+    *(k for k in FLOOR if k not in ("T_W", "X", "Y")),
+    *("T_tf32", "T_X", "T_Y", "M", "dY_dot", "rev_q", "S0_dot", "G_dot"),
+)
 
 
 # The backward's buffers of the state passes, as ``steps`` names them
@@ -174,9 +180,14 @@ def _rule_terms(rule: str, ne: bool, beta: Tensor | None, lam: Tensor, eps: floa
     beta = beta.detach().requires_grad_(True)
     lam = lam.detach().requires_grad_(True)
     a, b = step_coefficients(rule, beta, lam, negative_eigenvalues=ne, eps=eps)
-    da = torch.autograd.grad(a.sum(), (beta, lam), allow_unused=True, retain_graph=True)
-    db = torch.autograd.grad(b.sum(), (beta, lam), allow_unused=True)
     z = torch.zeros_like(lam)
+
+    def grads(y: Tensor, retain: bool) -> tuple:  # a constant strength (linear's a) has none
+        if not y.requires_grad:
+            return (None, None)
+        return torch.autograd.grad(y.sum(), (beta, lam), allow_unused=True, retain_graph=retain)
+
+    da, db = grads(a, True), grads(b, False)
     da_db, da_dl, db_db, db_dl = (z if g is None else g for g in (*da, *db))
     return a.detach(), b.detach(), da_db, da_dl, db_db, db_dl
 
@@ -455,19 +466,17 @@ CASES = [
     ("T=65", "relaxed_kaczmarz"),
 ]
 # Triton variants: launch-setting flags set for one run (name -> {"module.FLAG": value}, the
-# module under deltaflow.ops). Diagnostics and candidates: W and Ũ from T diag(aΓ) and T diag(b)
-# rounded once, K and V as loaded (X and Y's roundings gone: session 13's probe found Y's alone
-# 2.2e-2 of D=256's dβ, and W Ũ from fp32 operands took it from 3.1e-2 to 6.8e-3); T's products
-# fp32-accurate (tf32x3: T_tf32 gone), and the gradient kernels' products with T on T as stored
-# (fp32, tf32 dots), reassociated (T_dot, dY_dot gone: "emu: triton, T fp32 reassociated").
-# (Not here: the backward's states in fp32, triton_backend.BACKWARD_STATES_FP32, moved none of
-# these cases, session 12 call 5; W and Ũ from tf32 operands, prepare.PREPARE_LOW_PRECISION_DOTS
-# = False, measured in results/issue30/s13probe: 3 of the 5 cases under 5e-3, fp32 tile dots.)
+# module under deltaflow.ops). The backward's prepare as the forward's (T's products on
+# truncated tf32, the strengths folded into T: what session 13 measured, with dY and Γq split
+# as now). (Not here: the backward's states in fp32, triton_backend.BACKWARD_STATES_FP32, moved
+# none of session 12's cases, session 12 call 5; W and Ũ from tf32 operands,
+# prepare.PREPARE_LOW_PRECISION_DOTS = False, results/issue30/s13probe.)
 FLAGS = {
     "triton": {},
-    "triton, strengths not folded": {"triton.prepare.PREPARE_FOLD_STRENGTHS": False},
-    "triton, T tf32x3": {"triton.prepare.PREPARE_T_PRECISION": "tf32x3"},
-    "triton, T fp32 reassociated": {"triton.gradients.GRADS_T_FP32": True},
+    "triton, backward prepare as the forward's": {
+        "triton.prepare.BACKWARD_FOLD_STRENGTHS": True,
+        "triton.prepare.BACKWARD_T_PRECISION": None,
+    },
 }
 # The buffers the kernels store, in the order the backward forms them: the "emu on the kernels'
 # buffers" rows replace the emulation's own with the kernels' one stage more at a time, so the
@@ -476,24 +485,17 @@ STAGES = [("t",), ("w", "u"), ("h", "v_new"), ("dh", "du"), ("m", "r")]
 
 
 def _emulations() -> dict[str, tuple[str, ...]]:
-    """Emulation variants: the kernels, the floor, each knob alone, candidate fixes."""
-    keep_fp32 = tuple(k for k in TRITON if k not in ("h", "dh"))
-    split = tuple(f"{k}=split" if k in ("rev_G", "dU", "dY_dot") else k for k in TRITON)
-    t_fp32 = tuple("T_dot=tf32" if k == "T_dot" else k for k in TRITON if k != "dY_dot")
+    """Emulation variants: the kernels, the floor, session 13's kernels, each knob alone, and
+    candidates past the floor (dU and G's cast split as well: fewer roundings than fla)."""
+    flag = tuple(k for k in TRITON if k not in ("T_W", "X", "Y")) + ("T_tf32", "T_X", "T_Y")
     return {
         "emu: triton": TRITON,
         "emu: bf16 floor": FLOOR,
-        "emu: bf16 floor of session 12 (no T_W X Y)": tuple(
-            k for k in FLOOR if k not in ("T_W", "X", "Y")
-        ),
+        "emu: session 13's kernels": TRITON_S13,
+        "emu: triton, backward prepare as the forward's": flag,
         **{f"emu: {k} alone": (k,) for k in KNOBS},
-        "emu: triton, states fp32": keep_fp32,
-        "emu: triton, G dU dY split": split,
-        "emu: triton, T fp32 reassociated": (*t_fp32, "TdU_tf32"),
-        "emu: triton, T tf32x3": tuple(k for k in TRITON if k != "T_tf32"),
-        "emu: triton, strengths not folded": TRITON_UNFOLDED,
-        "emu: triton, T's tf32 rounded, not truncated": tuple(
-            "T_tf32=tf32" if k == "T_tf32" else k for k in TRITON
+        "emu: triton, dU and G split": tuple(
+            f"{k}=split" if k in ("rev_G", "dU") else k for k in TRITON
         ),
     }
 

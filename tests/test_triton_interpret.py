@@ -241,17 +241,16 @@ def test_half_precision_backward_with_fp32_states():
 @pytest.mark.parametrize(
     "module, flag, value",
     [
-        ("prepare", "PREPARE_T_PRECISION", "tf32x3"),
         ("prepare", "PREPARE_FOLD_STRENGTHS", False),  # on by default: the unfolded form
-        ("gradients", "GRADS_T_FP32", True),
+        ("prepare", "BACKWARD_FOLD_STRENGTHS", True),  # off by default: the folded form
+        ("prepare", "BACKWARD_T_PRECISION", None),  # tf32x3 by default: the forward's
     ],
 )
 def test_half_precision_backward_with_t_flags(monkeypatch, module, flag, value):
-    # issue 30 item 4's switches (benchmarks/bf16_floor.py FLAGS): T's off-diagonal products
-    # fp32-accurate, the strengths not folded into T (aΓK and bV rounded for W and Ũ), and the
-    # gradient kernels' products with T on T as stored (fp32), with
-    # dA = −Tᵀ(dU Uᵀ) and dX = −Tᵀ(dU S_0ᵀ) reassociated: the same gradients. Dv = 80 spans two
-    # value blocks of the gradient kernels (the reassociated sums run over them).
+    # issue 30 item 4's switches (benchmarks/bf16_floor.py FLAGS): the forward's strengths not
+    # folded into T (aΓK and bV rounded for W and Ũ); the backward's prepare with the strengths
+    # folded, or with T's products at the inputs' precision: the same gradients. Dv = 80 spans
+    # two value blocks of the gradient kernels.
     import importlib
 
     monkeypatch.setattr(importlib.import_module(f"deltaflow.ops.triton.{module}"), flag, value)

@@ -136,3 +136,16 @@ def decay_matrix(gamma):
 def mm(x, y, PREC: tl.constexpr, DT: tl.constexpr):
     """x @ y with operands in DT, accumulated in fp32."""
     return tl.dot(x.to(DT), y.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def dot_split(x, y, acc, DT: tl.constexpr, PREC: tl.constexpr):
+    """acc + x @ y for an fp32 ``x`` that fla keeps in fp32 where a plain DT dot would round it:
+    x as two DT parts, hi + lo (~16 significant bits in bf16), so that only ``y`` (stored in DT
+    already) enters as DT. Two DT dots: the tensor-core time of one tf32 dot, with DT operands in
+    shared memory. With DT = fp32 (fp32 inputs) one dot, x as it is."""
+    hi = x.to(DT)
+    acc = tl.dot(hi, y, acc=acc, input_precision=PREC)
+    if DT != tl.float32:
+        acc = tl.dot((x - hi.to(tl.float32)).to(DT), y, acc=acc, input_precision=PREC)
+    return acc

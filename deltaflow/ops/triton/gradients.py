@@ -22,6 +22,7 @@ from deltaflow.ops.triton.common import (
     chunk_bounds,
     decay_matrix,
     dot_precision,
+    dot_split,
     head_block,
     load_gates,
     load_rows,
@@ -39,11 +40,6 @@ GRADS_WARPS = 8
 # shared memory (Hopper has 227 KB; AOT sm_90, benchmarks/NOTES.md issue 30) whatever the value
 # block or stages, so there it multiplies exactly ("ieee": 200 KB, 21 KB of spill stack).
 GRADS_K_TF32X3_MAX_BK = 128
-# bf16/fp16 inputs: the products with T take it as stored (fp32) on tf32 dots, reassociated so
-# that no C×D product is rounded on the way: dA = −Tᵀ(dU Uᵀ), dX = −Tᵀ(dU S_0ᵀ), dY = Tᵀ dU
-# (instead of T rounded to bf16 for dY = Tᵀ dU and dY rounded to bf16 for dY Uᵀ and dY S_0ᵀ:
-# benchmarks/bf16_floor.py, knobs T_dot, dY_dot; issue 30 item 4).
-GRADS_T_FP32 = False
 
 
 @triton.jit
@@ -102,7 +98,6 @@ def chunk_grads_v_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
-    T_FP32: tl.constexpr,
 ):
     """(9), (11) for one chunk and head, the value side: over value blocks dP = dO Uᵀ and
     dY = Tᵀ dU (so dv = b·dY, db = Σ dY ⊙ V) with dY Uᵀ; then the two C×C matrices the key side
@@ -120,11 +115,10 @@ def chunk_grads_v_kernel(
     _, _, _, _, _, b, _ = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
-    T_t32 = _load_t_transposed(t_ptr, c, i_h, H)
-    T_t = T_t32.to(DT)
+    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
 
     dP = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO Uᵀ
-    dYU = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dY Uᵀ (T_FP32: dU Uᵀ, Tᵀ after the loop)
+    dYU = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dY Uᵀ
     db = tl.zeros([CHUNK], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -134,13 +128,10 @@ def chunk_grads_v_kernel(
         b_du = load_rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         b_v = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
         dP += tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
-        # dY = Tᵀ dU: the gradient of Ũ = T diag(b) V, through (4)
-        if T_FP32:
-            dY = tl.dot(T_t32, b_du.to(tl.float32), input_precision="tf32")
-            dYU += tl.dot(b_du, tl.trans(b_u), input_precision=PREC)
-        else:
-            dY = tl.dot(T_t, b_du, input_precision=PREC)
-            dYU += tl.dot(dY.to(DT), tl.trans(b_u), input_precision=PREC)
+        # dY = Tᵀ dU: the gradient of Ũ = T diag(b) V, through (4). dY enters dY Uᵀ unrounded
+        # (as fla, whose dA takes dU and diag(b) V: no dY there; issue 30 item 4)
+        dY = tl.dot(T_t, b_du, input_precision=PREC)
+        dYU = dot_split(dY, tl.trans(b_u), dYU, DT, PREC)
         db += tl.sum(dY * b_v, axis=1)
         tl.store(
             dv_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
@@ -148,8 +139,6 @@ def chunk_grads_v_kernel(
             mask=mask_t[:, None] & mask_v[None, :],
         )
 
-    if T_FP32:
-        dYU = tl.dot(T_t32, dYU, input_precision="tf32")
     b_q, b_k, _, _, a, _, gamma = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
@@ -204,7 +193,6 @@ def chunk_grads_k_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
-    T_FP32: tl.constexpr,
 ):
     """(9)–(12) for one chunk and head, the key side. Over value blocks: dO S_0ᵀ (q's part
     through diag(Γ) Q S_0), U Gᵀ (the surviving keys' part of (6)) and dX = −dY S_0ᵀ (the
@@ -219,12 +207,11 @@ def chunk_grads_k_kernel(
     mask_t = offs_t < eos
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < Dk
-    if not T_FP32:
-        T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
+    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
 
     dQS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO S_0ᵀ
     dKte = tl.zeros([CHUNK, BK], dtype=tl.float32)  # U Gᵀ
-    dX = tl.zeros([CHUNK, BK], dtype=tl.float32)  # −dY S_0ᵀ (T_FP32: −dU S_0ᵀ, Tᵀ after)
+    dX = tl.zeros([CHUNK, BK], dtype=tl.float32)  # −dY S_0ᵀ
     gs = tl.zeros([BK, BV], dtype=tl.float32)  # G ⊙ S_0, summed at the end
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -238,14 +225,9 @@ def chunk_grads_k_kernel(
         G = tl.load(dh_ptr + state_offs, mask=state_mask, other=0.0)
         dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
         dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
-        if T_FP32:
-            dX -= tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
-        else:
-            dY = tl.dot(T_t, b_du, input_precision=PREC)
-            dX -= tl.dot(dY.to(DT), tl.trans(S0.to(DT)), input_precision=PREC)
+        dY = tl.dot(T_t, b_du, input_precision=PREC)
+        dX = dot_split(-dY, tl.trans(S0.to(DT)), dX, DT, PREC)  # dY unrounded, as above
         gs += G.to(tl.float32) * S0.to(tl.float32)
-    if T_FP32:
-        dX = tl.dot(_load_t_transposed(t_ptr, c, i_h, H), dX, input_precision="tf32")
 
     b_q, b_k, b_beta, lam, a, b, gamma = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
@@ -344,7 +326,6 @@ def launch_gradients(
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(q.dtype),
-        T_FP32=GRADS_T_FP32 and not fp32,  # fp32 inputs: T's products are fp32-accurate
         num_warps=GRADS_WARPS,
     )
     key_side = dict(common)  # the key side's exact fp32 dots at wide key blocks (see above)

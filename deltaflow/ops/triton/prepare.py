@@ -45,15 +45,19 @@ PREPARE_MAXNREG: int | None = 168  # a register cap per thread: more programs pe
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
 # tensor-core products); their error is T's, which every later stage inherits.
 PREPARE_DIAG_PRECISION = "tf32x3"
-# T's four CHUNK³ products (the off-diagonal part): None takes the inputs' dot precision
-# (common.dot_precision: "tf32" for bf16/fp16, "tf32x3" for fp32); "tf32x3" for bf16 inputs is
-# a diagnostic of T's own error (benchmarks/bf16_floor.py, knob T_tf32; issue 30 item 4).
-PREPARE_T_PRECISION: str | None = None
-# W and Ũ from T diag(aΓ) and T diag(b) rounded once, with K and V as loaded (see the kernel):
-# the same products with two roundings fewer (aΓK, bV). Measured (H100, session 13 probe,
-# benchmarks/results/issue30/s13call3): the bf16 dβ of T=200 D=256 longhorn+neg 3.1e-2 ->
-# 1.5e-2, varlen longhorn+neg 5.8e-3 -> 3.9e-3; AOT sm_90: 168 registers, no spill stack.
+# The forward's W and Ũ from T diag(aΓ) and T diag(b) rounded once, with K and V as loaded (see
+# the kernel): the same products with two roundings fewer (aΓK, bV). T's four CHUNK³ products
+# (the off-diagonal part) at the inputs' dot precision (common.dot_precision: "tf32" for
+# bf16/fp16, truncated on sm_90; "tf32x3" for fp32).
 PREPARE_FOLD_STRENGTHS = True
+# The backward's prepare (bf16/fp16 inputs) rounds where fla's does: T fp32-accurate, rounded
+# once to the dot dtype, and diag(aΓ) K, diag(b) V rounded apart (benchmarks/bf16_floor.py,
+# FLOOR: T_W, X, Y). The gradients' bf16 error is then the bf16 floor's, draw for draw: a
+# rounding anywhere else (T's truncated tf32 products, the fold) draws the rounding noise anew,
+# 0.73-1.7x the floor's over CPU draws (issue 30 item 4, benchmarks/NOTES.md). fp32 inputs:
+# the forward's settings (the same compiled kernel).
+BACKWARD_T_PRECISION: str | None = "pair"  # None: the inputs' (the forward's)
+BACKWARD_FOLD_STRENGTHS = False
 
 
 @triton.jit
@@ -86,14 +90,29 @@ def _stack_inverses(N, PREC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
+def _mm_t(x, y, PREC: tl.constexpr, PAIR: tl.constexpr):
+    """x @ y for fp32 x, y: a tl.dot at PREC, or with PREC = "pair", x and y each as a PAIR
+    (bf16/fp16) hi + lo and three PAIR products (lo·lo, 2⁻¹⁶ of the product in bf16, left out):
+    ~16 significant bits, on half-precision tensor cores, half tf32x3's time."""
+    if PREC == "pair":
+        xh = x.to(PAIR)
+        yh = y.to(PAIR)
+        acc = tl.dot(xh, yh)
+        acc = tl.dot(xh, (y - yh.to(tl.float32)).to(PAIR), acc=acc)
+        return tl.dot((x - xh.to(tl.float32)).to(PAIR), yh, acc=acc)
+    else:
+        return tl.dot(x, y, input_precision=PREC)
+
+
+@triton.jit
+def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PAIR: tl.constexpr):
     """T = (I + A)⁻¹ for a strictly lower-triangular CHUNK × CHUNK ``A``, in fp32.
 
     The four SUB × SUB diagonal blocks are inverted by :func:`_stack_inverses` (D = their block
     diagonal); the rest follows from I + A = (I + A_diag)(I + M), M = D·A_below, which is
     strictly block-lower with four blocks, so M⁴ = 0 and T = (I − M + M² − M³)·D,
-    evaluated as D − M(D − M(D − M·D)): four CHUNK³ products on the tensor cores."""
-    F32: tl.constexpr = tl.float32
+    evaluated as D − M(D − M(D − M·D)): four CHUNK³ products on the tensor cores (PREC, see
+    :func:`_mm_t`)."""
     blocks = tl.arange(0, 4)
     same = blocks[:, None, None, None] == blocks[None, None, :, None]  # [4, 1, 4, 1]
     diag = tl.sum(tl.where(same, tl.reshape(A, [4, SUB, 4, SUB]), 0.0), axis=2)
@@ -102,8 +121,8 @@ def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
     )
     rows = tl.arange(0, CHUNK)
     below = (rows[:, None] // SUB) > (rows[None, :] // SUB)
-    M = mm(D, tl.where(below, A, 0.0), PREC, F32)
-    return D - mm(M, D - mm(M, D - mm(M, D, PREC, F32), PREC, F32), PREC, F32)
+    M = _mm_t(D, tl.where(below, A, 0.0), PREC, PAIR)
+    return D - _mm_t(M, D - _mm_t(M, D - _mm_t(M, D, PREC, PAIR), PREC, PAIR), PREC, PAIR)
 
 
 # store_t, the rule's kernel id and the negative-eigenvalue flag are runtime arguments, not
@@ -171,7 +190,11 @@ def chunk_prepare_kernel(
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
-    T = _unit_lower_inverse(A, T_PREC, DIAG_PREC)
+    T = _unit_lower_inverse(A, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty)
+    if store_t != 0:  # T itself (fp32, [chunk, head, CHUNK, CHUNK]) for the backward, now:
+        # not kept live in registers across the column loops
+        base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
+        tl.store(base + rows[:, None] * CHUNK + rows[None, :], T)
     # (4) W = T diag(aΓ) K and Ũ = T diag(b) V. FOLD: the strengths scale T's columns before
     # its one rounding to DT, so K and V enter the products as loaded (exact); otherwise T and
     # diag(aΓ) K, diag(b) V are rounded apart (fla's way: benchmarks/bf16_floor.py knobs T_W,
@@ -209,10 +232,6 @@ def chunk_prepare_kernel(
         store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
     tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
 
-    if store_t != 0:  # T itself (fp32, [chunk, head, CHUNK, CHUNK]) for the backward
-        base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
-        tl.store(base + rows[:, None] * CHUNK + rows[None, :], T)
-
 
 def launch_prepare(
     k: Tensor,
@@ -235,6 +254,8 @@ def launch_prepare(
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
+    low = PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32
+    backward = t is not None and low  # the backward's own settings (see above)
     chunk_prepare_kernel[(tables.n_chunks, H)](
         k_ptr=k,
         v_ptr=v,
@@ -257,10 +278,10 @@ def launch_prepare(
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(k.dtype),
-        T_PREC=PREPARE_T_PRECISION or dot_precision(k.dtype),
+        T_PREC=(BACKWARD_T_PRECISION if backward else None) or dot_precision(k.dtype),
         DIAG_PREC=PREPARE_DIAG_PRECISION,
-        LOW_PRECISION_DOTS=PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32,
-        FOLD=PREPARE_FOLD_STRENGTHS,
+        LOW_PRECISION_DOTS=low,
+        FOLD=BACKWARD_FOLD_STRENGTHS if backward else PREPARE_FOLD_STRENGTHS,
         num_warps=PREPARE_WARPS,
         **({} if PREPARE_MAXNREG is None else {"maxnreg": PREPARE_MAXNREG}),
     )

@@ -27,6 +27,7 @@ from deltaflow.ops.triton.common import (
     chunk_gamma,
     decay_matrix,
     dot_precision,
+    dot_split,
     head_block,
     load_rows,
 )
@@ -366,9 +367,10 @@ def chunk_dstates_kernel(
             dU.to(DT),
             mask=mask_t[:, None] & mask_v[None, :],
         )
-        # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU
-        q_gamma = (b_q.to(tl.float32) * (scale * tl.exp(gamma))[:, None]).to(DT)
-        G = tl.exp(gamma_last) * G + tl.dot(tl.trans(q_gamma), b_do, input_precision=PREC)
+        # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU, with Γq not rounded to DT (fla keeps it
+        # fp32: the rounding it added was noise the bf16 floor does not have; issue 30 item 4)
+        q_gamma = b_q.to(tl.float32) * (scale * tl.exp(gamma))[:, None]
+        G = dot_split(tl.trans(q_gamma), b_do, tl.exp(gamma_last) * G, DT, PREC)
         G -= tl.dot(tl.trans(b_w), dU.to(DT), input_precision=PREC)
 
     tl.store(ds0_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, G, mask=state_mask)
