@@ -70,7 +70,8 @@ KNOBS = {
     "rev_update": "reverse pass: dU cast to bf16 for the G update's Wᵀ dU",
     "rev_q": "reverse pass: Γq cast to bf16 for the G update's (Γq)ᵀ dO",
     "T_dot": "T cast to bf16 for dY = Tᵀ dU",
-    "dY_dot": "dY cast to bf16 for dY Uᵀ and dX = −dY S_0ᵀ",
+    "dY_dot": "dY cast to bf16 for dY Uᵀ and dX = −dY S_0ᵀ (=split: the kernels' Tᵀ (dU Uᵀ) "
+    "and Tᵀ (dU S_0ᵀ), the fp32 product a hi + lo pair: common.dot_split)",
     "S0_dot": "S_0 cast to bf16 for dO S_0ᵀ and dX (matters when h is stored in fp32)",
     "G_dot": "G cast to bf16 for U Gᵀ (matters when dh is stored in fp32)",
     "M": "M_P, M_A (the C×C scratch between the two gradient kernels) in bf16",

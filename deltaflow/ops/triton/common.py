@@ -140,12 +140,18 @@ def mm(x, y, PREC: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def dot_split(x, y, acc, DT: tl.constexpr, PREC: tl.constexpr):
-    """acc + x @ y for an fp32 ``x`` that fla keeps in fp32 where a plain DT dot would round it:
-    x as two DT parts, hi + lo (~16 significant bits in bf16), so that only ``y`` (stored in DT
-    already) enters as DT. Two DT dots: the tensor-core time of one tf32 dot, with DT operands in
-    shared memory. With DT = fp32 (fp32 inputs) one dot, x as it is."""
-    hi = x.to(DT)
-    acc = tl.dot(hi, y, acc=acc, input_precision=PREC)
-    if DT != tl.float32:
-        acc = tl.dot((x - hi.to(tl.float32)).to(DT), y, acc=acc, input_precision=PREC)
-    return acc
+    """acc + x @ y where one operand is an fp32 value that fla keeps in fp32 where a plain DT dot
+    would round it, the other stored in DT already: the fp32 one as two DT parts, hi + lo (~16
+    significant bits in bf16), so that only the stored one enters as DT. Two DT dots: the
+    tensor-core time of one tf32 dot, with DT operands in shared memory. With DT = fp32 (fp32
+    inputs) one dot, as they are."""
+    if DT == tl.float32:
+        return tl.dot(x, y, acc=acc, input_precision=PREC)
+    elif x.dtype == tl.float32:
+        hi = x.to(DT)
+        acc = tl.dot(hi, y, acc=acc, input_precision=PREC)
+        return tl.dot((x - hi.to(tl.float32)).to(DT), y, acc=acc, input_precision=PREC)
+    else:
+        hi = y.to(DT)
+        acc = tl.dot(x, hi, acc=acc, input_precision=PREC)
+        return tl.dot(x, (y - hi.to(tl.float32)).to(DT), acc=acc, input_precision=PREC)

@@ -35,6 +35,10 @@ from deltaflow.ops.triton.common import (
 GRADS_BV = 64
 GRADS_BV_FP32 = 32
 GRADS_WARPS = 8
+# The value-side kernel's register cap per thread: 128 lets two programs of 8 warps share an SM
+# (AOT sm_90: 138-239 registers uncapped; capped, 8-240 B of spill stack, 32-80 KB of shared
+# memory each). None: no cap.
+GRADS_V_MAXNREG: int | None = 128
 # fp32 operands as tf32x3 (common.dot_precision) stage each dot operand twice, its tf32 part and
 # its remainder: at a key block wider than this the key-side kernel then asks for 256-304 KB of
 # shared memory (Hopper has 227 KB; AOT sm_90, benchmarks/NOTES.md issue 30) whatever the value
@@ -118,7 +122,7 @@ def chunk_grads_v_kernel(
     T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
 
     dP = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO Uᵀ
-    dYU = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dY Uᵀ
+    dUU = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dU Uᵀ (dY Uᵀ = Tᵀ dU Uᵀ after the loop)
     db = tl.zeros([CHUNK], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -128,17 +132,19 @@ def chunk_grads_v_kernel(
         b_du = load_rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         b_v = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
         dP += tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
-        # dY = Tᵀ dU: the gradient of Ũ = T diag(b) V, through (4). dY enters dY Uᵀ unrounded
-        # (as fla, whose dA takes dU and diag(b) V: no dY there; issue 30 item 4)
+        # dY = Tᵀ dU: the gradient of Ũ = T diag(b) V, through (4)
         dY = tl.dot(T_t, b_du, input_precision=PREC)
-        dYU = dot_split(dY, tl.trans(b_u), dYU, DT, PREC)
+        dUU += tl.dot(b_du, tl.trans(b_u), input_precision=PREC)
         db += tl.sum(dY * b_v, axis=1)
         tl.store(
             dv_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
             (b[:, None] * dY).to(dv_ptr.dtype.element_ty),
             mask=mask_t[:, None] & mask_v[None, :],
         )
-
+    # dY Uᵀ as Tᵀ (dU Uᵀ): the same product with dY not rounded to DT (fla keeps it fp32; issue
+    # 30 item 4): dU Uᵀ enters as a hi + lo pair, two C³ dots once rather than two per value
+    # block (and no split dY live in the loop: 128 registers, not 181, at D = 64)
+    dYU = dot_split(T_t, dUU, tl.zeros([CHUNK, CHUNK], dtype=tl.float32), DT, PREC)
     b_q, b_k, _, _, a, _, gamma = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
@@ -207,11 +213,9 @@ def chunk_grads_k_kernel(
     mask_t = offs_t < eos
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < Dk
-    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
-
     dQS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO S_0ᵀ
     dKte = tl.zeros([CHUNK, BK], dtype=tl.float32)  # U Gᵀ
-    dX = tl.zeros([CHUNK, BK], dtype=tl.float32)  # −dY S_0ᵀ
+    dUS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dU S_0ᵀ (dX = −Tᵀ dU S_0ᵀ after)
     gs = tl.zeros([BK, BV], dtype=tl.float32)  # G ⊙ S_0, summed at the end
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -225,9 +229,11 @@ def chunk_grads_k_kernel(
         G = tl.load(dh_ptr + state_offs, mask=state_mask, other=0.0)
         dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
         dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
-        dY = tl.dot(T_t, b_du, input_precision=PREC)
-        dX = dot_split(-dY, tl.trans(S0.to(DT)), dX, DT, PREC)  # dY unrounded, as above
+        dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
         gs += G.to(tl.float32) * S0.to(tl.float32)
+    # dX = −dY S_0ᵀ as −Tᵀ (dU S_0ᵀ), dU S_0ᵀ a hi + lo pair (as the value side's dY Uᵀ)
+    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
+    dX = -dot_split(T_t, dUS, tl.zeros([CHUNK, BK], dtype=tl.float32), DT, PREC)
 
     b_q, b_k, b_beta, lam, a, b, gamma = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
@@ -344,6 +350,7 @@ def launch_gradients(
         m_ptr=scratch_m,
         r_ptr=scratch_r,
         **common,
+        **({} if GRADS_V_MAXNREG is None else {"maxnreg": GRADS_V_MAXNREG}),
     )
     if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
         key_side["BV"] = min(head_block(Dv), GRADS_BV_FP32)

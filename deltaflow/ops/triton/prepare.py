@@ -191,10 +191,6 @@ def chunk_prepare_kernel(
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
     T = _unit_lower_inverse(A, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty)
-    if store_t != 0:  # T itself (fp32, [chunk, head, CHUNK, CHUNK]) for the backward, now:
-        # not kept live in registers across the column loops
-        base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
-        tl.store(base + rows[:, None] * CHUNK + rows[None, :], T)
     # (4) W = T diag(aΓ) K and Ũ = T diag(b) V. FOLD: the strengths scale T's columns before
     # its one rounding to DT, so K and V enter the products as loaded (exact); otherwise T and
     # diag(aΓ) K, diag(b) V are rounded apart (fla's way: benchmarks/bf16_floor.py knobs T_W,
@@ -231,6 +227,10 @@ def chunk_prepare_kernel(
             first_bad = tl.minimum(first_bad, _first_bad(finite))
         store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
     tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
+
+    if store_t != 0:  # T itself (fp32, [chunk, head, CHUNK, CHUNK]) for the backward
+        base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
+        tl.store(base + rows[:, None] * CHUNK + rows[None, :], T)
 
 
 def launch_prepare(
