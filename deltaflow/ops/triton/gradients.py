@@ -213,9 +213,14 @@ def chunk_grads_k_kernel(
     mask_t = offs_t < eos
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < Dk
+    # fp32 inputs: dX = −dY S_0ᵀ per value block (dY = Tᵀ dU), as fp32 as the reassociated
+    # form below, whose final fp32 product would need 240 KB of shared memory at D = 256
+    PER_BLOCK: tl.constexpr = DT == tl.float32
+    if PER_BLOCK:
+        T_t = _load_t_transposed(t_ptr, c, i_h, H)
     dQS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO S_0ᵀ
     dKte = tl.zeros([CHUNK, BK], dtype=tl.float32)  # U Gᵀ
-    dUS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dU S_0ᵀ (dX = −Tᵀ dU S_0ᵀ after)
+    dUS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dU S_0ᵀ (dX = −Tᵀ dU S_0ᵀ after; fp32: dX)
     gs = tl.zeros([BK, BV], dtype=tl.float32)  # G ⊙ S_0, summed at the end
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -229,11 +234,18 @@ def chunk_grads_k_kernel(
         G = tl.load(dh_ptr + state_offs, mask=state_mask, other=0.0)
         dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
         dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
-        dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
+        if PER_BLOCK:
+            dY = tl.dot(T_t, b_du, input_precision=PREC)
+            dUS -= tl.dot(dY, tl.trans(S0), input_precision=PREC)  # (dX itself)
+        else:
+            dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
         gs += G.to(tl.float32) * S0.to(tl.float32)
     # dX = −dY S_0ᵀ as −Tᵀ (dU S_0ᵀ), dU S_0ᵀ a hi + lo pair (as the value side's dY Uᵀ)
-    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
-    dX = -dot_split(T_t, dUS, tl.zeros([CHUNK, BK], dtype=tl.float32), DT, PREC)
+    if PER_BLOCK:
+        dX = dUS
+    else:
+        T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
+        dX = -dot_split(T_t, dUS, tl.zeros([CHUNK, BK], dtype=tl.float32), DT, PREC)
 
     b_q, b_k, b_beta, lam, a, b, gamma = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
