@@ -80,8 +80,14 @@ SCRIPTS = [
     Script(
         "benchmarks/tune_backward.py", ("--smoke", "--profile", "--out", "{tmp}"), "wrote", True
     ),
-    Script("benchmarks/check_training.py", ("--smoke", "--out", "{tmp}"), "check_training: done"),
-    Script("benchmarks/check_compile_grads.py", ("--smoke",), "check_compile_grads: done", True),
+    # two worker processes, as the GPU call runs it (--jobs): three units, loss curves included
+    Script(
+        "benchmarks/check_training.py",
+        ("--smoke", "--jobs", "2", "--out", "{tmp}"),
+        "check_training: done",
+        True,
+        expect=("unit grads:delta:model: exit 0, 2 rows", "unit lm: exit 0, 1 rows"),
+    ),
     Script("benchmarks/model_training.py", ("--smoke", "--llama", "--out", "{tmp}"), "wrote"),
     Script("benchmarks/generation.py", ("--smoke", "--out", "{tmp}"), "generation: done"),
     Script("benchmarks/saved_activations.py", ("--smoke", "--out", "{tmp}"), "wrote"),
