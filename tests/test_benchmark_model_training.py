@@ -22,6 +22,23 @@ def test_model_training_benchmark_cpu_smoke(tmp_path):
     assert (tmp_path / "model_training_cpu_B2_T64_profile.txt").stat().st_size > 0
 
 
+def test_model_training_times_the_trainers_own_step(tmp_path):
+    """--trainer: Trainer.train_step beside the benchmark's step (issue 31: the trainer's default
+    step against the benchmark's), in the report and its table."""
+    bench = load_script("benchmarks/model_training.py")
+    args = "--device cpu --layers 1 --seq 32 --batch 2 --steps 1 --warmup 1 --skip-fla --trainer"
+    args += f" --hidden 32 --heads 2 --head-dim 16 --vocab 64 --top 0 --out {tmp_path}"
+    report = bench.main(args.split())
+    trainer = report["results"]["deltaflow trainer"]
+    assert trainer["tokens_per_s"] > 0 and trainer["config"]["trainer"]["grad_accum"] == 1
+    assert set(report["results"]) == {"deltaflow trainer", "deltaflow"}
+    assert report["ratio_trainer"] is None  # no fla here
+    assert (
+        "The trainer rows: Trainer.train_step"
+        in (tmp_path / "model_training_cpu_B2_T32.md").read_text()
+    )
+
+
 def test_training_compile_policy():
     """compile='auto' is off; 'blocks' is refused on CUDA (wrong fp32 gradients measured)."""
     import pytest
