@@ -38,6 +38,7 @@ import copy
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -255,13 +256,15 @@ def lm_curves(args: argparse.Namespace, out: Path, lm: dict[str, int]) -> dict[s
 
 
 def plan_units(rules: list[str], cases: list[str], lm: bool) -> list[str]:
-    """The units of work, each one process with --jobs > 1: ``grads:<rule>:<case,...>``
-    (a rule's model entries; delta's smallest cases apart: the longest unit otherwise) and
-    ``lm``. Longest first: delta's smallest cases, then the loss curves, then the rules."""
+    """The units of work, each one process with --jobs > 1: ``grads:<rule>:<case,...>`` (a
+    rule's model entries; delta's smallest cases in two more units, the layer's and the
+    model's: in one they would be the longest unit by far) and ``lm``. Longest first."""
     units = []
-    smallest = [c for c in cases if c in SMALLEST]
-    if "delta" in rules and smallest:
-        units.append(f"grads:delta:{','.join(smallest)}")
+    if "delta" in rules:
+        for group in (SMALLEST[:2], SMALLEST[2:]):
+            chosen = [c for c in group if c in cases]
+            if chosen:
+                units.append(f"grads:delta:{','.join(chosen)}")
     if lm:
         units.append("lm")
     model = [c for c in cases if c in MODEL_CASES]
@@ -271,7 +274,7 @@ def plan_units(rules: list[str], cases: list[str], lm: bool) -> list[str]:
 
 def run_unit(unit: str, args: argparse.Namespace, setup: Setup, parts: Path) -> list[dict]:
     """Run one unit here; each row is appended to ``parts/<unit>.jsonl`` as it comes."""
-    rows_file = parts / f"{re.sub('[^A-Za-z0-9]+', '_', unit)}.jsonl"
+    rows_file = _unit_file(parts, unit, ".jsonl")
     rows_file.unlink(missing_ok=True)
     rows: list[dict] = []
 
@@ -349,14 +352,47 @@ def run_units(units: list[str], args: argparse.Namespace, report: dict, save: Ca
         return
     env = dict(os.environ)
     # inductor compiles in a pool of cpu_count processes per process: share the cores instead
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    threads = max(1, len(os.sched_getaffinity(0)) // args.jobs)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))
     pending, running = list(units), {}
+    # `timeout` stops the call with SIGTERM: end the workers, keep the report (saved per unit)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    try:
+        _poll(pending, running, args, parts, env, report, save)
+    finally:
+        for unit, (proc, t0, log) in running.items():  # stopped: what they had done counts
+            proc.kill()
+            log.close()
+            merge(report, unit, _rows(parts, unit), time.perf_counter() - t0)
+            report["units"][unit]["exit"] = "killed"
+        if running:
+            save()
+
+
+def _unit_file(parts: Path, unit: str, suffix: str) -> Path:
+    return parts / f"{re.sub('[^A-Za-z0-9]+', '_', unit)}{suffix}"
+
+
+def _rows(parts: Path, unit: str) -> list[dict]:
+    path = _unit_file(parts, unit, ".jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _poll(
+    pending: list[str],
+    running: dict[str, tuple],
+    args: argparse.Namespace,
+    parts: Path,
+    env: dict[str, str],
+    report: dict,
+    save: Callable,
+) -> None:
+    """Start units while fewer than --jobs run; merge each one's rows as it ends."""
     while pending or running:
         while pending and len(running) < args.jobs:
             unit = pending.pop(0)
             cmd = [sys.executable, __file__, *args.forwarded, "--unit", unit]
-            log = (parts / f"{re.sub('[^A-Za-z0-9]+', '_', unit)}.log").open("w")
+            log = _unit_file(parts, unit, ".log").open("w")
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running[unit] = (proc, time.perf_counter(), log)
         time.sleep(0.2)
@@ -365,9 +401,7 @@ def run_units(units: list[str], args: argparse.Namespace, report: dict, save: Ca
                 continue
             log.close()
             del running[unit]
-            rows_file = parts / f"{re.sub('[^A-Za-z0-9]+', '_', unit)}.jsonl"
-            lines = rows_file.read_text().splitlines() if rows_file.exists() else []
-            rows = [json.loads(line) for line in lines]
+            rows = _rows(parts, unit)
             merge(report, unit, rows, time.perf_counter() - t0)
             if proc.returncode != 0:  # it died: its log says why
                 report["units"][unit]["exit"] = proc.returncode

@@ -38,25 +38,28 @@ def test_tolerances(entry, mode, ok):
 def test_every_failure_fails_the_report():
     units = ct.plan_units(["delta", "efla"], list(ct.CASES), lm=True)
     assert units == [
-        "grads:delta:layer,layer_unfused,model_unfused,model_no_sac",
+        "grads:delta:layer,layer_unfused",
+        "grads:delta:model_unfused,model_no_sac",
         "lm",
         "grads:delta:model",
         "grads:efla:model",
     ]
+    assert ct.plan_units(["efla"], ["layer", "model"], lm=False) == ["grads:efla:model"]
     report = {"gradients": {}, "units": {}}
     ok_row = {"case": "model", "rule": "delta", "mode": "fp32", **_entry(), "ok": True}
     ct.merge(report, "grads:delta:model", [ok_row], 1.0)
     ct.merge(report, "lm", [{"unit": "lm", "ok": True, "seconds": 1.0}], 1.0)
-    assert ct.failures(report, units[1:3]) == []
+    assert ct.failures(report, units[2:4]) == []
     assert ct.failures(report, units) == [
         f"{units[0]} (did not finish)",
-        f"{units[3]} (did not finish)",
+        f"{units[1]} (did not finish)",
+        f"{units[4]} (did not finish)",
     ]
     bad = {**ok_row, "rule": "efla", "mode": "bf16", "ok": False}
     ct.merge(report, "grads:efla:model", [bad], 1.0)
     report["units"]["grads:efla:model"]["exit"] = -9  # killed after its first row
     report["lm"]["ok"] = False
-    assert ct.failures(report, units[1:]) == [
+    assert ct.failures(report, units[2:]) == [
         "model/efla/bf16",
         "loss curves",
         "grads:efla:model (exit -9)",
