@@ -30,8 +30,9 @@ CUDA_BLOCKS_VERIFIED = False
 # The warm-up said before the first step ("first steps take ~N s"): inductor compiles one
 # block's forward and backward (every layer reuses it) and the op's kernels compile at their
 # first launch. H100, 400M model, B=8 x T=2048: 21 s with the op's kernels already compiled
-# (benchmarks/results/issue30/s13call5/model_training.log), 32 s cold (issue27); CPU: the C++
-# codegen of inductor, ~1-2 minutes for a small model on a few cores.
+# (benchmarks/results/issue30/s13call5/model_training.log), 32 s cold (issue27). CPU: not
+# measured, a guess: inductor's C++ codegen takes minutes on a few cores (why the CPU tests
+# trace with aot_eager).
 WARMUP_SECONDS = {"cuda": 40, "cpu": 90}
 
 
