@@ -73,18 +73,19 @@ def warmup_line(device: torch.device) -> str:
 
 
 class CompileMixin:
-    """The Trainer's side: ``_setup_compile`` in ``__init__`` (after the model is on its device,
-    before the optimizer and the DDP wrapper), ``_train_step_first`` for the loop's steps."""
+    """The Trainer's side: ``_plan_compile`` in ``__init__`` before the memory fit (compiled
+    blocks save far fewer activations), then ``_compile_model`` on the placed model (before the
+    optimizer and the DDP wrapper); ``_train_step_first`` for the loop's steps."""
 
-    def _setup_compile(self) -> None:
+    def _plan_compile(self, model: nn.Module) -> None:
         allowed = self.layout.allows_compile(self.config.compile)  # refuses 'blocks' under CP
-        self.compiled, line = plan_compile(
-            self.config.compile, self.device, self.raw_model, allowed
-        )
+        self.compiled, line = plan_compile(self.config.compile, self.device, model, allowed)
         self.compile_fallback = line  # also recorded in the log's start event
         self._compile_pending = self.compiled  # the first step still to run compiled
         if line is not None:
             self.note(line)
+
+    def _compile_model(self) -> None:
         if self.compiled:
             compile_blocks(self.raw_model)  # in place: parameter names are unchanged
 

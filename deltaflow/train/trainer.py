@@ -179,6 +179,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         self.task = task if task is not None else build_task(config)
         base = model if model is not None else build_model(config, self.task.vocab_size)
         _check_tokenizer_fits(base, self.task)
+        self._plan_compile(base)  # compiled blocks, or eager with one line why (compiling.py)
         rows = config.batch_size // dp  # this rank's rows of a step
         accum = self._fit_memory(base, rows)  # before the first step, not by the OOM killer
         if accum != config.grad_accum:
@@ -192,7 +193,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
             self.raw_model = shard_model(base, self.device, bf16=bf16_weights)
         else:
             self.raw_model = base.to(self.device)
-        self._setup_compile()  # compiled blocks, or eager with one line why (compiling.py)
+        self._compile_model()  # as planned above
         # After sharding: the optimizer must hold the sharded (DTensor) parameters.
         self.optimizer = make_optimizer(self.raw_model, config, self.device)
         self.step = 0  # number of optimizer steps completed
