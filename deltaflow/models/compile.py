@@ -73,6 +73,11 @@ def _blocks(model: nn.Module) -> nn.ModuleList | None:
     return getattr(getattr(model, "model", model), "layers", None)
 
 
+def blocks_compiled(model: nn.Module) -> bool:
+    """Whether ``model``'s blocks run compiled (:func:`compile_blocks` was called on it)."""
+    return any(getattr(b, "_compiled_call_impl", None) is not None for b in _blocks(model) or ())
+
+
 def uncompile_blocks(model: nn.Module) -> None:
     """Undo :func:`compile_blocks`: every block runs eager again, without the selective
     checkpointing that only pays off compiled (eager, it recomputes the glue op by op)."""

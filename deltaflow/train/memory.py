@@ -175,6 +175,7 @@ class MemoryFitMixin:
         memory (:mod:`deltaflow.train.memory`): ``grad_accum`` when its micro-batch fits, else
         the smallest larger one that does (said in one line); a one-line error when not even
         one row fits. Every rank uses the largest any rank needs."""
+        from deltaflow.models.compile import blocks_compiled
         from deltaflow.train import memory
 
         accum = self.config.grad_accum
@@ -186,7 +187,8 @@ class MemoryFitMixin:
             usable = int(available * memory.USABLE_FRACTION)
             hidden, layers = memory.model_shape(model)
             floats = memory.ACTIVATION_FLOATS
-            if self.compiled and self.device.type == "cuda":  # planned before this fit
+            # compiled here (planned before this fit) or by the caller (compile='off' then)
+            if (self.compiled or blocks_compiled(model)) and self.device.type == "cuda":
                 floats = memory.ACTIVATION_FLOATS_COMPILED_CUDA
             vocab = getattr(getattr(model, "config", None), "vocab_size", self.task.vocab_size)
 
