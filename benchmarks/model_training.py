@@ -22,17 +22,17 @@ benchmarks/kernels.py its guard is forced for timing only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from _common import git_commit, load_fla, output_dir, smoke_env, smoke_requested
+from _step_profile import profile_step
 
 # Before torch/triton are imported; run as a script only: an importer (generation.py,
 # saved_activations.py) decides for itself (generation.py --smoke --warm-only traces compiled
@@ -226,120 +226,6 @@ def make_step(
     return step
 
 
-# -------------------------------------------------------------------------------- profiling
-
-# Block children of both models mapped to one vocabulary (deltaflow name | fla name).
-_ROLES = {"mixer_norm": "norm", "attn_norm": "norm", "mlp_norm": "norm", "mixer": "mixer"}
-_ROLES.update({"attn": "mixer", "mlp": "mlp"})
-
-
-def module_labels(model: nn.Module) -> dict[str, nn.Module]:
-    """``label -> module`` for the forward ranges of the profile; layers share one label."""
-    labels: dict[str, list[nn.Module]] = {}
-    for name, module in model.named_modules():
-        m = re.fullmatch(r"model\.layers\.\d+\.(\w+)", name)
-        if m and m.group(1) in _ROLES:
-            label = f"fwd/{_ROLES[m.group(1)]}"
-        elif name in ("model.embed_tokens", "model.embeddings"):
-            label = "fwd/embedding"
-        elif name == "model.norm":
-            label = "fwd/final_norm"
-        elif name == "model":
-            label = "fwd/backbone (total - backbone = head + loss)"
-        else:
-            continue
-        labels.setdefault(label, []).append(module)
-    return labels  # type: ignore[return-value]
-
-
-@contextlib.contextmanager
-def labelled_forward(model: nn.Module) -> Iterator[None]:
-    """Wrap each labelled module's forward in a profiler ``record_function`` range."""
-    handles, stack = [], []
-
-    def pre(label: str) -> Callable:
-        def hook(module: nn.Module, args: Any) -> None:
-            rf = torch.profiler.record_function(label)
-            rf.__enter__()
-            stack.append(rf)
-
-        return hook
-
-    def post(module: nn.Module, args: Any, output: Any) -> None:
-        stack.pop().__exit__(None, None, None)
-
-    for label, modules in module_labels(model).items():
-        for module in modules:
-            handles.append(module.register_forward_pre_hook(pre(label)))
-            handles.append(module.register_forward_hook(post))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _device_time_us(event: Any, self_only: bool) -> float:
-    """Device (CUDA) time of a profiler event, across torch versions (names changed in 2.4)."""
-    names = (
-        ("self_device_time_total", "self_cuda_time_total")
-        if self_only
-        else ("device_time_total", "cuda_time_total")
-    )
-    for name in names:
-        value = getattr(event, name, None)
-        if value is not None:
-            return float(value)
-    return 0.0
-
-
-def profile_step(
-    step: Callable[[], None], model: nn.Module, device: torch.device, top: int
-) -> dict[str, Any]:
-    """One profiled training step: per-label times and the top-N op/kernel table."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    # Module hooks inside a compiled block would break its graph: label eager models only.
-    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-    labels = contextlib.nullcontext() if compiled else labelled_forward(model)
-    with torch.profiler.profile(activities=activities) as prof:
-        with labels:
-            step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    events = prof.key_averages()
-    cuda = device.type == "cuda"
-    ranges = {}
-    for e in events:
-        if e.key.startswith(("fwd/", "step/")):
-            ms = (_device_time_us(e, False) if cuda else e.cpu_time_total) / 1e3
-            ranges[e.key] = {"ms": ms, "calls": e.count}
-    sort_keys = (
-        ("self_device_time_total", "self_cuda_time_total") if cuda else ("self_cpu_time_total",)
-    )
-    table = ""
-    for key in sort_keys:
-        try:
-            table = events.table(sort_by=key, row_limit=top, max_name_column_width=70)
-            break
-        except Exception:  # noqa: BLE001 - the sort key was renamed across torch versions
-            continue
-    kernels = sorted(
-        (
-            {
-                "name": e.key,
-                "self_ms": (_device_time_us(e, True) if cuda else e.self_cpu_time_total) / 1e3,
-                "calls": e.count,
-            }
-            for e in events
-            if not e.key.startswith(("fwd/", "step/"))
-        ),
-        key=lambda r: -r["self_ms"],
-    )[:top]
-    return {"ranges": ranges, "top": kernels, "table": table}
-
-
 # ------------------------------------------------------------------------------ one model
 
 
@@ -349,6 +235,7 @@ def benchmark(
     args: argparse.Namespace,
     device: torch.device,
 ) -> dict[str, Any]:
+    """The benchmark's own step: ``args.dtype`` weights, fused AdamW, the model's loss."""
     torch.manual_seed(0)
     model, config = build()
     n_params = count_parameters(model)
@@ -356,9 +243,85 @@ def benchmark(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
-    step, timer = make_step(model, optimizer, ids), Timer(device)
     print(f"[{name}] {n_params / 1e6:.1f}M parameters; config:\n{json.dumps(config, default=str)}")
+    return measure(name, model, make_step(model, optimizer, ids), n_params, config, args, device)
 
+
+class RandomTokens:
+    """The trainer's task for timing: random token ids, every position scored (a function of
+    the step, as the trainer expects of a task)."""
+
+    def __init__(self, vocab_size: int, seq_len: int) -> None:
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+
+    def get_batch(self, batch_size: int, split: str = "train", step: int = 0) -> dict:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=g)
+        return {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
+
+
+def benchmark_trainer(
+    name: str,
+    build: Callable[[], tuple[nn.Module, dict[str, Any]]],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> dict[str, Any]:
+    """What ``deltaflow train`` runs: ``Trainer.train_step`` with its defaults (fp32 master
+    weights under bf16 autocast on CUDA, its loss over the model's logits, gradient clipping,
+    fused AdamW). ``build`` compiles the blocks or not; the trainer is told ``compile='off'``
+    so that it times the model it is given (compiled: what ``compile='auto'`` gives on CUDA
+    once models/compile.py's CUDA_BLOCKS_VERIFIED is flipped)."""
+    from deltaflow.train import TrainConfig, Trainer
+
+    torch.manual_seed(0)
+    model, config = build()
+    n_params = count_parameters(model)
+    cfg = TrainConfig(
+        task="random tokens",
+        steps=1_000_000,  # the learning-rate schedule of a long run: no step is its last
+        batch_size=args.batch,
+        lr=1e-4,
+        device=str(device),
+        compile="off",
+        progress=False,
+    )
+    trainer = Trainer(cfg, model=model, task=RandomTokens(args.vocab, args.seq))
+    config = {
+        **config,
+        "trainer": {
+            "precision": str(trainer.autocast_dtype or "fp32"),
+            "grad_accum": trainer.config.grad_accum,
+        },
+    }
+    print(
+        f"[{name}] {n_params / 1e6:.1f}M parameters, fp32 weights, autocast "
+        f"{trainer.autocast_dtype}, grad_accum {trainer.config.grad_accum}"
+    )
+    steps = iter(range(1_000_000))
+    result = measure(
+        name,
+        trainer.raw_model,
+        lambda: trainer.train_step(next(steps)),
+        n_params,
+        config,
+        args,
+        device,
+    )
+    trainer.close()
+    return result
+
+
+def measure(
+    name: str,
+    model: nn.Module,
+    step: Callable[[], Any],
+    n_params: int,
+    config: dict[str, Any],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Warm-up steps (compiles, autotunes), then timed steps: median, peak memory, a profile."""
+    timer = Timer(device)
     t0 = time.perf_counter()
     for i in range(args.warmup):  # compiles / autotunes the kernels on the first step
         seconds = timer(step)
@@ -391,14 +354,16 @@ def benchmark(
         result["profile"] = profile_step(step, model, device, args.top)
         print(f"[{name}] profile of one step (top {args.top} by self time):")
         print(result["profile"]["table"])
-    del model, optimizer, step
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
 # --------------------------------------------------------------------------------- report
+
+
+TRAINER_NOTE = (
+    " The trainer rows: Trainer.train_step, fp32 weights under bf16 autocast on CUDA, the "
+    "trainer's loss over the logits, gradient clipping."
+)
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -410,7 +375,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['architecture']['num_layers']} layers, hidden "
         f"{report['architecture']['hidden_size']}, {report['architecture']['num_heads']} heads "
         f"x {report['architecture']['head_dim']} (expand_v {report['architecture']['expand_v']}),"
-        f" vocab {report['architecture']['vocab_size']}; median of {report['steps']} steps.",
+        f" vocab {report['architecture']['vocab_size']}; median of {report['steps']} steps."
+        + TRAINER_NOTE
+        * any(name.startswith("deltaflow trainer") for name in report["results"]),
         "",
         "| model | params | tokens/s | MFU | step ms | peak GB | warm-up s |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -429,6 +396,13 @@ def markdown(report: dict[str, Any]) -> str:
         ratio = report["ratio"]
         mem = "n/a" if ratio["peak_memory"] is None else f"{ratio['peak_memory']:.2f}x"
         lines += ["", f"deltaflow / fla: tokens/s {ratio['tokens_per_s']:.2f}x, memory {mem}."]
+    if report.get("ratio_trainer"):
+        ratio = report["ratio_trainer"]
+        mem = "n/a" if ratio["peak_memory"] is None else f"{ratio['peak_memory']:.2f}x"
+        lines += [
+            "",
+            f"deltaflow trainer / fla: tokens/s {ratio['tokens_per_s']:.2f}x, memory {mem}.",
+        ]
     for r in report["results"].values():
         prof = r.get("profile")
         if not prof:
@@ -446,6 +420,16 @@ def markdown(report: dict[str, Any]) -> str:
         for k in prof["top"]:
             lines.append(f"| `{k['name'][:90]}` | {k['self_ms']:.2f} | {k['calls']} |")
     return "\n".join(lines) + "\n"
+
+
+def versus(ours: dict[str, Any], fla: dict[str, Any]) -> dict[str, Any] | None:
+    """tokens/s and peak memory of one of our runs over fla's (None where either is missing)."""
+    if "tokens_per_s" not in ours or "tokens_per_s" not in fla:
+        return None
+    memory = None
+    if ours["peak_memory_gb"] is not None:
+        memory = ours["peak_memory_gb"] / fla["peak_memory_gb"]
+    return {"tokens_per_s": ours["tokens_per_s"] / fla["tokens_per_s"], "peak_memory": memory}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -482,6 +466,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--skip-deltaflow", action="store_true")
     p.add_argument(
+        "--trainer",
+        action="store_true",
+        help="also time the trainer's own step (Trainer.train_step: fp32 master weights, bf16 "
+        "autocast on CUDA, its loss, clipping, fused AdamW), compiled as --compile says",
+    )
+    p.add_argument(
         "--fla-linear-ce", action="store_true", help="fla with fuse_linear_cross_entropy=True"
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -515,45 +505,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         functorch_config.activation_memory_budget = args.memory_budget
     compiled = {"off": [False], "blocks": [True], "both": [False, True]}[args.compile]
-    runs: list[tuple[str, Callable[[], tuple[nn.Module, dict[str, Any]]]]] = []
+    # smoke runs trace the compiled blocks with aot_eager (inductor's C++ codegen takes minutes)
+    backend = "aot_eager" if args.smoke else "inductor"
+    runs: list[tuple[str, Callable, Callable[[], tuple[nn.Module, dict[str, Any]]]]] = []
     for c in compiled:
         suffix = " (compiled)" if c else ""
+
+        def deltaflow(c: bool = c) -> tuple[nn.Module, dict[str, Any]]:
+            return build_deltaflow(arch, c, args.no_fused, args.checkpoint, backend)
+
+        if args.trainer:
+            runs.append((f"deltaflow trainer{suffix}", benchmark_trainer, deltaflow))
         if not args.skip_deltaflow:
-            runs.append(
-                (
-                    f"deltaflow{suffix}",
-                    lambda c=c: build_deltaflow(arch, c, args.no_fused, args.checkpoint),
-                )
-            )
+            runs.append((f"deltaflow{suffix}", benchmark, deltaflow))
         if args.llama:
-            runs.append((f"llama-sdpa{suffix}", lambda c=c: build_llama(arch, c)))
+            runs.append((f"llama-sdpa{suffix}", benchmark, lambda c=c: build_llama(arch, c)))
     if args.skip_fla:
         print("fla skipped (--skip-fla)")
     else:
-        runs.append(("fla", lambda: build_fla(arch, args.fla_linear_ce)))
+        runs.append(("fla", benchmark, lambda: build_fla(arch, args.fla_linear_ce)))
     results: dict[str, Any] = {}
-    for name, build in runs:
+    for name, bench, build in runs:
         try:
-            results[name] = benchmark(name, build, args, device)
+            results[name] = bench(name, build, args, device)
         except Exception as e:  # noqa: BLE001 - report and go on with the other model
             if name.startswith("deltaflow") and not isinstance(e, torch.cuda.OutOfMemoryError):
                 raise  # our own model must work; fla may be missing or refuse this GPU
             print(f"[{name}] failed: {e!r}")
             results[name] = {"name": name, "error": repr(e)}
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        gc.collect()  # the model, its optimizer and its step are gone: their memory too
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    ratio = None
     fla = results.get("fla", {})
-    ours = results.get("deltaflow (compiled)", results.get("deltaflow", {}))
-    if "tokens_per_s" in ours and "tokens_per_s" in fla:
-        ratio = {
-            "tokens_per_s": ours["tokens_per_s"] / fla["tokens_per_s"],
-            "peak_memory": None
-            if ours["peak_memory_gb"] is None
-            else ours["peak_memory_gb"] / fla["peak_memory_gb"],
-        }
+    ratio = versus(results.get("deltaflow (compiled)", results.get("deltaflow", {})), fla)
+    trainer = results.get("deltaflow trainer (compiled)", results.get("deltaflow trainer", {}))
     report = {
         "device": device_name,
         "commit": git_commit(),
@@ -567,6 +553,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fla_loss": "fuse_linear_cross_entropy" if args.fla_linear_ce else "fuse_cross_entropy",
         "results": results,
         "ratio": ratio,
+        "ratio_trainer": versus(trainer, fla),
     }
 
     out = output_dir(args.out, args.smoke)

@@ -22,12 +22,33 @@ def test_model_training_benchmark_cpu_smoke(tmp_path):
     assert (tmp_path / "model_training_cpu_B2_T64_profile.txt").stat().st_size > 0
 
 
-def test_training_compile_policy():
-    """compile='auto' is off; 'blocks' is refused on CUDA (wrong fp32 gradients measured)."""
+def test_model_training_times_the_trainers_own_step(tmp_path):
+    """--trainer: Trainer.train_step beside the benchmark's step (issue 31: the trainer's default
+    step against the benchmark's), in the report and its table."""
+    bench = load_script("benchmarks/model_training.py")
+    args = "--device cpu --layers 1 --seq 32 --batch 2 --steps 1 --warmup 1 --skip-fla --trainer"
+    args += f" --hidden 32 --heads 2 --head-dim 16 --vocab 64 --top 0 --out {tmp_path}"
+    report = bench.main(args.split())
+    trainer = report["results"]["deltaflow trainer"]
+    assert trainer["tokens_per_s"] > 0 and trainer["config"]["trainer"]["grad_accum"] == 1
+    assert set(report["results"]) == {"deltaflow trainer", "deltaflow"}
+    assert report["ratio_trainer"] is None  # no fla here
+    assert (
+        "The trainer rows: Trainer.train_step"
+        in (tmp_path / "model_training_cpu_B2_T32.md").read_text()
+    )
+
+
+def test_training_compile_policy(monkeypatch):
+    """Until the GPU check (CUDA_BLOCKS_VERIFIED) compile='auto' is off on CUDA and 'blocks' is
+    refused there (wrong fp32 gradients measured); tests/test_train_compile.py flips it."""
     import pytest
     import torch
 
+    from deltaflow.models import compile as compile_mod
     from deltaflow.models.compile import resolve_compile
+
+    monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", False)
 
     assert resolve_compile("auto", torch.device("cuda")) is False
     assert resolve_compile("blocks", torch.device("cpu")) is True

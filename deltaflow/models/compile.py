@@ -13,33 +13,78 @@ The delta-rule op is a ``torch.library`` custom op with a fake kernel, so blocks
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn as nn
 
 COMPILE_MODES = ("auto", "blocks", "off")
 
+# THE switch of issue 31: may CUDA train with compiled blocks? False until a GPU run of
+# `bash benchmarks/issue31_call.sh` (its check_training step: every entry of
+# check_training_<device>.json "ok", fp32 / autocast / bf16, every Triton rule) confirms that
+# torch 2.11's zeroed fp32 gradients are gone (deltaflow/compat.py: cast_output). Flipping it to
+# True makes compile='auto' compile the blocks on CUDA and lifts the refusal of 'blocks' there.
+CUDA_BLOCKS_VERIFIED = False
+
+# The warm-up said before the first step ("first steps take ~N s"): inductor compiles one
+# block's forward and backward (every layer reuses it) and the op's kernels compile at their
+# first launch. H100, 400M model, B=8 x T=2048: 21 s with the op's kernels already compiled
+# (benchmarks/results/issue30/s13call5/model_training.log), 32 s cold (issue27). CPU: not
+# measured, a guess: inductor's C++ codegen takes minutes on a few cores (why the CPU tests
+# trace with aot_eager).
+WARMUP_SECONDS = {"cuda": 40, "cpu": 90}
+
 
 def resolve_compile(mode: str, device: torch.device) -> bool:
-    """Whether the trainer compiles its model's blocks.
+    """Whether the trainer's ``compile`` setting asks for compiled blocks on ``device``.
 
-    ``auto`` is OFF for now: on CUDA, compiled DeltaAttention blocks whose activations are
-    float32 (fp32 weights, also under bf16 autocast, the trainer's setting) returned wrong
-    parameter gradients with the right loss in our GPU check (benchmarks/check_training.py,
-    H100, torch 2.11; bf16 models were right), and a 200-step LM run diverged from the eager
-    one. The cause is torch 2.11's dynamo zeroing the gradient through the norms' no-op cast
-    (``deltaflow/compat.py``; reproduced on CPU with torch 2.11, right after the fix); ``blocks``
-    stays refused on CUDA until ``benchmarks/check_compile_grads.py`` confirms that on a GPU.
-    On CPU it is correct (tests) but its warm-up rarely pays off for the lab's small models.
-    """
+    ``auto``: blocks on CUDA once :data:`CUDA_BLOCKS_VERIFIED`, eager elsewhere (on CPU the
+    warm-up rarely pays off for the lab's small models). ``blocks``: everywhere, refused on CUDA
+    until verified: compiled DeltaAttention blocks with float32 activations (fp32 weights, and
+    bf16 autocast over them, the trainer's setting) returned wrong parameter gradients with the
+    right loss on an H100 with torch 2.11, whose dynamo zeroed the gradient through the norms'
+    no-op cast (``deltaflow/compat.py``; reproduced on CPU with torch 2.11, right after the
+    fix). ``off``: eager. Whether compiling can run at all is :func:`compile_obstacle`'s."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-    if mode == "blocks" and device.type == "cuda":
+    if mode == "blocks" and device.type == "cuda" and not CUDA_BLOCKS_VERIFIED:
         raise ValueError(
             "compile='blocks' is refused on CUDA: compiled blocks with float32 activations gave "
-            "wrong gradients in benchmarks/check_training.py (bf16 models are right; see "
-            "benchmarks/NOTES.md); use compile='off'"
+            "wrong gradients on the GPU with torch 2.11 (fixed since, not yet confirmed there: "
+            "models/compile.py CUDA_BLOCKS_VERIFIED); use compile='off'"
         )
+    if mode == "auto":
+        return device.type == "cuda" and CUDA_BLOCKS_VERIFIED
     return mode == "blocks"
+
+
+def compile_obstacle(model: nn.Module, device: torch.device) -> str | None:
+    """Why the blocks of ``model`` cannot be compiled on ``device`` (None: they can): the
+    reason, for the one line that says the run goes on eager instead."""
+    if _blocks(model) is None:
+        return f"{type(model).__name__} has no .layers blocks to compile"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (inductor generates Triton kernels on CUDA)"
+    return None
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList | None:
+    return getattr(getattr(model, "model", model), "layers", None)
+
+
+def blocks_compiled(model: nn.Module) -> bool:
+    """Whether ``model``'s blocks run compiled (:func:`compile_blocks` was called on it)."""
+    return any(getattr(b, "_compiled_call_impl", None) is not None for b in _blocks(model) or ())
+
+
+def uncompile_blocks(model: nn.Module) -> None:
+    """Undo :func:`compile_blocks`: every block runs eager again, without the selective
+    checkpointing that only pays off compiled (eager, it recomputes the glue op by op)."""
+    for block in _blocks(model) or ():
+        block._compiled_call_impl = None  # what nn.Module.compile set
+        if hasattr(block, "selective_checkpointing"):
+            block.selective_checkpointing = ()
 
 
 def compile_blocks(
@@ -63,8 +108,7 @@ def compile_blocks(
     ``backend``: torch.compile's; ``"aot_eager"`` traces the same graphs (fullgraph, the
     checkpointing policy, AOTAutograd) without generating code, for CPU smoke runs of the GPU
     checks (inductor's C++ compile takes minutes on a small CPU)."""
-    backbone = getattr(model, "model", model)
-    layers = getattr(backbone, "layers", None)
+    layers = _blocks(model)
     if layers is None:
         raise TypeError(f"compile_blocks: {type(model).__name__} has no .layers to compile")
     # Every layer is the same code with other parameters; evaluation lengths add shapes.

@@ -14,6 +14,11 @@ The estimate (bytes, fp32 training):
   for backward, and the gradients of both); bf16 autocast keeps the same total;
 - activations: 64 floats per token, per layer and per unit of ``hidden_size`` (the default
   delta-rule block with its SwiGLU; measured 53-65 at widths 128-512, head dims 16-128).
+  Compiled blocks on CUDA (``compile``; selective checkpointing keeps matmul and mixer outputs
+  only): 16. Measured on an H100, 400M model, B=8 x T=2048 with bf16 weights: 14.16 GB at
+  the peak, ~10.5 GB of it activations, 6.5 floats (issue 27); under the trainer's autocast
+  the residual stream between blocks is fp32 (+1): 16 leaves twice that. With 64 the trainer
+  planned 110 GB for that step and split it into 4 micro-batches on an 80 GB GPU.
 
 Measured on CPU (peak RSS of a step minus the RSS before it, tests/test_memory.py): 1.02x the
 estimate when logits dominate, 0.82x when activations do (once 1.33x inside the whole test
@@ -34,6 +39,7 @@ from torch import nn
 BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 LOGIT_COPIES = 4
 ACTIVATION_FLOATS = 64  # per token x layer x hidden unit
+ACTIVATION_FLOATS_COMPILED_CUDA = 16  # compiled blocks with selective checkpointing, on CUDA
 # Share of the available memory a step may plan to use: the rest is left for the allocator's
 # fragmentation, the data and whatever else the machine runs.
 USABLE_FRACTION = 0.7  # the peak measured once at 1.33x the estimate (tests/test_memory.py)
@@ -72,14 +78,16 @@ def estimate_step(
     hidden_size: int = 0,
     num_layers: int = 0,
     param_shards: int = 1,
+    activation_floats: int = ACTIVATION_FLOATS,
 ) -> StepMemory:
     """The estimate of the module docstring (``hidden_size``/``num_layers`` 0: unknown model,
-    no activation term)."""
+    no activation term; ``activation_floats``: ACTIVATION_FLOATS_COMPILED_CUDA for compiled
+    blocks on CUDA)."""
     tokens = micro_batch * seq_len
     return StepMemory(
         parameters=BYTES_PER_PARAMETER * num_params // max(1, param_shards),
         logits=LOGIT_COPIES * 4 * tokens * vocab_size,
-        activations=ACTIVATION_FLOATS * 4 * tokens * hidden_size * num_layers,
+        activations=activation_floats * 4 * tokens * hidden_size * num_layers,
     )
 
 
@@ -167,6 +175,7 @@ class MemoryFitMixin:
         memory (:mod:`deltaflow.train.memory`): ``grad_accum`` when its micro-batch fits, else
         the smallest larger one that does (said in one line); a one-line error when not even
         one row fits. Every rank uses the largest any rank needs."""
+        from deltaflow.models.compile import blocks_compiled
         from deltaflow.train import memory
 
         accum = self.config.grad_accum
@@ -177,6 +186,10 @@ class MemoryFitMixin:
                 available //= memory.env_local_world()
             usable = int(available * memory.USABLE_FRACTION)
             hidden, layers = memory.model_shape(model)
+            floats = memory.ACTIVATION_FLOATS
+            # compiled here (planned before this fit) or by the caller (compile='off' then)
+            if (self.compiled or blocks_compiled(model)) and self.device.type == "cuda":
+                floats = memory.ACTIVATION_FLOATS_COMPILED_CUDA
             vocab = getattr(getattr(model, "config", None), "vocab_size", self.task.vocab_size)
 
             def estimate(micro_batch: int, tokens: int = seq_len) -> memory.StepMemory:
@@ -188,6 +201,7 @@ class MemoryFitMixin:
                     hidden_size=hidden,
                     num_layers=layers,
                     param_shards=self.dist.world_size if self.sharded else 1,
+                    activation_floats=floats,
                 )
 
             try:

@@ -46,7 +46,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
-from deltaflow.models.compile import compile_blocks, resolve_compile
 from deltaflow.parallel.data_layout import DataLayout
 from deltaflow.train.build import (
     IGNORE_INDEX,
@@ -61,6 +60,7 @@ from deltaflow.train.build import (
     task_vocab_size,  # noqa: F401
 )
 from deltaflow.train.checkpoint import atomic_write_text, latest_checkpoint
+from deltaflow.train.compiling import CompileMixin
 from deltaflow.train.config import TrainConfig
 from deltaflow.train.dist import (
     DistInfo,
@@ -84,7 +84,7 @@ class DivergenceError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- the trainer
-class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin):
+class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, CompileMixin):
     """Train ``model`` on ``task`` as ``config`` says. Builds both from the config if not given.
 
     ``callbacks`` are called as ``fn(trainer, step)`` after every completed optimizer step
@@ -179,6 +179,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin):
         self.task = task if task is not None else build_task(config)
         base = model if model is not None else build_model(config, self.task.vocab_size)
         _check_tokenizer_fits(base, self.task)
+        self._plan_compile(base)  # compiled blocks, or eager with one line why (compiling.py)
         rows = config.batch_size // dp  # this rank's rows of a step
         accum = self._fit_memory(base, rows)  # before the first step, not by the OOM killer
         if accum != config.grad_accum:
@@ -192,10 +193,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin):
             self.raw_model = shard_model(base, self.device, bf16=bf16_weights)
         else:
             self.raw_model = base.to(self.device)
-        self.compiled = resolve_compile(config.compile, self.device)
-        self.compiled = self.compiled and self.layout.allows_compile(config.compile)
-        if self.compiled:
-            compile_blocks(self.raw_model)  # in place: parameter names are unchanged
+        self._compile_model()  # as planned above
         # After sharding: the optimizer must hold the sharded (DTensor) parameters.
         self.optimizer = make_optimizer(self.raw_model, config, self.device)
         self.step = 0  # number of optimizer steps completed
@@ -365,6 +363,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin):
                 num_params=self.num_params,
                 config=cfg.to_dict(),
                 **passes,
+                **self._compile_record(),
             )
         elif main and self.plan.extend_from is not None:
             write_run_config(cfg.out_dir, cfg.to_dict())
@@ -386,7 +385,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin):
         try:
             with self._signal_handlers():
                 while self.step < cfg.steps:
-                    loss, grad_norm, tokens = self.train_step(self.step)
+                    loss, grad_norm, tokens = self._train_step_first(self.step)
                     self.step += 1
                     self.window_loss += loss
                     self.window_steps += 1

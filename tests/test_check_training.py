@@ -1,0 +1,67 @@
+"""benchmarks/check_training.py's verdict (issue 31, item 2): its tolerances, and that a failed
+entry, failed loss curves or a unit that died or never finished fail the report (its exit status
+decides whether CUDA_BLOCKS_VERIFIED flips). The script runs whole in tests/test_gpu_scripts.py."""
+
+from __future__ import annotations
+
+import pytest
+from _scripts import load_script
+
+ct = load_script("benchmarks/check_training.py")
+
+
+def _entry(compiled_vs_eager=1e-7, compiled=0.02, eager=0.02, zero=0):
+    return {
+        "grad_err_compiled_vs_eager": compiled_vs_eager,
+        "grad_err_compiled_vs_fp32": compiled,
+        "grad_err_eager_vs_fp32": eager,
+        "zero_grads_compiled": zero,
+    }
+
+
+@pytest.mark.parametrize(
+    "entry, mode, ok",
+    [
+        (_entry(compiled_vs_eager=9e-4, compiled=9e-4, eager=0.0), "fp32", True),
+        (_entry(compiled_vs_eager=2e-3, compiled=2e-3, eager=0.0), "fp32", False),
+        (_entry(compiled_vs_eager=1.0, compiled=1.0, eager=0.0), "fp32", False),  # torch 2.11
+        (_entry(compiled=0.024, eager=0.02), "autocast", True),
+        (_entry(compiled=0.026, eager=0.02), "autocast", False),
+        (_entry(compiled=0.01, eager=0.02), "bf16", True),
+        (_entry(compiled=0.01, eager=0.02, zero=4), "bf16", False),  # model autocast, 2.11
+    ],
+)
+def test_tolerances(entry, mode, ok):
+    assert ct.entry_ok(entry, mode) is ok
+
+
+def test_every_failure_fails_the_report():
+    units = ct.plan_units(["delta", "efla"], list(ct.CASES), lm=True)
+    assert units == [
+        "grads:delta:layer,layer_unfused",
+        "grads:delta:model_unfused,model_no_sac",
+        "lm",
+        "grads:delta:model",
+        "grads:efla:model",
+    ]
+    assert ct.plan_units(["efla"], ["layer", "model"], lm=False) == ["grads:efla:model"]
+    report = {"gradients": {}, "units": {}}
+    ok_row = {"case": "model", "rule": "delta", "mode": "fp32", **_entry(), "ok": True}
+    ct.merge(report, "grads:delta:model", [ok_row], 1.0)
+    ct.merge(report, "lm", [{"unit": "lm", "ok": True, "seconds": 1.0}], 1.0)
+    assert ct.failures(report, units[2:4]) == []
+    assert ct.failures(report, units) == [
+        f"{units[0]} (did not finish)",
+        f"{units[1]} (did not finish)",
+        f"{units[4]} (did not finish)",
+    ]
+    bad = {**ok_row, "rule": "efla", "mode": "bf16", "ok": False}
+    ct.merge(report, "grads:efla:model", [bad], 1.0)
+    report["units"]["grads:efla:model"]["exit"] = -9  # killed after its first row
+    report["lm"]["ok"] = False
+    assert ct.failures(report, units[2:]) == [
+        "model/efla/bf16",
+        "loss curves",
+        "grads:efla:model (exit -9)",
+    ]
+    assert report["gradients"]["model"]["delta"]["fp32"]["ok"] is True

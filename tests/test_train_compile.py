@@ -1,0 +1,207 @@
+"""The trainer's compiled blocks (issue 31, item 3): the decision (CUDA's ``auto`` waits for the
+GPU check's one switch), the one-time warm-up line, and the fall-back to eager with one line
+where compiling cannot run: a compile failure at the first step is simulated with a dynamo
+backend that raises, as inductor does when it cannot generate a kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+from deltaflow.models import compile as compile_mod
+from deltaflow.train import TrainConfig, Trainer, compiling, read_log
+
+CUDA = torch.device("cuda")  # only the decision is tested: nothing runs on it
+CPU = torch.device("cpu")
+
+
+class Copy:
+    """Predict the previous token (vocab 16, T 24)."""
+
+    vocab_size, seq_len = 16, 24
+
+    def get_batch(self, batch_size: int, split: str = "train", step: int = 0, length=None):
+        g = torch.Generator().manual_seed(step + (0 if split == "train" else 10_000))
+        ids = torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=g)
+        labels = torch.full_like(ids, -100)
+        labels[:, 1:] = ids[:, :-1]
+        return {"input_ids": ids, "labels": labels}
+
+    def eval_batches(self, split: str, num_examples: int = 4, batch_size: int = 4, length=None):
+        yield self.get_batch(batch_size, split=split, step=0)
+
+    def metrics(self, logits: torch.Tensor, batch: dict) -> dict[str, float]:
+        mask = batch["labels"] != -100
+        return {"loss": torch.nn.functional.cross_entropy(logits[mask], batch["labels"][mask])}
+
+
+def _model() -> DeltaFlowForCausalLM:
+    torch.manual_seed(0)
+    cfg = DeltaFlowConfig(
+        vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, rule="delta", use_decay=True
+    )
+    return DeltaFlowForCausalLM(cfg)
+
+
+def _train(tmp_path, compile: str, name: str) -> tuple[Trainer, dict]:
+    cfg = TrainConfig(
+        task="copy",
+        steps=2,
+        batch_size=4,
+        lr=1e-3,
+        log_every=1,
+        device="cpu",
+        compile=compile,
+        progress=False,
+        out_dir=str(tmp_path / name),
+    )
+    trainer = Trainer(cfg, model=_model(), task=Copy(), verbose=True, export_final=False)
+    summary = trainer.train()
+    trainer.close()
+    return trainer, summary
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("simulated inductor failure\nsecond line of the report")
+
+
+def test_auto_and_blocks_wait_for_the_gpu_check(monkeypatch):
+    """The one switch: unverified, CUDA's auto is eager and blocks refused; flipped (what the
+    next GPU session does once check_training passes), both compile the blocks on CUDA. CPU
+    is unchanged by it: auto eager, blocks compiled."""
+    model = _model()
+    monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", False)
+    assert compiling.plan_compile("auto", CUDA, model) == (False, None)
+    with pytest.raises(ValueError, match="refused on CUDA.*CUDA_BLOCKS_VERIFIED"):
+        compiling.plan_compile("blocks", CUDA, model)
+    monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", True)
+    assert compiling.plan_compile("auto", CUDA, model) == (True, None)
+    assert compiling.plan_compile("blocks", CUDA, model) == (True, None)
+    assert compiling.plan_compile("off", CUDA, model) == (False, None)
+    for verified in (False, True):
+        monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", verified)
+        assert compiling.plan_compile("auto", CPU, model) == (False, None)
+        assert compiling.plan_compile("blocks", CPU, model) == (True, None)
+
+
+def test_where_compile_cannot_run_one_line_says_why(monkeypatch):
+    """Known before the first step: no Triton on CUDA, a model without blocks, context
+    parallelism; each is eager with one line naming the reason."""
+    monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", True)
+    real_find_spec = compile_mod.importlib.util.find_spec
+    monkeypatch.setattr(
+        compile_mod.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" else real_find_spec(name, *a),
+    )
+    compiled, line = compiling.plan_compile("auto", CUDA, _model())
+    assert not compiled and line.startswith("compile: running the blocks eager instead: ")
+    assert "Triton is not installed" in line and "\n" not in line
+    compiled, line = compiling.plan_compile("blocks", CPU, torch.nn.Linear(2, 2))
+    assert not compiled and "Linear has no .layers blocks to compile" in line
+    compiled, line = compiling.plan_compile("auto", CUDA, _model(), allowed=False)
+    assert not compiled and "context_parallel > 1" in line
+
+
+def test_compiled_run_says_the_warmup_once(tmp_path, monkeypatch, capsys):
+    # aot_eager: the trainer's graphs without inductor's minutes of C++ codegen on the CPU
+    blocks = functools.partial(compile_mod.compile_blocks, backend="aot_eager")
+    monkeypatch.setattr(compiling, "compile_blocks", blocks)
+    trainer, _ = _train(tmp_path, "blocks", "ok")
+    err = capsys.readouterr().err
+    assert err.count("compiling the blocks: first steps take ~") == 1, err
+    assert "running the blocks eager" not in err
+    assert trainer.compiled
+    start = next(r for r in read_log(tmp_path / "ok") if r.get("event") == "start")
+    assert start["compiled_blocks"] is True
+
+
+def test_first_step_compile_failure_falls_back_to_the_eager_run(tmp_path, monkeypatch, capsys):
+    """The compile error at the first forward: one line, the run goes on eager, and it is the
+    run compile='off' makes (same losses, same final weights)."""
+    blocks = functools.partial(compile_mod.compile_blocks, backend=_failing_backend)
+    monkeypatch.setattr(compiling, "compile_blocks", blocks)
+    trainer, summary = _train(tmp_path, "blocks", "fallback")
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "running the blocks eager" in line]
+    assert len(lines) == 1, err
+    assert "the first compiled step failed" in lines[0]
+    assert "simulated inductor failure" in lines[0] and "second line" not in lines[0]
+    assert not trainer.compiled
+    assert all(b._compiled_call_impl is None for b in trainer.raw_model.model.layers)
+    records = read_log(tmp_path / "fallback")
+    assert [r["reason"] for r in records if r.get("event") == "compile_fallback"] == [lines[0]]
+
+    eager, summary_off = _train(tmp_path, "off", "off")
+    assert summary["train_loss"] == summary_off["train_loss"]
+    losses = [
+        [r["loss"] for r in read_log(tmp_path / n) if r["kind"] == "train"]
+        for n in ("fallback", "off")
+    ]
+    assert losses[0] == losses[1]
+    for a, b in zip(trainer.raw_model.parameters(), eager.raw_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_first_step_compile_failure_stops_a_distributed_run(tmp_path, monkeypatch):
+    """Other ranks could be inside a collective: no fall-back there, one error naming
+    --compile off (the failure comes at the forward, before any collective of the step)."""
+    blocks = functools.partial(compile_mod.compile_blocks, backend=_failing_backend)
+    monkeypatch.setattr(compiling, "compile_blocks", blocks)
+    cfg = TrainConfig(
+        task="copy", steps=1, batch_size=4, device="cpu", compile="blocks", progress=False
+    )
+    trainer = Trainer(cfg, model=_model(), task=Copy())
+    trainer.dist = dataclasses.replace(trainer.dist, world_size=2)
+    with pytest.raises(RuntimeError, match="first compiled step failed.*rerun with --compile off"):
+        trainer._train_step_first(0)
+
+
+@pytest.mark.parametrize(
+    "compiled, given_compiled, accum", [(False, False, 4), (True, False, 1), (False, True, 1)]
+)
+def test_compiled_blocks_fit_the_benchmark_step_on_one_gpu(
+    monkeypatch, compiled, given_compiled, accum
+):
+    """The trainer's memory plan for issue 27's step (400M model, B=8 x T=2048, an 80 GB GPU):
+    eager it plans 110 GB and splits the step into 4 micro-batches; with compiled blocks on
+    CUDA (selective checkpointing: ~6.5 floats of activations measured, 16 planned) one step
+    of 8 rows fits, the step the benchmark times; also when the caller compiled the blocks
+    (model_training.py --trainer, which tells the trainer compile='off')."""
+    from types import SimpleNamespace
+
+    from deltaflow.train import memory
+    from deltaflow.train.memory import MemoryFitMixin
+
+    with torch.device("meta"):  # 400M parameters without their memory
+        model = DeltaFlowForCausalLM(
+            DeltaFlowConfig(
+                vocab_size=32000,
+                hidden_size=1024,
+                num_layers=24,
+                num_heads=8,
+                head_dim=128,
+                rule="delta",
+                use_decay=True,
+            )
+        )
+    if given_compiled:
+        compile_mod.compile_blocks(model, backend="eager")  # lazy: nothing runs on meta
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 79 * memory.GB)
+    notes: list[str] = []
+    trainer = SimpleNamespace(
+        config=SimpleNamespace(grad_accum=1, batch_size=8),
+        task=SimpleNamespace(seq_len=2048, vocab_size=32000),
+        device=CUDA,
+        compiled=compiled,
+        layout=SimpleNamespace(cp_size=1),
+        dist=SimpleNamespace(world_size=1),
+        sharded=False,
+        note=notes.append,
+    )
+    assert MemoryFitMixin._fit_memory(trainer, model, 8) == accum
+    assert bool(notes) is (accum > 1)
