@@ -49,10 +49,14 @@ def _check(got: list[torch.Tensor], ref: list[torch.Tensor], dtype: torch.dtype)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T, W, activation", [(37, 4, "silu"), (1, 4, "silu"), (70, 3, None)])
-def test_against_float64_reference(dtype, T, W, activation):
+def test_against_float64_reference(monkeypatch, dtype, T, W, activation):
     # Odd lengths and T = 1 (every tap before the sequence), a strided input, W != 4, no
     # activation; outputs and gradients of x and the weight. T = 70 spans three forward tiles
-    # and, at 32-row tiles and 4 tiles per program, two backward programs' dw partials.
+    # of 32 rows and five backward tiles of 16, here two per program: three dw partials, the
+    # last program with one tile past the end.
+    monkeypatch.setattr(sct, "FWD_BT", 32)
+    monkeypatch.setattr(sct, "BWD_BT", 16)
+    monkeypatch.setattr(sct, "BWD_TILES", 2)
     x = _strided(2, T, 20, dtype, seed=T)
     w = torch.randn(20, W, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
 

@@ -38,12 +38,16 @@ try:
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-# Launch settings (module constants so a GPU sweep can set them; read at call time).
-FWD_BT, FWD_BC, FWD_WARPS = 32, 128, 4
-BWD_BT, BWD_BC, BWD_WARPS = 32, 128, 4
+# Launch settings (module constants so a GPU sweep can set them; read at call time). Chosen on
+# the CPU from the sm_90 compile (benchmarks/short_conv_cost.py, bf16, W = 4): the forward at
+# 32 x 128 x 8 warps takes 72 registers (4 warps: 123); the backward's W x W shifted loads take
+# 255 registers at 16 or 32 x 128 (and spill 144-160 B at 32 x 128 x 4 warps), 143 at 16 x 64.
+FWD_BT, FWD_BC, FWD_WARPS = 32, 128, 8
+BWD_BT, BWD_BC, BWD_WARPS = 16, 64, 4
 # Row tiles per backward program: each program writes one float32 [BC, W] partial of dw, so
-# more tiles per program means a smaller partial buffer (B * T / (BWD_BT * BWD_TILES) rows).
-BWD_TILES = 4
+# more tiles per program means a smaller partial buffer (B * T / (BWD_BT * BWD_TILES) rows:
+# 6 MB at 16k tokens x 3072 channels).
+BWD_TILES = 8
 # Input dtypes the kernels take (float64 stays on the torch reference).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
