@@ -84,13 +84,21 @@ def build_deltaflow(
     no_fused: bool = False,
     checkpoint: str = "mixer,mlp",
     backend: str = "inductor",
+    triton_conv: bool | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
     output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
     ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default);
-    ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen)."""
+    ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen).
+    ``triton_conv``: True/False sets the process-wide switch ``conv.TRITON_SHORT_CONV`` (read
+    when the model runs: it holds for this model's whole benchmark, until the next build sets
+    it); None leaves it as it is."""
+    from deltaflow.layers import conv
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
     from deltaflow.models.compile import compile_blocks
+
+    if triton_conv is not None:
+        conv.TRITON_SHORT_CONV = triton_conv
 
     config = DeltaFlowConfig(
         **arch,
@@ -110,7 +118,7 @@ def build_deltaflow(
     if compiled:
         parts = tuple(p for p in checkpoint.split(",") if p)
         compile_blocks(model, selective_checkpointing=parts, backend=backend)
-    return model, config.to_dict()
+    return model, {**config.to_dict(), "triton_short_conv": conv.TRITON_SHORT_CONV}
 
 
 def build_llama(arch: dict[str, Any], compiled: bool = False) -> tuple[nn.Module, dict[str, Any]]:
@@ -480,6 +488,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="parts of each compiled deltaflow block under selective checkpointing "
         "(comma-separated: mixer, mlp; '' = none)",
     )
+    p.add_argument(
+        "--triton-conv",
+        choices=["off", "on", "both"],
+        default="off",
+        help="deltaflow's short conv on the Triton kernels (conv.TRITON_SHORT_CONV): off, on, "
+        "or both (time each deltaflow variant with the tap sum and with the kernels)",
+    )
     p.add_argument("--skip-deltaflow", action="store_true")
     p.add_argument(
         "--fla-linear-ce", action="store_true", help="fla with fuse_linear_cross_entropy=True"
@@ -516,13 +531,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         functorch_config.activation_memory_budget = args.memory_budget
     compiled = {"off": [False], "blocks": [True], "both": [False, True]}[args.compile]
     runs: list[tuple[str, Callable[[], tuple[nn.Module, dict[str, Any]]]]] = []
+    convs = {"off": [False], "on": [True], "both": [False, True]}[args.triton_conv]
     for c in compiled:
         suffix = " (compiled)" if c else ""
-        if not args.skip_deltaflow:
+        for t in [] if args.skip_deltaflow else convs:
+            tags = [tag for tag, on in (("compiled", c), ("triton conv", t)) if on]
+            name = "deltaflow" + (f" ({', '.join(tags)})" if tags else "")
             runs.append(
                 (
-                    f"deltaflow{suffix}",
-                    lambda c=c: build_deltaflow(arch, c, args.no_fused, args.checkpoint),
+                    name,
+                    lambda c=c, t=t: build_deltaflow(
+                        arch, c, args.no_fused, args.checkpoint, triton_conv=t
+                    ),
                 )
             )
         if args.llama:
@@ -546,7 +566,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     ratio = None
     fla = results.get("fla", {})
-    ours = results.get("deltaflow (compiled)", results.get("deltaflow", {}))
+    # the fastest configuration asked for: compiled over eager, the Triton conv over the tap sum
+    order = ["deltaflow (compiled, triton conv)", "deltaflow (compiled)"]
+    order += ["deltaflow (triton conv)", "deltaflow"]
+    ours = next((results[n] for n in order if n in results), {})
     if "tokens_per_s" in ours and "tokens_per_s" in fla:
         ratio = {
             "tokens_per_s": ours["tokens_per_s"] / fla["tokens_per_s"],

@@ -31,7 +31,8 @@ from deltaflow.layers import short_conv_triton as sct  # noqa: E402
 # What a launch on the training step's tensors specializes: a stride of 1 is a constant, and
 # pointers and ints divisible by 16 carry that hint (C = 3072, row stride 4112, T = 2048).
 ONE = ("sx_c", "sdy_c")
-INTS = ("T", "C", "n_programs_t", "sx_b", "sx_t", "ss_b", "ss_c", "ss_w", "sdy_b", "sdy_t")
+INTS = ("T", "C", "n_tiles", "n_programs_t", "sx_b", "sx_t", "ss_b", "ss_c", "ss_w")
+INTS += ("sdy_b", "sdy_t")
 
 
 def compile_one(kernel, arch: int, x: str, w: str, varlen: bool, backward: bool) -> dict:

@@ -183,6 +183,7 @@ if triton is not None:
         dw_ptr,
         T,
         C,
+        n_tiles,
         n_programs_t,
         sx_b,
         sx_t,
@@ -204,13 +205,14 @@ if triton is not None:
     ):
         """dx (contiguous [B, T, C]), the state's gradient (contiguous [B, C, W-1], from the
         extra first tile of rows [-BT, 0) when HAS_STATE) and one float32 partial of dw per
-        program (``dw_ptr``: [B * n_programs_t, C, W])."""
+        program (``dw_ptr``: [B * n_programs_t, C, W]). Program i_p takes the n_tiles row tiles
+        TILES at a time."""
         i_p, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         c = i_c * BC + tl.arange(0, BC)
         cmask = c < C
         taps = tl.arange(0, WP)
         dw = tl.zeros((BC, WP), dtype=tl.float32)
-        for tile in range(TILES):
+        for tile in range(0, tl.minimum(TILES, n_tiles - i_p * TILES)):  # none past the end
             t = ((i_p * TILES + tile) - HAS_STATE) * BT + tl.arange(0, BT)
             dx = tl.zeros((BT, BC), dtype=tl.float32)
             for s in tl.static_range(W):  # dz at rows t + s feeds dx[t] through tap W-1-s
@@ -331,6 +333,7 @@ def _backward(
         partial,
         T,
         C,
+        tiles,
         n_programs_t,
         *x.stride(),
         *_state_strides(state),
