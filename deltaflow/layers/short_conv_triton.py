@@ -279,16 +279,22 @@ def _forward(
     w = weight.contiguous()
     pos = _positions(cu_seqlens, T, x.device)
     grid = (triton.cdiv(T, FWD_BT), triton.cdiv(C, FWD_BC), B)
-    short_conv_fwd_kernel[grid](
-        x,
-        w,
-        x if state is None else state,  # never read without HAS_STATE
-        x if pos is None else pos,  # never read without VARLEN
-        y,
-        T,
-        C,
-        *x.stride(),
-        *_state_strides(state),
+    sx_b, sx_t, sx_c = x.stride()
+    ss_b, ss_c, ss_w = _state_strides(state)
+    short_conv_fwd_kernel[grid](  # keywords only: benchmarks/_launches.py traces launches
+        x_ptr=x,
+        w_ptr=w,
+        s_ptr=x if state is None else state,  # never read without HAS_STATE
+        pos_ptr=x if pos is None else pos,  # never read without VARLEN
+        y_ptr=y,
+        T=T,
+        C=C,
+        sx_b=sx_b,
+        sx_t=sx_t,
+        sx_c=sx_c,
+        ss_b=ss_b,
+        ss_c=ss_c,
+        ss_w=ss_w,
         W=W,
         BT=FWD_BT,
         BC=FWD_BC,
@@ -322,22 +328,31 @@ def _backward(
     tiles = triton.cdiv(T, BWD_BT) + (state is not None)
     n_programs_t = triton.cdiv(tiles, BWD_TILES)
     partial = torch.empty(B * n_programs_t, C, W, device=x.device, dtype=torch.float32)
+    sx_b, sx_t, sx_c = x.stride()
+    ss_b, ss_c, ss_w = _state_strides(state)
+    sdy_b, sdy_t, sdy_c = grad_y.stride()
     short_conv_bwd_kernel[(n_programs_t, triton.cdiv(C, BWD_BC), B)](
-        x,
-        w,
-        x if state is None else state,
-        x if pos is None else pos,
-        grad_y,
-        dx,
-        dx if ds is None else ds,  # never written without HAS_STATE
-        partial,
-        T,
-        C,
-        tiles,
-        n_programs_t,
-        *x.stride(),
-        *_state_strides(state),
-        *grad_y.stride(),
+        x_ptr=x,
+        w_ptr=w,
+        s_ptr=x if state is None else state,
+        pos_ptr=x if pos is None else pos,
+        dy_ptr=grad_y,
+        dx_ptr=dx,
+        ds_ptr=dx if ds is None else ds,  # never written without HAS_STATE
+        dw_ptr=partial,
+        T=T,
+        C=C,
+        n_tiles=tiles,
+        n_programs_t=n_programs_t,
+        sx_b=sx_b,
+        sx_t=sx_t,
+        sx_c=sx_c,
+        ss_b=ss_b,
+        ss_c=ss_c,
+        ss_w=ss_w,
+        sdy_b=sdy_b,
+        sdy_t=sdy_t,
+        sdy_c=sdy_c,
         W=W,
         WP=triton.next_power_of_2(W),
         BT=BWD_BT,
