@@ -231,3 +231,35 @@ def test_decoding_with_the_switch_on_equals_the_reference(monkeypatch):
     assert len(calls) == 3 * 4  # q, k, v convs of the prefill and of each of 3 decoding steps
     for got, ref in zip(outputs[1], outputs[0]):
         assert rel_err(got, ref) <= 1e-5
+
+
+def test_selective_checkpointing_keeps_the_conv_output(monkeypatch):
+    # With the switch on, a block under selective checkpointing keeps the Triton conv's output
+    # (models/block.py, _saved_ops): the forward kernel runs once per step, not again in the
+    # backward's recompute, and the gradients are those without checkpointing.
+    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+
+    monkeypatch.setattr(conv, "TRITON_SHORT_CONV", True)
+    calls = []
+    forward = sct._forward
+    monkeypatch.setattr(sct, "_forward", lambda *a: calls.append(1) or forward(*a))
+    torch.manual_seed(0)
+    cfg = DeltaFlowConfig(
+        vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, rule="delta", use_decay=True
+    )
+    model = DeltaFlowForCausalLM(cfg).to(DEVICE).train()
+    for m in model.modules():
+        if hasattr(m, "fused_projections"):
+            m.fused_projections = True
+    ids = torch.randint(0, 61, (2, 19), device=DEVICE)
+    grads = []
+    for parts in ((), ("mixer",)):
+        for block in model.model.layers:
+            block.selective_checkpointing = parts
+        model.zero_grad()
+        calls.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert len(calls) == 1, (parts, len(calls))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for got, ref in zip(*grads):
+        torch.testing.assert_close(got, ref)

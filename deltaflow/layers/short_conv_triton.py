@@ -39,9 +39,10 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
 # Launch settings (module constants so a GPU sweep can set them; read at call time). Chosen on
-# the CPU from the sm_90 compile (benchmarks/short_conv_cost.py, bf16, W = 4): the forward at
-# 32 x 128 x 8 warps takes 72 registers (4 warps: 123); the backward's W x W shifted loads take
-# 255 registers at 16 or 32 x 128 (and spill 144-160 B at 32 x 128 x 4 warps), 143 at 16 x 64.
+# the CPU from the sm_90 compile (`benchmarks/short_conv.py cost`, bf16, W = 4): the forward at
+# 32 x 128 x 8 warps takes 68-72 registers (4 warps: 123); the backward's W x W shifted loads
+# take 255 registers at 16 or 32 x 128 (and spill 144-160 B at 32 x 128 x 4 warps), 140-147 at
+# 16 x 64 x 4 warps. Not timed yet: benchmarks/NOTES.md, "Issue 31 item 4, session 14".
 FWD_BT, FWD_BC, FWD_WARPS = 32, 128, 8
 BWD_BT, BWD_BC, BWD_WARPS = 16, 64, 4
 # Row tiles per backward program: each program writes one float32 [BC, W] partial of dw, so
