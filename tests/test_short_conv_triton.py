@@ -263,3 +263,39 @@ def test_selective_checkpointing_keeps_the_conv_output(monkeypatch):
         grads.append([p.grad.clone() for p in model.parameters()])
     for got, ref in zip(*grads):
         torch.testing.assert_close(got, ref)
+
+
+def test_compiled_blocks_with_the_switch_on(monkeypatch):
+    # The GPU training path (compile_blocks: fullgraph, selective checkpointing, fused
+    # projections) traced with the switch on ("aot_eager": the same graphs without inductor's
+    # C++ compile): no graph break, the kernel reads the projection in place (row stride > C),
+    # and loss and gradients are the eager tap sum's. (Packed sequences: the CPU's torch
+    # backend of the op does not trace with cu_seqlens; the conv's packed path is traced in
+    # test_compiled_fullgraph_reads_the_projection_in_place's op and run in the layer test.)
+    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
+    from deltaflow.models.compile import compile_blocks
+
+    strides = []
+    forward = sct._forward
+    monkeypatch.setattr(sct, "_forward", lambda x, *a: strides.append(x.stride()) or forward(x, *a))
+    torch.manual_seed(0)
+    cfg = DeltaFlowConfig(
+        vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, rule="delta", use_decay=True
+    )
+    ref = DeltaFlowForCausalLM(cfg).to(DEVICE).train()
+    fast = DeltaFlowForCausalLM(cfg).to(DEVICE).train()
+    fast.load_state_dict(ref.state_dict())
+    for m in fast.modules():
+        if hasattr(m, "fused_projections"):
+            m.fused_projections = True
+    compile_blocks(fast, backend="aot_eager")
+    ids = torch.randint(0, 61, (2, 23), device=DEVICE)
+    results = []
+    for model, on in ((ref, False), (fast, True)):
+        monkeypatch.setattr(conv, "TRITON_SHORT_CONV", on)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    assert len(strides) == 1 and strides[0][1] > 3 * 32, strides  # once: SAC keeps the output
+    for got, want in zip(*results):
+        assert rel_err(got, want) <= 1e-5
