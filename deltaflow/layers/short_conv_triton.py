@@ -14,8 +14,8 @@ shifted load of the same tile (served by L1/L2: x is read from HBM about once), 
 float32. Backward: one launch that recomputes the pre-activation z instead of storing it. For
 the rows t of its tile it needs dz at t, t+1, ..., t+W-1 (dx[t] = sum_j w_j dz[t + W-1-j]), so
 it recomputes z at each of those W shifts (W*W shifted loads, all cache hits), and sums
-dz[t] * x[t - back] over its rows into one float32 partial of dw per program (summed on the
-host side by one ``sum``: deterministic, no atomics). With an initial state the grid has one
+dz[t] * x[t - back] over its rows into one float32 partial of dw per program (summed after
+the launch by one torch ``sum``: deterministic, no atomics). With an initial state the grid has one
 more row tile, rows [-BT, 0), whose "dx" is the state's gradient.
 
 The torch reference is :func:`deltaflow.layers.conv.causal_conv_taps`; the switch that routes the
