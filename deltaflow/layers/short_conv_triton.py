@@ -13,7 +13,8 @@ Forward: one launch, one program per (BT rows, BC channels, batch row); each of 
 shifted load of the same tile (served by L1/L2: x is read from HBM about once), accumulated in
 float32. Backward: one launch that recomputes the pre-activation z instead of storing it. For
 the rows t of its tile it needs dz at t, t+1, ..., t+W-1 (dx[t] = sum_j w_j dz[t + W-1-j]), so
-it recomputes z at each of those W shifts (W*W shifted loads, all cache hits), and sums
+it recomputes z at each of those W shifts from the 2W-1 shifted tiles of x it covers (rows
+t-(W-1) .. t+W-1, each loaded once; all but the first from L1/L2), and sums
 dz[t] * x[t - back] over its rows into one float32 partial of dw per program (summed after
 the launch by one torch ``sum``: deterministic, no atomics). With an initial state the grid has one
 more row tile, rows [-BT, 0), whose "dx" is the state's gradient.
@@ -39,12 +40,11 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
 # Launch settings (module constants so a GPU sweep can set them; read at call time). Chosen on
-# the CPU from the sm_90 compile (`benchmarks/short_conv.py cost`, bf16, W = 4): the forward at
-# 32 x 128 x 8 warps takes 68-72 registers (4 warps: 123); the backward's W x W shifted loads
-# take 255 registers at 16 or 32 x 128 (and spill 144-160 B at 32 x 128 x 4 warps), 140-147 at
-# 16 x 64 x 4 warps. Not timed yet: benchmarks/NOTES.md, "Issue 31 item 4, session 14".
+# the CPU from the sm_90 compile (`benchmarks/short_conv.py cost`, bf16, W = 4; the other sizes
+# tried: benchmarks/NOTES.md, "Issue 31 item 4, session 14"): the forward takes 68-72 registers,
+# the backward 107-127, neither spills. Not timed yet.
 FWD_BT, FWD_BC, FWD_WARPS = 32, 128, 8
-BWD_BT, BWD_BC, BWD_WARPS = 16, 64, 4
+BWD_BT, BWD_BC, BWD_WARPS = 16, 64, 8
 # Row tiles per backward program: each program writes one float32 [BC, W] partial of dw, so
 # more tiles per program means a smaller partial buffer (B * T / (BWD_BT * BWD_TILES) rows:
 # 6 MB at 16k tokens x 3072 channels).
@@ -102,6 +102,36 @@ if triton is not None:
         if HAS_STATE:  # r - back in [-(W-1), 0): the window's slot W-1 + r - back
             from_state = (in_t & (p < back))[:, None] & cmask[None, :]
             slot = (W - 1 + r - back).to(tl.int64)
+            s_offs = b.to(tl.int64) * ss_b + c[None, :] * ss_c + slot[:, None] * ss_w
+            xv += tl.load(s_ptr + s_offs, mask=from_state, other=0.0).to(tl.float32)
+        return xv
+
+    @triton.jit
+    def _rows(
+        x_ptr,
+        s_ptr,
+        b,
+        rows,
+        c,
+        T,
+        sx_b,
+        sx_t,
+        sx_c,
+        ss_b,
+        ss_c,
+        ss_w,
+        cmask,
+        W: tl.constexpr,
+        HAS_STATE: tl.constexpr,
+    ):
+        """x[b, rows, c] in float32, rows in [-(W-1), T) read from the initial window when
+        negative (HAS_STATE), zeros elsewhere; no sequence masks (the caller's)."""
+        ok = ((rows >= 0) & (rows < T))[:, None] & cmask[None, :]
+        offs = b.to(tl.int64) * sx_b + rows.to(tl.int64)[:, None] * sx_t + c[None, :] * sx_c
+        xv = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_STATE:
+            slot = (W - 1 + rows).to(tl.int64)
+            from_state = ((rows < 0) & (slot >= 0))[:, None] & cmask[None, :]
             s_offs = b.to(tl.int64) * ss_b + c[None, :] * ss_c + slot[:, None] * ss_w
             xv += tl.load(s_ptr + s_offs, mask=from_state, other=0.0).to(tl.float32)
         return xv
@@ -215,13 +245,25 @@ if triton is not None:
         dw = tl.zeros((BC, WP), dtype=tl.float32)
         for tile in range(0, tl.minimum(TILES, n_tiles - i_p * TILES)):  # none past the end
             t = ((i_p * TILES + tile) - HAS_STATE) * BT + tl.arange(0, BT)
+            # x at rows t-(W-1) .. t+W-1, each of these 2W-1 shifts loaded once: xs[i] is row
+            # t + i - (W-1), so z at row t+s takes tap j from xs[s + j].
+            xs = ()
+            for i in tl.static_range(2 * W - 1):
+                xs = xs + (_rows(x_ptr, s_ptr, b, t + i - (W - 1), c, T, sx_b, sx_t, sx_c,
+                                 ss_b, ss_c, ss_w, cmask, W, HAS_STATE),)  # fmt: skip
             dx = tl.zeros((BT, BC), dtype=tl.float32)
             for s in tl.static_range(W):  # dz at rows t + s feeds dx[t] through tap W-1-s
                 r = t + s
                 in_t = (r >= 0) & (r < T)
-                z = _preactivation(x_ptr, w_ptr, s_ptr, pos_ptr, b, r, c, T, sx_b, sx_t,
-                                   sx_c, ss_b, ss_c, ss_w, cmask, W, BT, BC, HAS_STATE,
-                                   VARLEN)  # fmt: skip
+                if VARLEN:  # a tap reaching before r's sequence start reads zero
+                    p = tl.load(pos_ptr + r, mask=in_t, other=0)
+                z = tl.zeros((BT, BC), dtype=tl.float32)
+                for j in tl.static_range(W):
+                    w_j = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
+                    xv = xs[s + j]
+                    if VARLEN:
+                        xv = tl.where((p >= W - 1 - j)[:, None], xv, 0.0)
+                    z += w_j[None, :] * xv
                 dy_offs = b.to(tl.int64) * sdy_b + r.to(tl.int64)[:, None] * sdy_t
                 dy_offs += c[None, :] * sdy_c
                 dz_mask = in_t[:, None] & cmask[None, :]
@@ -229,16 +271,17 @@ if triton is not None:
                 if SILU:
                     sig = tl.sigmoid(z)
                     dz = dz * sig * (1.0 + z * (1.0 - sig))
+                dz = tl.where(dz_mask, dz, 0.0)  # rows past T: z there is never needed
                 if s == 0:  # dw[c, j] += sum over this tile's rows of dz[t] x[t - (W-1-j)]
                     for j in tl.static_range(W):
-                        xv = _tap(x_ptr, s_ptr, pos_ptr, b, r, c, W - 1 - j, T, sx_b, sx_t,
-                                  sx_c, ss_b, ss_c, ss_w, cmask, W, HAS_STATE, VARLEN)  # fmt: skip
+                        xv = xs[j]
+                        if VARLEN:
+                            xv = tl.where((p >= W - 1 - j)[:, None], xv, 0.0)
                         col = tl.sum(dz * xv, axis=0)
                         dw += tl.where(taps[None, :] == j, col[:, None], 0.0)
                 # Row r belongs to t's sequence when it is s or more tokens into it (packed) or
                 # always (one sequence per batch row; rows t < 0 are the initial state's).
                 if VARLEN:
-                    p = tl.load(pos_ptr + r, mask=in_t, other=0)
                     same = in_t & (p >= s)
                 else:
                     same = in_t
