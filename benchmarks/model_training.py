@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import re
@@ -90,9 +91,8 @@ def build_deltaflow(
     output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
     ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default);
     ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen).
-    ``triton_conv``: True/False sets the process-wide switch ``conv.TRITON_SHORT_CONV`` (read
-    when the model runs: it holds for this model's whole benchmark, until the next build sets
-    it); None leaves it as it is."""
+    ``triton_conv``: sets the process-wide ``conv.TRITON_SHORT_CONV`` until the next build sets
+    it (it is read when the model runs); None leaves it as it is."""
     from deltaflow.layers import conv
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
     from deltaflow.models.compile import compile_blocks
@@ -492,8 +492,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--triton-conv",
         choices=["off", "on", "both"],
         default="off",
-        help="deltaflow's short conv on the Triton kernels (conv.TRITON_SHORT_CONV): off, on, "
-        "or both (time each deltaflow variant with the tap sum and with the kernels)",
+        help="deltaflow's short conv on the Triton kernels (conv.TRITON_SHORT_CONV), or both",
     )
     p.add_argument("--skip-deltaflow", action="store_true")
     p.add_argument(
@@ -537,14 +536,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for t in [] if args.skip_deltaflow else convs:
             tags = [tag for tag, on in (("compiled", c), ("triton conv", t)) if on]
             name = "deltaflow" + (f" ({', '.join(tags)})" if tags else "")
-            runs.append(
-                (
-                    name,
-                    lambda c=c, t=t: build_deltaflow(
-                        arch, c, args.no_fused, args.checkpoint, triton_conv=t
-                    ),
-                )
-            )
+            build = functools.partial(build_deltaflow, arch, c, args.no_fused, args.checkpoint)
+            runs.append((name, functools.partial(build, triton_conv=t)))
         if args.llama:
             runs.append((f"llama-sdpa{suffix}", lambda c=c: build_llama(arch, c)))
     if args.skip_fla:
