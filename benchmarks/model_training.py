@@ -22,6 +22,7 @@ benchmarks/kernels.py its guard is forced for timing only.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import re
@@ -84,13 +85,20 @@ def build_deltaflow(
     no_fused: bool = False,
     checkpoint: str = "mixer,mlp",
     backend: str = "inductor",
+    triton_conv: bool | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
     output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
     ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default);
-    ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen)."""
+    ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen).
+    ``triton_conv``: sets the process-wide ``conv.TRITON_SHORT_CONV`` until the next build sets
+    it (it is read when the model runs); None leaves it as it is."""
+    from deltaflow.layers import conv
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
     from deltaflow.models.compile import compile_blocks
+
+    if triton_conv is not None:
+        conv.TRITON_SHORT_CONV = triton_conv
 
     config = DeltaFlowConfig(
         **arch,
@@ -110,7 +118,7 @@ def build_deltaflow(
     if compiled:
         parts = tuple(p for p in checkpoint.split(",") if p)
         compile_blocks(model, selective_checkpointing=parts, backend=backend)
-    return model, config.to_dict()
+    return model, {**config.to_dict(), "triton_short_conv": conv.TRITON_SHORT_CONV}
 
 
 def build_llama(arch: dict[str, Any], compiled: bool = False) -> tuple[nn.Module, dict[str, Any]]:
@@ -464,6 +472,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="parts of each compiled deltaflow block under selective checkpointing "
         "(comma-separated: mixer, mlp; '' = none)",
     )
+    p.add_argument(
+        "--triton-conv",
+        choices=["off", "on", "both"],
+        default="off",
+        help="deltaflow's short conv on the Triton kernels (conv.TRITON_SHORT_CONV), or both",
+    )
     p.add_argument("--skip-deltaflow", action="store_true")
     p.add_argument(
         "--trainer",
@@ -508,16 +522,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # smoke runs trace the compiled blocks with aot_eager (inductor's C++ codegen takes minutes)
     backend = "aot_eager" if args.smoke else "inductor"
     runs: list[tuple[str, Callable, Callable[[], tuple[nn.Module, dict[str, Any]]]]] = []
+    convs = {"off": [False], "on": [True], "both": [False, True]}[args.triton_conv]
     for c in compiled:
         suffix = " (compiled)" if c else ""
-
-        def deltaflow(c: bool = c) -> tuple[nn.Module, dict[str, Any]]:
-            return build_deltaflow(arch, c, args.no_fused, args.checkpoint, backend)
-
-        if args.trainer:
-            runs.append((f"deltaflow trainer{suffix}", benchmark_trainer, deltaflow))
-        if not args.skip_deltaflow:
-            runs.append((f"deltaflow{suffix}", benchmark, deltaflow))
+        for t in convs:
+            tags = [tag for tag, on in (("compiled", c), ("triton conv", t)) if on]
+            tag = f" ({', '.join(tags)})" if tags else ""
+            build = functools.partial(
+                build_deltaflow, arch, c, args.no_fused, args.checkpoint, backend, triton_conv=t
+            )
+            if args.trainer:
+                runs.append((f"deltaflow trainer{tag}", benchmark_trainer, build))
+            if not args.skip_deltaflow:
+                runs.append((f"deltaflow{tag}", benchmark, build))
         if args.llama:
             runs.append((f"llama-sdpa{suffix}", benchmark, lambda c=c: build_llama(arch, c)))
     if args.skip_fla:
@@ -538,8 +555,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.empty_cache()
 
     fla = results.get("fla", {})
-    ratio = versus(results.get("deltaflow (compiled)", results.get("deltaflow", {})), fla)
-    trainer = results.get("deltaflow trainer (compiled)", results.get("deltaflow trainer", {}))
+
+    def fastest(prefix: str) -> dict[str, Any]:  # compiled over eager, Triton conv over taps
+        tags = ["compiled, triton conv", "compiled", "triton conv"]
+        names = [f"{prefix} ({t})" for t in tags] + [prefix]
+        return next((results[n] for n in names if n in results), {})
+
+    ratio = versus(fastest("deltaflow"), fla)
+    trainer = fastest("deltaflow trainer")
     report = {
         "device": device_name,
         "commit": git_commit(),

@@ -107,3 +107,22 @@ def test_compiled_blocks_evaluate_under_no_grad_on_cpu():
     ids = torch.randint(0, 61, (2, 70))
     with torch.no_grad():
         torch.testing.assert_close(fast(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_model_training_benchmark_times_the_triton_conv(tmp_path):
+    """--triton-conv both: each deltaflow variant with the tap sum and with the Triton short conv
+    (interpreter here), named apart, the switch recorded in the config and left as it was."""
+    from deltaflow.layers import conv
+
+    bench = load_script("benchmarks/model_training.py")
+    args = "--device cpu --layers 1 --seq 16 --batch 1 --steps 1 --warmup 0 --skip-fla --top 0"
+    args += f" --hidden 32 --heads 2 --head-dim 16 --vocab 64 --triton-conv both --out {tmp_path}"
+    before = conv.TRITON_SHORT_CONV
+    try:
+        report = bench.main(args.split())
+    finally:
+        conv.TRITON_SHORT_CONV = before
+    results = report["results"]
+    assert set(results) == {"deltaflow", "deltaflow (triton conv)"}
+    assert [r["config"]["triton_short_conv"] for r in results.values()] == [False, True]
+    assert all(r["tokens_per_s"] > 0 for r in results.values())

@@ -93,6 +93,16 @@ SCRIPTS = [
         ),
     ),
     Script("benchmarks/kernel_times.py", ("--smoke",), "smoke ok", True),
+    Script("benchmarks/short_conv.py", ("time", "--smoke"), "short_conv: done", True),
+    # sm_90 compile of the short conv's launches on the CPU (traced at the training shape)
+    Script(
+        "benchmarks/short_conv.py",
+        ("cost",),
+        "short_conv: done",
+        True,
+        name="short_conv_cost",
+        expect=("short_conv_bwd_kernel {'HAS_STATE': False, 'VARLEN': True}",),
+    ),
     Script("benchmarks/convert_fla_check.py", ("--smoke",), "fla", True),
     Script("benchmarks/smoke_triton.py", ("--smoke",), "smoke_triton: ok", True),
     Script("benchmarks/profile_forward.py", ("--smoke",), "profile_forward: done", True),

@@ -4,6 +4,8 @@
   EFLA, Longhorn, Kaczmarz, ...).
 - :class:`SoftmaxAttention`: softmax attention baseline (RoPE, GQA, KV cache, sliding window).
 - :class:`ShortConvolution`, :class:`RMSNorm`, :func:`l2_normalize`, :class:`DeltaFlowCache`.
+- ``short_conv_triton``: the short conv as Triton kernels (custom ops), used where
+  ``conv.TRITON_SHORT_CONV`` is on (off by default).
 
 Every mixer has the same call: ``y, state = mixer(x, attention_mask=None, state=None,
 use_cache=False)``.

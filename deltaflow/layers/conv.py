@@ -13,7 +13,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from deltaflow.layers import short_conv_triton
 from deltaflow.layers.mask import position_in_sequence, zero_padding
+
+# Issue 31 item 4: run the short conv (the fused q|k|v conv of DeltaAttention, and
+# ShortConvolution without bias) on the Triton kernels of short_conv_triton.py, wherever they
+# can run (a GPU, or the CPU interpreter; float16/bfloat16/float32), instead of the tap sum /
+# aten conv1d below, which stay the reference. Off until a GPU run measures the training step
+# with it (benchmarks/NOTES.md, "Issue 31 item 4, session 14"); read at call time.
+TRITON_SHORT_CONV = False
+
+
+def _triton_conv(x: torch.Tensor) -> bool:
+    """The switch is on and the Triton kernels can take x."""
+    return TRITON_SHORT_CONV and short_conv_triton.usable(x)
 
 
 class ShortConvolution(nn.Module):
@@ -97,11 +110,20 @@ class ShortConvolution(nn.Module):
                 )
             prev = state.to(xt.dtype)
         full = torch.cat([prev, xt], dim=-1)  # [B, C, W-1+T]
-        y = F.conv1d(full, self.weight.to(xt.dtype), None, groups=C)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)[:, None]
-        if self.activation == "silu":
-            y = F.silu(y)
+        if self.bias is None and _triton_conv(x):
+            y = short_conv_triton.short_conv(
+                x,
+                self.weight[:, 0],
+                activation=self.activation,
+                initial_state=None if state is None else prev,
+            )
+        else:
+            y = F.conv1d(full, self.weight.to(xt.dtype), None, groups=C)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)[:, None]
+            if self.activation == "silu":
+                y = F.silu(y)
+            y = y.transpose(1, 2).contiguous()  # [B, T, C] row-major for the heads
         new_state = None
         if output_state:
             if mask is None:
@@ -113,7 +135,7 @@ class ShortConvolution(nn.Module):
                 last = torch.where(mask, pos, torch.full_like(pos, -1)).amax(dim=1)  # [B]
                 idx = last[:, None] + 1 + torch.arange(W - 1, device=x.device)  # [B, W-1]
                 new_state = full.gather(2, idx[:, None, :].expand(B, C, W - 1)).contiguous()
-        return y.transpose(1, 2).contiguous(), new_state  # [B, T, C] row-major for the heads
+        return y, new_state
 
     def step(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """One decoding step with a preallocated window, for CUDA-graph capture.
@@ -133,6 +155,10 @@ class ShortConvolution(nn.Module):
 
     def _forward_packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Tap by tap, dropping taps that reach back into the previous packed sequence."""
+        if self.bias is None and _triton_conv(x):
+            return short_conv_triton.short_conv(
+                x, self.weight[:, 0], activation=self.activation, cu_seqlens=cu_seqlens
+            )
         T, W = x.shape[1], self.kernel_size
         _, p = position_in_sequence(cu_seqlens.to(x.device), T)
         xpad = F.pad(x, (0, 0, W - 1, 0))
@@ -157,7 +183,10 @@ def causal_conv_silu(
 ) -> torch.Tensor:
     """Causal depthwise conv + activation over x ``[B, T, C]``, weight ``[C, W]``: the tap sum
     below under ``torch.compile`` (it fuses there), aten's ``conv1d`` in eager mode (one
-    kernel instead of W products in float32)."""
+    kernel instead of W products in float32); the Triton kernels when ``TRITON_SHORT_CONV``
+    is on and they can run."""
+    if _triton_conv(x):
+        return short_conv_triton.short_conv(x, weight, activation=activation, cu_seqlens=cu_seqlens)
     if cu_seqlens is not None or torch.compiler.is_compiling():
         return causal_conv_taps(x, weight, cu_seqlens, activation)
     W = weight.shape[-1]

@@ -84,7 +84,10 @@ def _saved_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps: the matmuls and the sequence mixers
     (costly to redo). Everything else in a block (norms, the short conv, SiLU, gates, β and
     decay activations, L2 norms, the SwiGLU product) is elementwise or a row reduction, cheap
-    to recompute in the backward's own fused kernels."""
+    to recompute in the backward's own fused kernels. The one exception is the Triton short
+    conv (``conv.TRITON_SHORT_CONV``, issue 31 item 4): an opaque kernel that the compiled
+    backward cannot fuse, so its output (2 bytes per q|k|v channel per token) is kept rather
+    than the kernel run again; it is in the graph only with that switch on."""
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default}
     for name in (
@@ -94,8 +97,9 @@ def _saved_ops() -> frozenset:
     ):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
-    if hasattr(torch.ops, "deltaflow") and hasattr(torch.ops.deltaflow, "chunk_fwd"):
-        ops.add(torch.ops.deltaflow.chunk_fwd.default)  # the Triton op (loaded on import)
+    for name in ("chunk_fwd", "short_conv_fwd"):  # the Triton ops (registered on import)
+        if hasattr(torch.ops, "deltaflow") and hasattr(torch.ops.deltaflow, name):
+            ops.add(getattr(torch.ops.deltaflow, name).default)
     return frozenset(ops)
 
 
