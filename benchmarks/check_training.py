@@ -38,6 +38,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -240,6 +241,11 @@ def lm_curves(args: argparse.Namespace, out: Path, lm: dict[str, int]) -> dict[s
         t0 = time.perf_counter()
         train(cfg, model=model)
         lines = (Path(cfg.out_dir) / "log.jsonl").read_text().splitlines()
+        # the run's checkpoints and weights (~0.5 GB per run: session 14's GPU call could not
+        # bring its report folder back) are not the report: only its log stays
+        for path in Path(cfg.out_dir).iterdir():
+            if path.name != "log.jsonl":
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
         losses = [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
         curves[name] = {"losses": losses, "seconds": time.perf_counter() - t0}
         print(f"{name}: {len(losses)} logged losses, last {losses[-1]:.4f}", flush=True)
