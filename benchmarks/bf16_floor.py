@@ -75,11 +75,10 @@ KNOBS = {
     "S0_dot": "S_0 cast to bf16 for dO S_0ᵀ and dX (matters when h is stored in fp32)",
     "G_dot": "G cast to bf16 for U Gᵀ (matters when dh is stored in fp32)",
     "M": "M_P, M_A (the C×C scratch between the two gradient kernels) in bf16",
-    "TdU_tf32": "candidate: dA = −Tᵀ(dU Uᵀ), dX = −Tᵀ(dU S_0ᵀ), tf32 operands (no dY cast)",
 }
 # Knobs of tf32 dots (by default rounded as sm_90 reads fp32 for them, tf32z; the others: to
 # the dot dtype)
-TF32_KNOBS = ("T_tf32", "TdU_tf32")
+TF32_KNOBS = ("T_tf32",)
 # What a bf16 chunked implementation rounds, the "bf16 floor": each knob is a rounding that fla
 # (flash-linear-attention, the reference bf16 implementation: ops/gated_delta_rule/chunk.py,
 # wy_fast.py, ops/common/chunk_delta_h.py, chunk_o.py) does at the same point of the same
@@ -270,10 +269,7 @@ def _sequence(x: dict, do: Tensor, ds: Tensor, rule, ne, knobs, scale, eps, give
     dY = T_t @ dU
     dYb = r("dY_dot", dY)
     dP = scale * (do @ U.mT)
-    if "TdU_tf32" in knobs:  # the candidate: Tᵀ times products of stored values, in tf32
-        dA = -(r("TdU_tf32", T).mT @ r("TdU_tf32", dU @ U.mT))
-    else:
-        dA = -(dYb @ U.mT)
+    dA = -(dYb @ U.mT)
     dA = dA.masked_fill(~strict, 0)
     db = (dY * v).sum(-1)
     dv = b[..., None] * dY
@@ -291,10 +287,7 @@ def _sequence(x: dict, do: Tensor, ds: Tensor, rule, ne, knobs, scale, eps, give
     S0 = r("S0_dot", h)
     dQS = do @ S0.mT
     dKte = U @ r("G_dot", dh).mT
-    if "TdU_tf32" in knobs:
-        dX = -(r("TdU_tf32", T).mT @ r("TdU_tf32", dU @ S0.mT))
-    else:
-        dX = -(dYb @ S0.mT)
+    dX = -(dYb @ S0.mT)
     dq = scale * Gamma[..., None] * dQS + M_P @ k
     dk = M_P.mT @ q + to_end[..., None] * dKte + M_A @ k + M_A.mT @ k
     t = (dKte * k * to_end[..., None]).sum(-1)
