@@ -120,4 +120,62 @@ def profile_step(
         ),
         key=lambda r: -r["self_ms"],
     )[:top]
-    return {"ranges": ranges, "top": kernels, "table": table}
+    result = {"ranges": ranges, "top": kernels, "table": table}
+    if cuda:
+        result["gpu_time"] = gpu_time(_kernel_intervals(prof))
+        table += "\n" + describe_gpu_time(result["gpu_time"])
+        result["table"] = table
+    return result
+
+
+def _kernel_intervals(prof: Any) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device kernel / memcpy / memset the profile saw."""
+    out = []
+    for e in prof.events():
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            out.append((float(e.time_range.start), float(e.time_range.end), e.name))
+    return out
+
+
+def gpu_time(intervals: list[tuple[float, float, str]], gaps: int = 12) -> dict[str, Any]:
+    """Where the device was idle in one profiled step: span (first kernel start to last end),
+    busy (the union of kernel intervals), idle = span - busy, and the largest gaps with the
+    kernels on either side (a gap is the GPU waiting for the host: launch overhead, a sync, a
+    Python loop). Under the profiler the host is slower, so idle is an upper bound."""
+    if not intervals:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    intervals = sorted(intervals)
+    busy, holes = 0.0, []
+    cur_start, cur_end, cur_name = intervals[0]
+    for start, end, name in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            holes.append(((start - cur_end) / 1e3, cur_name, name))
+            cur_start, cur_end = start, end
+        elif end > cur_end:
+            cur_end = end
+        if end >= cur_end:
+            cur_name = name
+    busy += cur_end - cur_start
+    span = intervals[-1][1] - intervals[0][0]
+    span = max(span, max(e for _, e, _ in intervals) - intervals[0][0])
+    holes.sort(key=lambda h: -h[0])
+    return {
+        "span_ms": span / 1e3,
+        "busy_ms": busy / 1e3,
+        "idle_ms": (span - busy) / 1e3,
+        "n_gaps": len(holes),
+        "gaps_over_20us_ms": sum(h[0] for h in holes if h[0] > 0.02),
+        "gaps": [
+            {"ms": round(ms, 3), "after": a[:90], "before": b[:90]} for ms, a, b in holes[:gaps]
+        ],
+    }
+
+
+def describe_gpu_time(t: dict[str, Any]) -> str:
+    lines = [
+        f"GPU: span {t['span_ms']:.2f} ms, busy {t['busy_ms']:.2f} ms, idle {t['idle_ms']:.2f} ms "
+        f"in {t.get('n_gaps', 0)} gaps ({t.get('gaps_over_20us_ms', 0.0):.2f} ms in gaps > 20 us)"
+    ]
+    lines += [f"  gap {g['ms']:.3f} ms after {g['after']} before {g['before']}" for g in t["gaps"]]
+    return "\n".join(lines)

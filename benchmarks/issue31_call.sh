@@ -9,6 +9,12 @@
 # fla: wheels in .whl/ (as for gpu_check.sh), installed into /tmp/site; without them the fla
 # columns are left out. Loss curves: the corpus and GPT-2 tokenizer from shared/ (in the
 # checkout, or ../shared); without them check_training runs the gradients only.
+# Environment: SHAPES ("B T;B T", default "8 2048;2 8192"), TRAIN_EXTRA (more model_training
+# flags for our timed runs, default "--triton-conv both --top 60"), CHECK_EXTRA (more
+# check_training flags), FLA_AUTOTUNE (a .tgz of fla's autotune results from an earlier call:
+# its Triton autotuner reads them instead of timing every configuration again; this call writes
+# its own as fla_autotune.tgz). PACK=FILE: everything also packed into FILE (a device call
+# brings back at most 8 files).
 # Exit status: 0 when every step exited 0 (check_training exits 1 when an entry fails).
 # If check_training passes, flip CUDA_BLOCKS_VERIFIED in deltaflow/models/compile.py.
 #
@@ -40,6 +46,11 @@ mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+FLA_CACHE=/tmp/fla_triton_cache  # fla's own Triton cache: its autotune results travel from it
+mkdir -p "$FLA_CACHE"
+if [ -n "${FLA_AUTOTUNE:-}" ] && [ -f "$FLA_AUTOTUNE" ]; then
+  tar xzf "$FLA_AUTOTUNE" -C "$FLA_CACHE" && echo "fla autotune: $(find "$FLA_CACHE" -name '*.autotune.json' | wc -l) results from $FLA_AUTOTUNE" | tee -a "$SUMMARY"
+fi
 
 CORES=$(nproc)
 if [ "$CORES" -ge 2 ] && command -v taskset > /dev/null; then
@@ -63,12 +74,18 @@ if [ -n "$SMOKE" ]; then  # toy sizes; check_training's smoke makes its own corp
   SHAPES=("2 64" "1 128")
   TRAIN_ARGS=(--smoke --steps 1 --warmup 1 --top 0)
 else
-  L_INSTALL=60 L_FLA=270 L_CHECK=270 L_TRAIN=150 L_FLA_TIMED=60 DEADLINE=570
+  L_INSTALL=60 L_FLA=${L_FLA:-270} L_CHECK=270 L_TRAIN=${L_TRAIN:-150} L_FLA_TIMED=60
+  DEADLINE=${DEADLINE:-570}
   CHECK_ARGS=(--jobs 10 ${LM[@]+"${LM[@]}"})
   [ ${#LM[@]} -eq 0 ] && echo "issue31_call: no shared/corpus: gradients only" | tee -a "$SUMMARY"
-  SHAPES=("8 2048" "2 8192")
+  IFS=';' read -r -a SHAPES <<< "${SHAPES:-8 2048;2 8192}"
   TRAIN_ARGS=(--steps 10 --warmup 2)
 fi
+DEFAULT_EXTRA="--triton-conv both --top 60"
+[ -n "$SMOKE" ] && DEFAULT_EXTRA=""  # CI's minutes: one conv variant at toy size
+read -r -a TRAIN_EXTRA <<< "${TRAIN_EXTRA-$DEFAULT_EXTRA}"
+read -r -a CHECK_EXTRA <<< "${CHECK_EXTRA:-}"
+CHECK_ARGS+=(${CHECK_EXTRA[@]+"${CHECK_EXTRA[@]}"})
 
 START=$SECONDS
 # step NAME LIMIT CPUS COMMAND...: COMMAND under `timeout` pinned to CPUS ("" = any core), log in
@@ -96,10 +113,15 @@ step() {
       read -r B T <<< "$shape"
       left=$((L_FLA - (SECONDS - t_fla)))
       [ "$left" -lt 1 ] && left=1
-      PYTHONPATH=$FLA_PATH$PYTHONPATH step "fla_warm_B${B}_T${T}" "$left" "$FLA_CPUS" \
+      PYTHONPATH=$FLA_PATH$PYTHONPATH TRITON_CACHE_DIR=$FLA_CACHE \
+        step "fla_warm_B${B}_T${T}" "$left" "$FLA_CPUS" \
         python3 benchmarks/model_training.py --skip-deltaflow --batch "$B" --seq "$T" \
         --steps 1 --warmup 1 --top 0 --out "$OUT_DIR/fla_warm" $SMOKE
     done
+    # what fla's autotuner found (also from a warm-up that was cut): for the next call
+    (cd "$FLA_CACHE" && find . -name '*.autotune.json' | tar czf "$OUT_DIR/fla_autotune.tgz" -T -)
+    echo "fla autotune: $(tar tzf "$OUT_DIR/fla_autotune.tgz" | wc -l) results saved" \
+      | tee -a "$SUMMARY"
   fi
 } &
 step check_training $L_CHECK "$OTHER_CPUS" python3 benchmarks/check_training.py \
@@ -116,19 +138,22 @@ limit() {  # LIMIT: the smaller of LIMIT and what is left until DEADLINE (at lea
 }
 FLA_OK=""
 grep -q "^fla_install: exit 0 " "$SUMMARY" && FLA_OK=1
+# the short conv's kernels alone against the compiled tap sum (seconds)
+step short_conv "$(limit 60)" "" python3 benchmarks/short_conv.py time $SMOKE
 for shape in "${SHAPES[@]}"; do
   read -r B T <<< "$shape"
   step "train_B${B}_T${T}" "$(limit $L_TRAIN)" "" python3 benchmarks/model_training.py \
     --compile blocks --trainer --skip-fla --batch "$B" --seq "$T" "${TRAIN_ARGS[@]}" \
-    --out "$OUT_DIR"
+    ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"} --out "$OUT_DIR"
   if [ -n "$FLA_OK" ]; then
-    PYTHONPATH=/tmp/site:$PYTHONPATH step "fla_B${B}_T${T}" "$(limit $L_FLA_TIMED)" "" \
+    PYTHONPATH=/tmp/site:$PYTHONPATH TRITON_CACHE_DIR=$FLA_CACHE \
+      step "fla_B${B}_T${T}" "$(limit $L_FLA_TIMED)" "" \
       python3 benchmarks/model_training.py --skip-deltaflow --batch "$B" --seq "$T" \
       "${TRAIN_ARGS[@]}" --out "$OUT_DIR/fla"
   fi
 done
 
-FAILED=$(grep -c -v ": exit 0 in \|nothing pinned\|gradients only" "$SUMMARY")
+FAILED=$(grep -c -v ": exit 0 in \|nothing pinned\|gradients only\|^fla autotune: " "$SUMMARY")
 echo "issue31_call: $((SECONDS - START)) s in all, $FAILED step(s) failed; results in $OUT_DIR" \
   | tee -a "$SUMMARY"
 grep -h "check_training: \|FAILED" "$OUT_DIR/check_training.log" 2> /dev/null | tail -2
@@ -151,4 +176,7 @@ for path in sorted(out.glob("model_training_*.json")):
                 line += f" at {r['peak_memory_gb'] / fla['peak_memory_gb']:.2f}x its memory"
         print(line)
 PY
+if [ -n "${PACK:-}" ]; then  # one file for the device call's return trip
+  tar czf "$PACK" -C "$OUT_DIR" . && echo "packed $OUT_DIR into $PACK ($(du -h "$PACK" | cut -f1))"
+fi
 [ "$FAILED" -eq 0 ]

@@ -126,3 +126,16 @@ def test_model_training_benchmark_times_the_triton_conv(tmp_path):
     assert set(results) == {"deltaflow", "deltaflow (triton conv)"}
     assert [r["config"]["triton_short_conv"] for r in results.values()] == [False, True]
     assert all(r["tokens_per_s"] > 0 for r in results.values())
+
+
+def test_gpu_time_finds_idle_gaps():
+    """The profile's GPU idle time: the union of overlapping kernels is busy, the holes between
+    them idle, the largest hole first with the kernels on either side."""
+    import pytest
+
+    gpu_time = load_script("benchmarks/_step_profile.py").gpu_time
+    t = gpu_time([(0, 10, "a"), (5, 12, "b"), (20, 30, "c"), (30, 31, "d"), (100, 110, "e")])
+    assert (t["span_ms"], t["busy_ms"], t["n_gaps"]) == pytest.approx((0.11, 0.033, 2))
+    assert t["idle_ms"] == pytest.approx(0.077)
+    assert t["gaps"][0] == {"ms": 0.069, "after": "d", "before": "e"}
+    assert gpu_time([])["idle_ms"] == 0.0

@@ -65,3 +65,25 @@ def test_every_failure_fails_the_report():
         "grads:efla:model (exit -9)",
     ]
     assert report["gradients"]["model"]["delta"]["fp32"]["ok"] is True
+
+
+def test_draws_judge_means_over_one_compile(monkeypatch):
+    """--draws: each draw's weights and batch go through the same eager and compiled modules;
+    the entry holds the per-draw errors and is judged on their means (draw 0 is the one-draw
+    entry). Tiny layer on the CPU interpreter, dynamo's eager backend."""
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    setup = ct.Setup(torch.device("cpu"), True, "eager")
+    one = ct.check_entry("layer", "delta", "autocast", setup, draws=1)
+    two = ct.check_entry("layer", "delta", "autocast", setup, draws=2)
+    assert "per_draw" not in one and two["draws"] == 2
+    for key, values in two["per_draw"].items():
+        assert len(values) == 2
+        assert values[0] == pytest.approx(one[key], rel=1e-6)
+        if key != "grad_err_compiled_vs_eager":  # fp32's criterion: the worst draw
+            assert two[key] == pytest.approx(sum(values) / 2)
+    assert (
+        two["per_draw"]["grad_err_eager_vs_fp32"][0] != two["per_draw"]["grad_err_eager_vs_fp32"][1]
+    )
+    assert two["ok"] == ct.entry_ok(two, "autocast")
