@@ -277,8 +277,7 @@ def benchmark_trainer(
     """What ``deltaflow train`` runs: ``Trainer.train_step`` with its defaults (fp32 master
     weights under bf16 autocast on CUDA, its loss over the model's logits, gradient clipping,
     fused AdamW). ``build`` compiles the blocks or not; the trainer is told ``compile='off'``
-    so that it times the model it is given (compiled: what ``compile='auto'`` gives on CUDA
-    once models/compile.py's CUDA_BLOCKS_VERIFIED is flipped)."""
+    so that it times the model it is given (compiled: what ``compile='auto'`` gives on CUDA)."""
     from deltaflow.train import TrainConfig, Trainer
 
     torch.manual_seed(0)

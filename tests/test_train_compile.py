@@ -69,29 +69,21 @@ def _failing_backend(gm, example_inputs):
     raise RuntimeError("simulated inductor failure\nsecond line of the report")
 
 
-def test_auto_and_blocks_wait_for_the_gpu_check(monkeypatch):
-    """The one switch: unverified, CUDA's auto is eager and blocks refused; flipped (what the
-    next GPU session does once check_training passes), both compile the blocks on CUDA. CPU
-    is unchanged by it: auto eager, blocks compiled."""
+def test_auto_compiles_on_cuda_only():
+    """auto: compiled blocks on CUDA (verified there by benchmarks/check_training.py), eager on
+    CPU; blocks compiles everywhere, off nowhere."""
     model = _model()
-    monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", False)
-    assert compiling.plan_compile("auto", CUDA, model) == (False, None)
-    with pytest.raises(ValueError, match="refused on CUDA.*CUDA_BLOCKS_VERIFIED"):
-        compiling.plan_compile("blocks", CUDA, model)
-    monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", True)
     assert compiling.plan_compile("auto", CUDA, model) == (True, None)
     assert compiling.plan_compile("blocks", CUDA, model) == (True, None)
     assert compiling.plan_compile("off", CUDA, model) == (False, None)
-    for verified in (False, True):
-        monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", verified)
-        assert compiling.plan_compile("auto", CPU, model) == (False, None)
-        assert compiling.plan_compile("blocks", CPU, model) == (True, None)
+    assert compiling.plan_compile("auto", CPU, model) == (False, None)
+    assert compiling.plan_compile("blocks", CPU, model) == (True, None)
+    assert compiling.plan_compile("off", CPU, model) == (False, None)
 
 
 def test_where_compile_cannot_run_one_line_says_why(monkeypatch):
     """Known before the first step: no Triton on CUDA, a model without blocks, context
     parallelism; each is eager with one line naming the reason."""
-    monkeypatch.setattr(compile_mod, "CUDA_BLOCKS_VERIFIED", True)
     real_find_spec = compile_mod.importlib.util.find_spec
     monkeypatch.setattr(
         compile_mod.importlib.util,

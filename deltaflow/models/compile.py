@@ -20,13 +20,6 @@ import torch.nn as nn
 
 COMPILE_MODES = ("auto", "blocks", "off")
 
-# THE switch of issue 31: may CUDA train with compiled blocks? False until a GPU run of
-# `bash benchmarks/issue31_call.sh` (its check_training step: every entry of
-# check_training_<device>.json "ok", fp32 / autocast / bf16, every Triton rule) confirms that
-# torch 2.11's zeroed fp32 gradients are gone (deltaflow/compat.py: cast_output). Flipping it to
-# True makes compile='auto' compile the blocks on CUDA and lifts the refusal of 'blocks' there.
-CUDA_BLOCKS_VERIFIED = False
-
 # The warm-up said before the first step ("first steps take ~N s"): inductor compiles one
 # block's forward and backward (every layer reuses it) and the op's kernels compile at their
 # first launch. H100, 400M model, B=8 x T=2048: 21 s with the op's kernels already compiled
@@ -39,23 +32,21 @@ WARMUP_SECONDS = {"cuda": 40, "cpu": 90}
 def resolve_compile(mode: str, device: torch.device) -> bool:
     """Whether the trainer's ``compile`` setting asks for compiled blocks on ``device``.
 
-    ``auto``: blocks on CUDA once :data:`CUDA_BLOCKS_VERIFIED`, eager elsewhere (on CPU the
-    warm-up rarely pays off for the lab's small models). ``blocks``: everywhere, refused on CUDA
-    until verified: compiled DeltaAttention blocks with float32 activations (fp32 weights, and
-    bf16 autocast over them, the trainer's setting) returned wrong parameter gradients with the
-    right loss on an H100 with torch 2.11, whose dynamo zeroed the gradient through the norms'
-    no-op cast (``deltaflow/compat.py``; reproduced on CPU with torch 2.11, right after the
-    fix). ``off``: eager. Whether compiling can run at all is :func:`compile_obstacle`'s."""
+    ``auto``: blocks on CUDA, eager elsewhere (on CPU the warm-up rarely pays off for the lab's
+    small models). ``blocks``: everywhere. ``off``: eager. Whether compiling can run at all is
+    :func:`compile_obstacle`'s.
+
+    History: until session 15 CUDA's ``auto`` was eager and ``blocks`` refused there: with
+    float32 activations (fp32 weights, and bf16 autocast over them, the trainer's setting)
+    compiled blocks returned wrong parameter gradients with the right loss on an H100 with torch
+    2.11, whose dynamo zeroed the gradient through the norms' no-op cast (fixed in
+    ``deltaflow/compat.py``). ``benchmarks/check_training.py`` confirmed the fix on the GPU
+    (``benchmarks/results/check_training_NVIDIA_H100_80GB_HBM3.json``: every Triton rule, fp32 /
+    autocast / bf16, compiled gradients within issue 31's tolerances of eager's)."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {mode!r}")
-    if mode == "blocks" and device.type == "cuda" and not CUDA_BLOCKS_VERIFIED:
-        raise ValueError(
-            "compile='blocks' is refused on CUDA: compiled blocks with float32 activations gave "
-            "wrong gradients on the GPU with torch 2.11 (fixed since, not yet confirmed there: "
-            "models/compile.py CUDA_BLOCKS_VERIFIED); use compile='off'"
-        )
     if mode == "auto":
-        return device.type == "cuda" and CUDA_BLOCKS_VERIFIED
+        return device.type == "cuda"
     return mode == "blocks"
 
 

@@ -2,8 +2,8 @@
 one-time warm-up line, and the fall-back to eager with one line where compiling cannot run.
 
 - :func:`plan_compile` decides before the model is used: ``models/compile.py`` says what the
-  mode asks for on the device (``resolve_compile``: CUDA's ``auto`` waits for the GPU check,
-  ``CUDA_BLOCKS_VERIFIED``) and whether it can run (no ``.layers``, no Triton on CUDA); context
+  mode asks for on the device (``resolve_compile``: ``auto`` compiles on CUDA) and whether it
+  can run (no ``.layers``, no Triton on CUDA); context
   parallelism runs eager (``DataLayout.allows_compile``).
 - Compiling is lazy: inductor's errors come at the first forward or backward. The first step
   of a trainer that compiles runs under :meth:`CompileMixin._train_step_first`: a failure there

@@ -223,9 +223,8 @@ class TrainConfig:
     compile: str = _field(
         "auto",
         "torch.compile every model block (fused glue, selective activation checkpointing); "
-        "auto: blocks on CUDA once verified there (models/compile.py CUDA_BLOCKS_VERIFIED; "
-        "until then eager, and blocks is refused on CUDA), eager on CPU; a run that cannot "
-        "compile goes on eager with one line why",
+        "auto: blocks on CUDA, eager on CPU; a run that cannot compile goes on eager with one "
+        "line why",
         group="runtime",
         runtime=True,
         in_run_id=False,
