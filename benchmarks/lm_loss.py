@@ -11,11 +11,12 @@ abs error, and that over the reference's max abs). Cases: ``torch`` (ours), ``li
 chunk rows, via the switch) and ``liger-c1`` (liger's default chunks, 512 rows here; float32
 weight-gradient accumulation, as the other two).
 
-The GPU machine has no internet: carry liger's wheel (``pip download liger-kernel --no-deps -d
-.whl``, e.g. ``.whl/liger_kernel-0.8.5-py3-none-any.whl``) and put it on the path first:
+The GPU machine has no internet: carry liger's wheel in the git-ignored ``.whl/`` (``pip download
+liger-kernel --no-deps -d .whl``: ``.whl/liger_kernel-0.8.5-py3-none-any.whl``, matched by
+``liger_kernel-*.whl``) and put it on the path first, as gpu_check.sh does with fla's wheels:
 
-    pip install --no-deps --target /tmp/site .whl/liger_kernel-*.whl
-    PYTHONPATH=/tmp/site python benchmarks/lm_loss.py
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/liger_kernel-*.whl
+    PYTHONPATH=/tmp/site python3 benchmarks/lm_loss.py
 
 ``--smoke``: tiny, float16 (the interpreter's bf16 is not trusted), liger on the CPU interpreter.
 """
