@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from collections.abc import Callable
 
 from _common import (
     bench_ms,
@@ -44,6 +45,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from deltaflow.models import loss as L  # noqa: E402
 
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 def liger_info() -> str | None:
     """liger's version and place, or None (printed why) when it cannot be imported."""
@@ -61,9 +64,11 @@ def liger_info() -> str | None:
     return f"liger-kernel {version} at {liger_kernel.__path__[0]}"
 
 
-def cases(chunk: int, liger: bool) -> dict:
-    def ours(backend: str):
-        def fn(h, w, y):
+def cases(chunk: int, liger: bool) -> dict[str, LossFn]:
+    """The timed losses by name; the switch is set for one call and put back."""
+
+    def ours(backend: str) -> LossFn:
+        def fn(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             L.FUSED_CE_BACKEND = backend
             try:
                 return L.linear_cross_entropy(h, w, y, chunk_size=chunk)
