@@ -22,6 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# liger-kernel comes with [triton] (pyproject); an older environment may lack it
+HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
 TIMEOUT_S = 300  # per script; each takes seconds to a minute on the 2-core box
 
 
@@ -94,6 +96,14 @@ SCRIPTS = [
     ),
     Script("benchmarks/kernel_times.py", ("--smoke",), "smoke ok", True),
     Script("benchmarks/short_conv.py", ("time", "--smoke"), "short_conv: done", True),
+    # ours against liger's fused linear cross-entropy, liger on the interpreter
+    Script(
+        "benchmarks/lm_loss.py",
+        ("--smoke",),
+        "lm_loss: done",
+        True,
+        expect=(" liger: ", " liger-c1: ") if HAS_LIGER else (),
+    ),
     # sm_90 compile of the short conv's launches on the CPU (traced at the training shape)
     Script(
         "benchmarks/short_conv.py",

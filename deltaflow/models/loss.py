@@ -9,15 +9,35 @@ in the forward pass. Backward only scales the stored gradients by ``grad_output`
 Numerics follow the plain path: logits in the compute dtype (bf16 under bf16 params), then
 log-sum-exp and softmax in float32 (float64 for float64 inputs); the weight gradient is
 accumulated in that precision over chunks.
+
+Opt-in alternative (issue 31 item 4): with ``FUSED_CE_BACKEND = "liger"`` CUDA inputs go to
+liger-kernel's fused linear cross-entropy, whose one Triton pass per row turns each chunk's
+logits into their gradient in place (no float32 copy, no separate softmax passes). Same
+semantics; everything it does not cover (CPU, float64, liger missing, a weight-only gradient)
+stays on the chunked torch path. Off until measured on the GPU (``benchmarks/lm_loss.py``).
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 4096  # rows per chunk: 4096 x 32000 logits = 0.5 GB in fp32
+
+# "torch" (the chunked path below) or "liger" (liger-kernel's fused linear cross-entropy where it
+# applies). Read at every call, so a benchmark or a training script can flip it at run time.
+FUSED_CE_BACKEND = "torch"
+BACKENDS = ("torch", "liger")
+# liger's kernels are Triton: on the CPU they only run under TRITON_INTERPRET=1, which tests
+# use by adding "cpu" here; in production the switch must never send CPU tensors there.
+_LIGER_DEVICES: tuple[str, ...] = ("cuda",)
+# float64 is not a Triton kernel dtype liger handles; those inputs keep the torch path.
+_LIGER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -81,6 +101,85 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, None, None, None, None, None
 
 
+@functools.cache
+def _liger_loss() -> Callable[..., Tensor] | None:
+    """liger's functional fused linear cross-entropy, or None (warned once) if it cannot be
+    imported. Imported on first use only: it takes seconds (it loads transformers and Triton)."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception as e:  # noqa: BLE001 - ImportError, or a liger built for another Triton
+        warnings.warn(
+            f"FUSED_CE_BACKEND='liger' but liger-kernel cannot be imported ({e!r}); "
+            "using the chunked torch loss",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def liger_chunk_mem_const(n: int, d: int, v: int, chunk_size: int) -> int:
+    """liger's ``chunk_mem_const`` whose chunks come closest to ``chunk_size`` rows without
+    exceeding it (1, liger's default and its smallest chunks, if none does).
+
+    liger sizes its chunks from a memory budget, not a row count: ``c`` gives
+    ``min(n, next_pow2(ceil(n / ceil(v / (c * d)))))`` rows, non-decreasing in ``c``. Its default
+    c = 1 bounds the logits to n x d elements: 512-row chunks at n = 16384, d = 1024, v = 32000,
+    8 times more (smaller) matmuls than our 4096-row default, so the comparison maps ours.
+    """
+    best = 1
+    for c in range(1, -(-v // d) + 1):  # from ceil(v / d) on, one chunk of n rows
+        inc = -(-v // (c * d))
+        rows = min(n, 1 << max(0, (-(-n // inc) - 1).bit_length()))
+        if rows > chunk_size:
+            break
+        best = c
+    return best
+
+
+def _liger_applies(h: Tensor, weight: Tensor, need_grad_h: bool, need_grad_w: bool) -> bool:
+    """Whether the switch says liger and liger covers these inputs (see FUSED_CE_BACKEND)."""
+    backend = FUSED_CE_BACKEND
+    if backend not in BACKENDS:
+        raise ValueError(f"FUSED_CE_BACKEND must be one of {BACKENDS}, got {backend!r}")
+    return (
+        backend == "liger"
+        and h.device.type in _LIGER_DEVICES
+        and weight.device == h.device
+        and h.dtype in _LIGER_DTYPES
+        and weight.dtype in _LIGER_DTYPES
+        # liger computes the weight's gradient only alongside the hidden states' one
+        and (need_grad_h or not need_grad_w)
+        and _liger_loss() is not None
+    )
+
+
+def _liger_linear_cross_entropy(
+    h: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    chunk_size: int,
+    ignore_index: int,
+    need_grad_h: bool,
+    need_grad_w: bool,
+) -> Tensor:
+    fn = _liger_loss()
+    assert fn is not None  # _liger_applies checked it
+    # liger decides what to differentiate from requires_grad alone (not grad mode): detach what
+    # needs no gradient, so evaluation under no_grad does no gradient work.
+    return fn(
+        h if need_grad_h else h.detach(),
+        weight if need_grad_w else weight.detach(),
+        labels,
+        ignore_index=ignore_index,
+        reduction="mean",
+        # Its default accumulates the weight gradient in the weight's dtype (bf16 over chunks);
+        # ours accumulates in float32 and casts once: ask for the same.
+        accum_dtype=torch.float32,
+        chunk_mem_const=liger_chunk_mem_const(h.shape[0], h.shape[1], weight.shape[0], chunk_size),
+    )
+
+
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -96,6 +195,7 @@ def linear_cross_entropy(
     labels ``[...]`` aligned with hidden's rows (shift them first for next-token prediction).
     Gradients are computed during the forward pass when grad mode is on and an input needs
     them, so call ``backward`` on the result at most once (as a training step does).
+    ``FUSED_CE_BACKEND`` picks the implementation (same results within bf16 rounding).
     """
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(
@@ -109,12 +209,7 @@ def linear_cross_entropy(
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1).to(device=h.device, dtype=torch.long)
     grad_on = torch.is_grad_enabled()
-    return _LinearCrossEntropy.apply(
-        h,
-        weight,
-        y,
-        chunk_size,
-        ignore_index,
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-    )
+    need = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+    if _liger_applies(h, weight, *need):
+        return _liger_linear_cross_entropy(h, weight, y, chunk_size, ignore_index, *need)
+    return _LinearCrossEntropy.apply(h, weight, y, chunk_size, ignore_index, *need)
