@@ -13,8 +13,12 @@
 # flags for our timed runs, default "--triton-conv both --top 60"), CHECK_EXTRA (more
 # check_training flags), FLA_AUTOTUNE (a .tgz of fla's autotune results from an earlier call:
 # its Triton autotuner reads them instead of timing every configuration again; this call writes
-# its own as fla_autotune.tgz). PACK=FILE: everything also packed into FILE (a device call
-# brings back at most 8 files).
+# its own as fla_autotune.tgz), CHECK=0 (no check_training), FLA_WARM=0 (no fla warm-up: with
+# FLA_AUTOTUNE, fla's timed run compiles its tuned kernels in its own warm-up steps),
+# SHORT_CONV_ARGS (default "time"; "time --sweep" also sweeps the launch settings, and the
+# fastest then go to our timed runs through --conv-launch), LM_LOSS=1 (benchmarks/lm_loss.py,
+# liger's wheel from .whl/). PACK=FILE: everything also packed into FILE (a device call brings
+# back at most 8 files).
 # Exit status: 0 when every step exited 0 (check_training exits 1 when an entry fails).
 # If check_training passes, flip CUDA_BLOCKS_VERIFIED in deltaflow/models/compile.py.
 #
@@ -107,7 +111,7 @@ step() {
     step fla_install $L_INSTALL "$FLA_CPUS" python3 -m pip install -q --no-index --no-deps \
       --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && FLA_PATH=/tmp/site:
   fi
-  if [ -n "$FLA_PATH" ] || [ -n "$SMOKE" ]; then  # smoke: the plumbing, fla reported missing
+  if [ "${FLA_WARM:-1}" != 0 ] && { [ -n "$FLA_PATH" ] || [ -n "$SMOKE" ]; }; then  # smoke: the plumbing
     t_fla=$SECONDS
     for shape in "${SHAPES[@]}"; do
       read -r B T <<< "$shape"
@@ -124,8 +128,10 @@ step() {
       | tee -a "$SUMMARY"
   fi
 } &
-step check_training $L_CHECK "$OTHER_CPUS" python3 benchmarks/check_training.py \
-  "${CHECK_ARGS[@]}" --out "$OUT_DIR"
+if [ "${CHECK:-1}" != 0 ]; then
+  step check_training $L_CHECK "$OTHER_CPUS" python3 benchmarks/check_training.py \
+    "${CHECK_ARGS[@]}" --out "$OUT_DIR"
+fi
 wait
 
 # ---- timed, alone on the machine, each shape: ours (the trainer's step, pure bf16) in one
@@ -138,8 +144,19 @@ limit() {  # LIMIT: the smaller of LIMIT and what is left until DEADLINE (at lea
 }
 FLA_OK=""
 grep -q "^fla_install: exit 0 " "$SUMMARY" && FLA_OK=1
-# the short conv's kernels alone against the compiled tap sum (seconds)
-step short_conv "$(limit 60)" "" python3 benchmarks/short_conv.py time $SMOKE
+# the short conv's kernels alone against the compiled tap sum (seconds; a sweep ~2 minutes)
+read -r -a SHORT_CONV_ARGS <<< "${SHORT_CONV_ARGS:-time}"
+step short_conv "$(limit 240)" "" python3 benchmarks/short_conv.py "${SHORT_CONV_ARGS[@]}" $SMOKE
+LAUNCH=$(sed -n 's/^best launch: //p' "$OUT_DIR/short_conv.log")
+[ -n "$LAUNCH" ] && TRAIN_EXTRA+=(--conv-launch "$LAUNCH")
+if [ "${LM_LOSS:-0}" != 0 ]; then  # the LM loss: ours against liger's fused linear CE
+  LIGER=""
+  if [ -z "$SMOKE" ] && ls .whl/liger_kernel-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/liger .whl/liger_kernel-*.whl \
+      && LIGER=/tmp/liger:
+  fi
+  PYTHONPATH=$LIGER$PYTHONPATH step lm_loss "$(limit 120)" "" python3 benchmarks/lm_loss.py $SMOKE
+fi
 for shape in "${SHAPES[@]}"; do
   read -r B T <<< "$shape"
   step "train_B${B}_T${T}" "$(limit $L_TRAIN)" "" python3 benchmarks/model_training.py \

@@ -477,6 +477,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="off",
         help="deltaflow's short conv on the Triton kernels (conv.TRITON_SHORT_CONV), or both",
     )
+    p.add_argument(
+        "--conv-launch",
+        default=None,
+        help="launch settings of the Triton short conv, e.g. BWD_BT=32,BWD_DW_ROWS=1 "
+        "(short_conv_triton.py's constants; benchmarks/short_conv.py time --sweep prints the best)",
+    )
     p.add_argument("--skip-deltaflow", action="store_true")
     p.add_argument(
         "--trainer",
@@ -503,6 +509,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "fp32" if args.device == "cpu" else "bf16"
+    if args.conv_launch:
+        from deltaflow.layers import short_conv_triton
+
+        for item in args.conv_launch.split(","):
+            name, _, value = item.partition("=")
+            if not hasattr(short_conv_triton, name) or not value.isdigit():
+                p.error(f"--conv-launch: {item!r} is not NAME=INT of short_conv_triton.py")
+            setattr(short_conv_triton, name, type(getattr(short_conv_triton, name))(int(value)))
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None:
@@ -572,6 +586,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "architecture": arch,
+        "conv_launch": args.conv_launch,
         "fla_loss": "fuse_linear_cross_entropy" if args.fla_linear_ce else "fuse_cross_entropy",
         "results": results,
         "ratio": ratio,

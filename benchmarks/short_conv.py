@@ -2,13 +2,15 @@
 the training step's shape: x = the q|k|v columns (C) of the fused projection's output (N wide),
 bf16, kernel size 4, SiLU.
 
-    python benchmarks/short_conv.py time [--shape 8x2048x3072x4112] [--smoke]
+    python benchmarks/short_conv.py time [--shape 8x2048x3072x4112] [--smoke] [--sweep]
     PYTHONPATH=/path/to/triton-3.6:. python benchmarks/short_conv.py cost [--arch 90]
 
 ``time`` (GPU; ``--smoke``: tiny, on the CPU interpreter): forward and forward + backward of the
 Triton kernels and of the tap sum compiled by torch.compile (what the layer runs with the switch
 off), median ms, and the bytes floor of each at the measured copy bandwidth; plus the kernels'
-error against the float32 tap sum. ``cost`` (CPU, no GPU needed): every kernel specialization
+error against the float32 tap sum. ``--sweep``: then every launch setting of ``SWEEP_FWD`` and
+``SWEEP_BWD`` (the module constants of short_conv_triton.py), each checked against the tap sum
+and timed, fastest first. ``cost`` (CPU, no GPU needed): every kernel specialization
 the training step launches (plain and packed, bf16 and float32 weight), compiled for sm_90 by
 the Triton first on the path (the GPU machine's: its ptxas is what compiles), with compile
 seconds, registers, spill stack and shared memory (launches traced by ``_launches.py``).
@@ -43,7 +45,7 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return dims  # type: ignore[return-value]
 
 
-def run_time(shape: tuple[int, int, int, int], smoke: bool) -> None:
+def run_time(shape: tuple[int, int, int, int], smoke: bool, sweep: bool = False) -> None:
     B, T, C, N = shape
     dev = "cpu" if smoke else "cuda"
     dtype = torch.float16 if smoke else torch.bfloat16  # the interpreter's bf16 is not trusted
@@ -75,7 +77,79 @@ def run_time(shape: tuple[int, int, int, int], smoke: bool) -> None:
             ms = bench_ms(fn, dev)
             print(f"{what:>18} {name:>8}: {ms:8.3f} ms  ({ms / floor_ms:.2f}x the bytes floor "
                   f"{floor_ms:.3f} ms)")  # fmt: skip
+    if sweep:
+        run_sweep(x, w, dy, smoke)
     print("short_conv: done")
+
+
+# (FWD_BT, FWD_BC, FWD_WARPS)
+SWEEP_FWD = [(32, 128, 8), (32, 64, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4),
+             (128, 64, 8), (16, 128, 4)]  # fmt: skip
+# (BWD_BT, BWD_BC, BWD_WARPS, BWD_TILES, BWD_DW_ROWS): tiles of 1k-4k elements; dw's row sums per
+# tile (False) only with one tile per program, per program (True) with 1 or 8
+SWEEP_BWD = [
+    (bt, bc, warps, tiles, rows)
+    for bt, bc in ((16, 64), (16, 128), (32, 32), (32, 64), (32, 128), (64, 32), (64, 64))
+    for warps in (4, 8)
+    for tiles, rows in ((1, False), (8, False), (1, True), (8, True))
+]
+
+
+def run_sweep(x, w, dy, smoke: bool) -> None:
+    """Each launch setting: the max relative error of y, dx, dw against the float32 tap sum, and
+    the median ms of the forward (forward settings) or forward + backward (backward settings)."""
+    dev = x.device.type
+    xr, wr = x.float().detach().requires_grad_(), w.float().detach().requires_grad_()
+    yr = causal_conv_taps(xr, wr)
+    ref = [yr.detach(), *torch.autograd.grad(yr, (xr, wr), dy.float())]
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def check() -> float:
+        y = sct.short_conv(xg, wg)
+        got = [y.detach(), *torch.autograd.grad(y, (xg, wg), dy)]
+        return max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(got, ref))
+
+    saved = {k: getattr(sct, k) for k in ("FWD_BT", "FWD_BC", "FWD_WARPS", "BWD_BT", "BWD_BC",
+                                            "BWD_WARPS", "BWD_TILES", "BWD_DW_ROWS")}  # fmt: skip
+    rows = []
+    fwd_bwd = lambda: torch.autograd.grad(sct.short_conv(xg, wg), (xg, wg), dy)  # noqa: E731
+    for names, settings, fn in (
+        (("FWD_BT", "FWD_BC", "FWD_WARPS"), SWEEP_FWD[: 2 if smoke else None],
+         lambda: sct.short_conv(x, w)),
+        (("BWD_BT", "BWD_BC", "BWD_WARPS", "BWD_TILES", "BWD_DW_ROWS"),
+         SWEEP_BWD[:: 14 if smoke else 1], fwd_bwd),
+    ):  # fmt: skip
+        for values in settings:
+            for k, v in saved.items():
+                setattr(sct, k, v)
+            for k, v in zip(names, values):
+                setattr(sct, k, v)
+            try:
+                err = check()
+                ms = bench_ms(fn, dev)
+            except Exception as e:  # noqa: BLE001 - out of resources: reported, next setting
+                rows.append((float("inf"), names[0][:3], values, f"failed: {str(e)[:60]}"))
+                continue
+            rows.append((ms, names[0][:3], values, f"error {err:.1e}"))
+    for k, v in saved.items():
+        setattr(sct, k, v)
+    best = []
+    for what, timed, names in (
+        ("FWD", "forward", ("FWD_BT", "FWD_BC", "FWD_WARPS")),
+        (
+            "BWD",
+            "forward + backward",
+            ("BWD_BT", "BWD_BC", "BWD_WARPS", "BWD_TILES", "BWD_DW_ROWS"),
+        ),
+    ):
+        print(f"sweep {what} ({timed}, fastest first):")
+        ranked = sorted(r for r in rows if r[1] == what)
+        for ms, _, values, note in ranked:
+            print(f"  {values}: {ms:8.3f} ms  {note}")
+        if ranked and ranked[0][0] < float("inf"):
+            best += [f"{k}={int(v)}" for k, v in zip(names, ranked[0][2])]
+    # for model_training.py --conv-launch (the call script passes it on)
+    print(f"best launch: {','.join(best)}")
 
 
 def run_cost(arch: int) -> None:
@@ -117,12 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default=None, help="BxTxCxN (default 8x2048x3072x4112)")
     parser.add_argument("--arch", type=int, default=90, help="cost: the target sm_XX")
     parser.add_argument("--smoke", action="store_true", help="time: tiny, CPU interpreter")
+    parser.add_argument("--sweep", action="store_true", help="time: every launch setting too")
     args = parser.parse_args(argv)
     if args.mode == "cost":
         run_cost(args.arch)
         return 0
     default = "2x40x24x31" if args.smoke else "8x2048x3072x4112"
-    run_time(parse_shape(args.shape or default), args.smoke)
+    run_time(parse_shape(args.shape or default), args.smoke, args.sweep)
     return 0
 
 
