@@ -32,7 +32,7 @@ def liger_on(monkeypatch):
 @pytest.fixture
 def real_liger(liger_on):
     """liger itself, checked importable: a silent fallback would compare torch with torch."""
-    L._liger_loss.cache_clear()
+    L._liger_import.cache_clear()
     assert L._liger_loss() is not None
 
 
@@ -105,8 +105,11 @@ def test_switch_on_maps_the_arguments(fake):
     assert not fake[2]["h"].requires_grad and not fake[2]["w"].requires_grad
 
 
-def test_missing_liger_warns_once_and_falls_back(liger_on, monkeypatch):
+def test_missing_liger_warns_once_when_asked_for_and_falls_back(liger_on, monkeypatch):
+    """'liger' without liger: one warning, the torch path; 'auto' (the default) without it: the
+    torch path silently."""
     import builtins
+    import warnings
 
     real_import = builtins.__import__
 
@@ -116,14 +119,23 @@ def test_missing_liger_warns_once_and_falls_back(liger_on, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_liger)
-    L._liger_loss.cache_clear()
+    L._liger_import.cache_clear()
+    L._warn_once.cache_clear()
     try:
         h, w, y = torch.randn(4, 8), torch.randn(5, 8), torch.randint(0, 5, (4,))
+        ref = L._LinearCrossEntropy.apply(h, w, y, 4, -100, False, False)
         with pytest.warns(RuntimeWarning, match="cannot be imported"):
             got = linear_cross_entropy(h, w, y)
-        torch.testing.assert_close(got, L._LinearCrossEntropy.apply(h, w, y, 4, -100, False, False))
+        torch.testing.assert_close(got, ref)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            linear_cross_entropy(h, w, y)  # warned once already
+            monkeypatch.setattr(L, "FUSED_CE_BACKEND", "auto")
+            L._warn_once.cache_clear()
+            torch.testing.assert_close(linear_cross_entropy(h, w, y), ref)
     finally:
-        L._liger_loss.cache_clear()  # later tests import the real one
+        L._liger_import.cache_clear()  # later tests import the real one
+        L._warn_once.cache_clear()
 
 
 def _loss_and_grads(h, w, y, scale=2.5, **kw):

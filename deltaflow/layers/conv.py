@@ -19,8 +19,11 @@ from deltaflow.layers.mask import position_in_sequence, zero_padding
 # Issue 31 item 4: run the short conv (the fused q|k|v conv of DeltaAttention, and
 # ShortConvolution without bias) on the Triton kernels of short_conv_triton.py, wherever they
 # can run (a GPU, or the CPU interpreter; float16/bfloat16/float32), instead of the tap sum /
-# aten conv1d below, which stay the reference. Off until a GPU run measures the training step
-# with it (benchmarks/NOTES.md, "Issue 31 item 4, session 14"); read at call time.
+# aten conv1d below, which stay the reference. Off: measured slower in the training step
+# (H100, 400M model, B=8 T=2048, session 15: 89.8k tok/s with it at its best launch settings,
+# 93.5k without, +2.4 GB): alone its forward + backward beats the compiled tap sum (0.71 vs
+# 0.92-1.21 ms a layer), but as an opaque op it stops inductor fusing the conv with the norms
+# and activations around it (benchmarks/NOTES.md, "Issue 31, session 15"). Read at call time.
 TRITON_SHORT_CONV = False
 
 

@@ -39,19 +39,18 @@ try:
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
-# Launch settings (module constants so a GPU sweep can set them; read at call time). Chosen on
-# the CPU from the sm_90 compile (`benchmarks/short_conv.py cost`, bf16, W = 4; the other sizes
-# tried: benchmarks/NOTES.md, "Issue 31 item 4, session 14"): the forward takes 68-72 registers,
-# the backward 107-127, neither spills. Not timed yet.
-FWD_BT, FWD_BC, FWD_WARPS = 32, 128, 8
-BWD_BT, BWD_BC, BWD_WARPS = 16, 64, 8
+# Launch settings (module constants so a GPU sweep can set them; read at call time): the fastest
+# of `benchmarks/short_conv.py time --sweep` on an H100 at 8 x 2048 x 3072 of 4112, bf16
+# (benchmarks/results/issue31/s15call2/short_conv.log): forward 0.093 ms (2.2x its bytes floor;
+# session 14's 32 x 128 x 8 warps: 0.146), forward + backward 0.71 ms (4.2x; was 1.41 ms).
+FWD_BT, FWD_BC, FWD_WARPS = 16, 128, 4
+BWD_BT, BWD_BC, BWD_WARPS = 32, 32, 4
 # Row tiles per backward program: each program writes one float32 [BC, W] partial of dw, so
-# more tiles per program means a smaller partial buffer (B * T / (BWD_BT * BWD_TILES) rows:
-# 6 MB at 16k tokens x 3072 channels).
-BWD_TILES = 8
-# dw's row sums: False, one cross-warp reduction per tile and tap (session 14's kernel: its
-# backward measured 1.26 ms a layer on the H100, 8x its bytes floor); True, dz * x accumulated
-# per tap in a [BT, BC, W] register tile over the program's tiles and reduced once at its end.
+# more tiles per program means a smaller partial buffer (B * T / (BWD_BT * BWD_TILES) rows).
+BWD_TILES = 1
+# dw's row sums: False, one cross-warp reduction per tile and tap; True, dz * x accumulated per
+# tap in a [BT, BC, W] register tile over the program's tiles and reduced once at its end (the
+# sweep: no better, 0.76 ms at best).
 BWD_DW_ROWS = False
 # Input dtypes the kernels take (float64 stays on the torch reference).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
