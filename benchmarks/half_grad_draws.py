@@ -19,6 +19,8 @@ fp32 in inductor's CPU kernels as in its Triton kernels.
 
     python3 benchmarks/half_grad_draws.py --rules delta,longhorn --draws 16
     python3 benchmarks/half_grad_draws.py --backend aot_eager   # same graph, eager kernels
+    python3 benchmarks/half_grad_draws.py --graphs --rules longhorn,efla   # rule-specific glue?
+    python3 benchmarks/half_grad_draws.py --table REPORT.json   # the markdown table of a report
     python3 benchmarks/half_grad_draws.py --smoke   # tiny shapes, aot_eager, 2 draws, seconds
 """
 
