@@ -144,6 +144,8 @@ SCRIPTS = [
     ),
     Script("benchmarks/cpu_backends.py", ("--smoke", "--out", "{tmp}/cpu.md"), "wrote"),
     Script("benchmarks/cpu_threads.py", ("--smoke", "--json", "{tmp}/threads.json"), "wrote"),
+    # the op's custom ops routed to the torch backend (Triton imported, never launched)
+    Script("benchmarks/half_grad_draws.py", ("--smoke",), "half_grad_draws: smoke ok", True),
     # experiments/: CPU tooling over committed results or a device call's archive
     Script("experiments/collect_device.py", ("--help",), "usage:"),  # needs an archive
     Script("experiments/pack_resume.py", ("{tmp}", "{tmp}/resume.tgz"), "resume: 0 runs"),
