@@ -27,9 +27,10 @@ The estimate (bytes, fp32 training):
 Measured on CPU (peak RSS of a step minus the RSS before it, tests/test_memory.py): 1.02x the
 estimate when logits dominate, 0.82x when activations do. The once-seen 1.33x inside the whole
 test suite was most likely the set-up's peak, not the step's (seen since: 1.6x, the step alone
-1.11x): the test now resets the peak before the step. Since issue 31 the trainer lets go of the logits before backward: the logits' loss
-measures 0.78x (~3 copies; 4 are kept as margin), the chunked loss 1.05x (one chunk of all
-rows) and 1.11x (chunks of half the rows), 0.82-0.86x when activations dominate.
+1.11x): the test now resets the peak before the step. Since issue 31 the trainer lets go of
+the logits before backward: the logits' loss measures 0.78x (~3 copies; 4 are kept as
+margin), the chunked loss 1.05x (one chunk of all rows) and 1.11x (chunks of half the rows),
+0.82-0.86x when activations dominate.
 Evaluation (no gradients, its own batch) is not included.
 """
 
