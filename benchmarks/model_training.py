@@ -275,9 +275,10 @@ def benchmark_trainer(
     device: torch.device,
 ) -> dict[str, Any]:
     """What ``deltaflow train`` runs: ``Trainer.train_step`` with its defaults (fp32 master
-    weights under bf16 autocast on CUDA, its loss over the model's logits, gradient clipping,
-    fused AdamW). ``build`` compiles the blocks or not; the trainer is told ``compile='off'``
-    so that it times the model it is given (compiled: what ``compile='auto'`` gives on CUDA)."""
+    weights under bf16 autocast on CUDA, the model's chunked loss without the [B, T, V] logits
+    since issue 31, gradient clipping, fused AdamW). ``build`` compiles the blocks or not; the
+    trainer is told ``compile='off'`` so that it times the model it is given (compiled: what
+    ``compile='auto'`` gives on CUDA)."""
     from deltaflow.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
@@ -369,7 +370,7 @@ def measure(
 
 TRAINER_NOTE = (
     " The trainer rows: Trainer.train_step, fp32 weights under bf16 autocast on CUDA, the "
-    "trainer's loss over the logits, gradient clipping."
+    "model's chunked loss (no [B, T, V] logits), gradient clipping."
 )
 
 

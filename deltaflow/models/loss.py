@@ -88,6 +88,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_h[rows] = g @ weight.to(h.dtype)
             if grad_w is not None:
                 grad_w += g.t() @ hc
+            del g  # else it lives on while the next chunk's logits are made: one more chunk
         ctx.save_for_backward(
             grad_h if grad_h is not None else h.new_empty(0),
             grad_w if grad_w is not None else h.new_empty(0),

@@ -37,7 +37,7 @@ from deltaflow.models.block import (  # noqa: F401 (SwiGLU, build_mixer: their o
     build_mixer,
 )
 from deltaflow.models.config import DeltaFlowConfig
-from deltaflow.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from deltaflow.models.loss import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, linear_cross_entropy
 from deltaflow.ops.chunk import default_chunk_size
 
 # transformers 5.24 renamed the cache argument and output field ``past_key_values`` -> ``cache``
@@ -346,6 +346,10 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         if return_dict is False:
             raise ValueError("return_dict=False is not supported; outputs are always a ModelOutput")
 
+        if labels is not None:
+            # Before the blocks: its host sync then waits for no forward work (the trainer's
+            # step takes its loss from here; issue 31).
+            check_token_ids(labels, self.config.vocab_size, name="labels", ignore=IGNORE_INDEX)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -362,8 +366,6 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"labels must be [B, T] = {list(h.shape[:2])}, got {list(labels.shape)}"
             )
-        if labels is not None:
-            check_token_ids(labels, self.config.vocab_size, name="labels", ignore=-100)
         if fuse_linear_cross_entropy is None:
             fuse_linear_cross_entropy = getattr(self.config, "fuse_linear_cross_entropy", None)
         if fuse_linear_cross_entropy is None:  # default: lean loss while training

@@ -1,17 +1,17 @@
 """Building a run's parts from its config: the task, the model, the optimizer (with its
-weight-decay groups); and the contract a trained model keeps (``model_logits``, batches).
+weight-decay groups); and the contract a trained model keeps (``model_logits``, batches, and
+``lean_loss_sum`` for a model that computes its own loss without the logits).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from deltaflow.train.config import TrainConfig
-from deltaflow.train.packing import packed_forward
+from deltaflow.train.packing import forward_parameters, packed_forward, unwrapped
 
 IGNORE_INDEX = -100
 
@@ -81,10 +81,7 @@ def model_logits(
 ) -> torch.Tensor:
     """Logits [B, T, V] from a plain module or a transformers model (no labels, no cache).
     ``doc_starts`` [B, T] (packed documents): run the rows with ``cu_seqlens`` (packing.py)."""
-    kwargs: dict[str, Any] = {}
-    forward = model.module.forward if hasattr(model, "module") else model.forward
-    if "use_cache" in inspect.signature(forward).parameters:
-        kwargs["use_cache"] = False  # training/eval never need the recurrent cache
+    kwargs = _no_cache(model)
     if doc_starts is not None:
         out = packed_forward(model, input_ids, doc_starts, **kwargs)
     else:
@@ -96,6 +93,55 @@ def model_logits(
             f"got {tuple(logits.shape)}"
         )
     return logits
+
+
+def _no_cache(model: nn.Module) -> dict[str, Any]:
+    """``use_cache=False`` where the forward takes it: training/eval never need the cache."""
+    return {"use_cache": False} if "use_cache" in forward_parameters(model) else {}
+
+
+# The forward keywords of a model that computes the LM loss itself, chunk by chunk, without the
+# [B, T, V] logits (DeltaFlowForCausalLM; deltaflow/models/loss.py).
+LEAN_LOSS_KEYWORDS = ("labels", "labels_are_shifted", "fuse_linear_cross_entropy")
+
+
+def has_lean_loss(model: nn.Module) -> bool:
+    """Whether the trainer may take the loss from :func:`lean_loss_sum`: the forward takes
+    ``LEAN_LOSS_KEYWORDS`` and the model's config does not turn the fused loss off
+    (``fuse_linear_cross_entropy=False``: then the loss comes from the logits, as for any
+    other model)."""
+    params = forward_parameters(model)
+    config = getattr(unwrapped(model), "config", None)
+    fused_off = getattr(config, "fuse_linear_cross_entropy", None) is False
+    return all(k in params for k in LEAN_LOSS_KEYWORDS) and not fused_off
+
+
+def lean_loss_sum(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    doc_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The token cross-entropy summed over ``labels`` != IGNORE_INDEX (aligned: ``labels[t]``
+    is the target of position ``t``), computed by a model with :func:`has_lean_loss` from its
+    hidden states chunk by chunk: the number ``F.cross_entropy(logits, labels,
+    reduction="sum")`` gives, without the [B, T, V] logits. ``doc_starts``: packed documents,
+    as in :func:`model_logits`."""
+    kwargs = dict(
+        labels=labels, labels_are_shifted=True, fuse_linear_cross_entropy=True, **_no_cache(model)
+    )
+    if doc_starts is not None:
+        out = packed_forward(model, input_ids, doc_starts, **kwargs)
+    else:
+        out = model(input_ids=input_ids, **kwargs)
+    if out.logits is not None:
+        raise ValueError(
+            f"{type(unwrapped(model)).__name__} returned logits with fuse_linear_cross_entropy"
+            "=True: the lean loss path expects .logits None (the [B, T, V] logits not built)"
+        )
+    # The model returns the mean over the micro-batch's scored labels (0 when there are none);
+    # the trainer normalizes by the global batch's count itself, so it takes the sum.
+    return out.loss * (labels != IGNORE_INDEX).sum()
 
 
 def check_batch(batch: dict[str, torch.Tensor], batch_size: int | None = None) -> None:

@@ -11,7 +11,11 @@ The estimate (bytes, fp32 training):
 
 - parameters, gradients and AdamW's two moments: 16 bytes per parameter (sharded: / world);
 - logits: 4 copies of micro-batch x tokens x vocab in fp32 (the logits, the log-softmax saved
-  for backward, and the gradients of both); bf16 autocast keeps the same total;
+  for backward, and the gradients of both); bf16 autocast keeps the same total. A model that
+  computes the loss itself (``build.has_lean_loss``: the chunked linear + cross-entropy of
+  ``deltaflow/models/loss.py``) holds one chunk of rows at a time instead: 2 fp32 copies of
+  ``min(tokens, chunk)`` x vocab (the chunk's logits, turned into their gradient in place, and
+  the log-sum-exp's temporary; under autocast the bf16 matmul output and gradient are smaller);
 - activations: 64 floats per token, per layer and per unit of ``hidden_size`` (the default
   delta-rule block with its SwiGLU; measured 53-65 at widths 128-512, head dims 16-128).
   Compiled blocks on CUDA (``compile``; selective checkpointing keeps matmul and mixer outputs
@@ -21,8 +25,12 @@ The estimate (bytes, fp32 training):
   planned 110 GB for that step and split it into 4 micro-batches on an 80 GB GPU.
 
 Measured on CPU (peak RSS of a step minus the RSS before it, tests/test_memory.py): 1.02x the
-estimate when logits dominate, 0.82x when activations do (once 1.33x inside the whole test
-suite on a loaded machine, cause not found: the usable fraction below leaves room for it).
+estimate when logits dominate, 0.82x when activations do. The once-seen 1.33x inside the whole
+test suite was most likely the set-up's peak, not the step's (seen since: 1.6x, the step alone
+1.11x): the test now resets the peak before the step. Since issue 31 the trainer lets go of
+the logits before backward: the logits' loss measures 0.78x (~3 copies; 4 are kept as
+margin), the chunked loss 1.05x (one chunk of all rows) and 1.11x (chunks of half the rows),
+0.82-0.86x when activations dominate.
 Evaluation (no gradients, its own batch) is not included.
 """
 
@@ -38,6 +46,7 @@ from torch import nn
 
 BYTES_PER_PARAMETER = 16  # fp32 weight + gradient + AdamW exp_avg + exp_avg_sq
 LOGIT_COPIES = 4
+CHUNK_LOGIT_COPIES = 2  # the chunked loss: one chunk's fp32 logits and logsumexp's temporary
 ACTIVATION_FLOATS = 64  # per token x layer x hidden unit
 ACTIVATION_FLOATS_COMPILED_CUDA = 16  # compiled blocks with selective checkpointing, on CUDA
 # Share of the available memory a step may plan to use: the rest is left for the allocator's
@@ -79,14 +88,20 @@ def estimate_step(
     num_layers: int = 0,
     param_shards: int = 1,
     activation_floats: int = ACTIVATION_FLOATS,
+    loss_chunk_rows: int | None = None,
 ) -> StepMemory:
     """The estimate of the module docstring (``hidden_size``/``num_layers`` 0: unknown model,
     no activation term; ``activation_floats``: ACTIVATION_FLOATS_COMPILED_CUDA for compiled
-    blocks on CUDA)."""
+    blocks on CUDA; ``loss_chunk_rows``: the rows of a chunk of the model's own chunked loss,
+    None where the loss is taken from the full logits)."""
     tokens = micro_batch * seq_len
+    if loss_chunk_rows is None:
+        logits = LOGIT_COPIES * 4 * tokens * vocab_size
+    else:
+        logits = CHUNK_LOGIT_COPIES * 4 * min(tokens, loss_chunk_rows) * vocab_size
     return StepMemory(
         parameters=BYTES_PER_PARAMETER * num_params // max(1, param_shards),
-        logits=LOGIT_COPIES * 4 * tokens * vocab_size,
+        logits=logits,
         activations=activation_floats * 4 * tokens * hidden_size * num_layers,
     )
 
@@ -162,6 +177,14 @@ def shortest_fit(usable: int, seq_len: int, estimate_tokens: callable) -> int:
     return length
 
 
+def loss_chunk_rows(model: nn.Module) -> int:
+    """Rows per chunk of a model's own chunked loss (``loss_chunk_size``, as
+    DeltaFlowForCausalLM has; else the loss's default)."""
+    from deltaflow.models.loss import DEFAULT_CHUNK_SIZE
+
+    return int(getattr(model, "loss_chunk_size", DEFAULT_CHUNK_SIZE))
+
+
 def env_local_world() -> int:
     """Processes sharing this host's memory (torchrun's LOCAL_WORLD_SIZE)."""
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
@@ -177,6 +200,7 @@ class MemoryFitMixin:
         one row fits. Every rank uses the largest any rank needs."""
         from deltaflow.models.compile import blocks_compiled
         from deltaflow.train import memory
+        from deltaflow.train.build import has_lean_loss
 
         accum = self.config.grad_accum
         seq_len = getattr(self.task, "seq_len", None)
@@ -191,6 +215,7 @@ class MemoryFitMixin:
             if (self.compiled or blocks_compiled(model)) and self.device.type == "cuda":
                 floats = memory.ACTIVATION_FLOATS_COMPILED_CUDA
             vocab = getattr(getattr(model, "config", None), "vocab_size", self.task.vocab_size)
+            chunk = memory.loss_chunk_rows(model) if has_lean_loss(model) else None  # as the step
 
             def estimate(micro_batch: int, tokens: int = seq_len) -> memory.StepMemory:
                 return memory.estimate_step(
@@ -202,6 +227,7 @@ class MemoryFitMixin:
                     num_layers=layers,
                     param_shards=self.dist.world_size if self.sharded else 1,
                     activation_floats=floats,
+                    loss_chunk_rows=chunk,
                 )
 
             try:

@@ -36,19 +36,26 @@ def cu_seqlens_from_starts(doc_starts: torch.Tensor) -> torch.Tensor:
     return torch.cat([offsets, torch.tensor([B * T])]).long()
 
 
-def _forward_of(model: nn.Module) -> Any:
-    return model.module.forward if hasattr(model, "module") else model.forward
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a DistributedDataParallel wrapper (``.module``), or ``model`` itself."""
+    return model.module if hasattr(model, "module") else model
+
+
+def forward_parameters(model: nn.Module) -> Any:
+    """The keyword parameters of the (unwrapped) model's forward."""
+    return inspect.signature(unwrapped(model).forward).parameters
 
 
 def accepts_cu_seqlens(model: nn.Module) -> bool:
-    return "cu_seqlens" in inspect.signature(_forward_of(model)).parameters
+    return "cu_seqlens" in forward_parameters(model)
 
 
 def packed_forward(
     model: nn.Module, input_ids: torch.Tensor, doc_starts: torch.Tensor, **kwargs: Any
 ) -> Any:
     """``model`` on ``input_ids`` [B, T] whose rows pack documents at ``doc_starts``; returns
-    the model's output with ``logits`` reshaped to [B, T, V] (a tensor, or ``.logits``)."""
+    the model's output with ``logits`` reshaped to [B, T, V] (a tensor, or ``.logits``; None
+    stays None: a model computing its loss from ``labels`` [B, T] without logits)."""
     if not accepts_cu_seqlens(model):
         raise TypeError(
             f"{type(model).__name__}.forward takes no cu_seqlens, which packed documents need "
@@ -61,9 +68,12 @@ def packed_forward(
         )
     B, T = input_ids.shape
     cu_seqlens = cu_seqlens_from_starts(doc_starts).to(input_ids.device)
+    if kwargs.get("labels") is not None:  # the labels run laid end to end, like the ids
+        kwargs["labels"] = kwargs["labels"].reshape(1, B * T)
     out = model(input_ids=input_ids.reshape(1, B * T), cu_seqlens=cu_seqlens, **kwargs)
     if hasattr(out, "logits"):
-        out.logits = out.logits.reshape(B, T, -1)
+        if out.logits is not None:
+            out.logits = out.logits.reshape(B, T, -1)
         return out
     if isinstance(out, tuple):
         return (out[0].reshape(B, T, -1), *out[1:])

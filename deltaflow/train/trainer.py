@@ -3,10 +3,13 @@ logs, checkpoints, DDP and FSDP2.
 
 Design choices a user should know:
 
-- The loss is computed here from the model's logits and ALIGNED labels (``labels[t]`` is the
-  target at position ``t``; -100 is unscored), as the mean over every scored token of the
-  global batch. Any ``nn.Module`` whose forward takes ``input_ids=`` and returns logits
-  ``[B, T, V]`` (or an object with ``.logits``) can be trained.
+- The loss is the token cross-entropy of ALIGNED labels (``labels[t]`` is the target at
+  position ``t``; -100 is unscored), as the mean over every scored token of the global batch.
+  Any ``nn.Module`` whose forward takes ``input_ids=`` and returns logits ``[B, T, V]`` (or an
+  object with ``.logits``) can be trained: the loss is then taken from its logits. A model
+  that computes the loss itself chunk by chunk (DeltaFlowForCausalLM: ``build.has_lean_loss``)
+  is given the labels instead, and the [B, T, V] logits are never built (issue 31: 9 GB of an
+  H100 step at B=8, T=2048, V=32000); the loss and gradients are the same.
 - Data comes from ``task.get_batch(batch_size, split="train", step=i)``, deterministic in the
   step. Every rank draws the same global batch and keeps its own rows, so a run's result does
   not depend on the number of GPUs or accumulation micro-steps (up to float rounding), and a
@@ -54,6 +57,8 @@ from deltaflow.train.build import (
     build_model,
     build_task,
     check_batch,
+    has_lean_loss,
+    lean_loss_sum,
     make_optimizer,
     model_logits,
     param_groups,  # noqa: F401 -- in build.py since issue 36, still importable from here
@@ -179,6 +184,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         self.task = task if task is not None else build_task(config)
         base = model if model is not None else build_model(config, self.task.vocab_size)
         _check_tokenizer_fits(base, self.task)
+        self.lean_loss = has_lean_loss(base)  # the loss without the logits (and its memory)
         self._plan_compile(base)  # compiled blocks, or eager with one line why (compiling.py)
         rows = config.batch_size // dp  # this rank's rows of a step
         accum = self._fit_memory(base, rows)  # before the first step, not by the OOM killer
@@ -298,14 +304,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
             starts = None if doc_starts is None else doc_starts[lo : lo + self.micro_batch]
             sync = micro == cfg.grad_accum - 1 or self.dist.world_size == 1
             with self._grad_sync(sync):
-                with self._autocast():
-                    logits = model_logits(self.model, x, starts)
-                part = F.cross_entropy(
-                    _upcast(logits).flatten(0, 1),
-                    y.flatten(),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
+                part = self._loss_sum(x, y, starts)
                 # DDP and FSDP average gradients over ranks: scale by world_size to get the sum.
                 (part * (self.dist.world_size / n_scored)).backward()
             loss_sum += part.detach()
@@ -318,6 +317,22 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / n_scored, grad_norm, ids.numel()
+
+    def _loss_sum(
+        self, x: torch.Tensor, y: torch.Tensor, doc_starts: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The cross-entropy of a micro-batch summed over its scored labels: by the model
+        itself where it can (no [B, T, V] logits), else from its logits in float32 (whose last
+        reference ends here, so they are freed before backward: log-softmax saves its own
+        output, not its input)."""
+        if self.lean_loss:
+            with self._autocast():
+                return lean_loss_sum(self.model, x, y, doc_starts)
+        with self._autocast():
+            logits = model_logits(self.model, x, doc_starts)
+        return F.cross_entropy(
+            _upcast(logits).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
 
     # ------------------------------------------------------------------ the loop
     def _data_passes(self) -> dict[str, float]:
