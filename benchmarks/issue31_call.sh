@@ -50,6 +50,12 @@ mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
+# liger-kernel (the [triton] extra: the LM loss's fused linear CE on CUDA) from its carried wheel,
+# for every run of ours; without it the chunked torch loss runs (loss.FUSED_CE_BACKEND='auto')
+if [ -z "$SMOKE" ] && ls .whl/liger_kernel-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/liger .whl/liger_kernel-*.whl \
+    && export PYTHONPATH="/tmp/liger:$PYTHONPATH" && echo "liger: installed" >> "$SUMMARY"
+fi
 FLA_CACHE=/tmp/fla_triton_cache  # fla's own Triton cache: its autotune results travel from it
 mkdir -p "$FLA_CACHE"
 if [ -n "${FLA_AUTOTUNE:-}" ] && [ -f "$FLA_AUTOTUNE" ]; then
@@ -151,12 +157,7 @@ step short_conv "$(limit 240)" "" python3 benchmarks/short_conv.py "${SHORT_CONV
 LAUNCH=$(sed -n 's/^best launch: //p' "$OUT_DIR/short_conv.log")
 [ -n "$LAUNCH" ] && TRAIN_EXTRA+=(--conv-launch "$LAUNCH")
 if [ "${LM_LOSS:-0}" != 0 ]; then  # the LM loss: ours against liger's fused linear CE
-  LIGER=""
-  if [ -z "$SMOKE" ] && ls .whl/liger_kernel-*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/liger .whl/liger_kernel-*.whl \
-      && LIGER=/tmp/liger:
-  fi
-  PYTHONPATH=$LIGER$PYTHONPATH step lm_loss "$(limit 120)" "" python3 benchmarks/lm_loss.py $SMOKE
+  step lm_loss "$(limit 120)" "" python3 benchmarks/lm_loss.py $SMOKE
 fi
 for shape in "${SHAPES[@]}"; do
   read -r B T <<< "$shape"
@@ -171,7 +172,7 @@ for shape in "${SHAPES[@]}"; do
   fi
 done
 
-FAILED=$(grep -c -v ": exit 0 in \|nothing pinned\|gradients only\|^fla autotune: " "$SUMMARY")
+FAILED=$(grep -c -v ": exit 0 in \|nothing pinned\|gradients only\|^fla autotune: \|^liger: " "$SUMMARY")
 echo "issue31_call: $((SECONDS - START)) s in all, $FAILED step(s) failed; results in $OUT_DIR" \
   | tee -a "$SUMMARY"
 grep -h "check_training: \|FAILED" "$OUT_DIR/check_training.log" 2> /dev/null | tail -2

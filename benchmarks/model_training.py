@@ -383,7 +383,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['architecture']['num_layers']} layers, hidden "
         f"{report['architecture']['hidden_size']}, {report['architecture']['num_heads']} heads "
         f"x {report['architecture']['head_dim']} (expand_v {report['architecture']['expand_v']}),"
-        f" vocab {report['architecture']['vocab_size']}; median of {report['steps']} steps."
+        f" vocab {report['architecture']['vocab_size']}; median of {report['steps']} steps; "
+        f"our LM loss: {report.get('lm_loss', 'torch (chunked)')}."
         + TRAINER_NOTE
         * any(name.startswith("deltaflow trainer") for name in report["results"]),
         "",
@@ -438,6 +439,14 @@ def versus(ours: dict[str, Any], fla: dict[str, Any]) -> dict[str, Any] | None:
     if ours["peak_memory_gb"] is not None:
         memory = ours["peak_memory_gb"] / fla["peak_memory_gb"]
     return {"tokens_per_s": ours["tokens_per_s"] / fla["tokens_per_s"], "peak_memory": memory}
+
+
+def lm_loss_backend(device: torch.device) -> str:
+    """Which linear + cross-entropy our models' loss ran on (deltaflow.models.loss)."""
+    from deltaflow.models import loss
+
+    uses_liger = loss.FUSED_CE_BACKEND != "torch" and device.type in loss._LIGER_DEVICES
+    return "liger" if uses_liger and loss._liger_loss() is not None else "torch (chunked)"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -588,6 +597,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "warmup": args.warmup,
         "architecture": arch,
         "conv_launch": args.conv_launch,
+        "lm_loss": lm_loss_backend(device),
         "fla_loss": "fuse_linear_cross_entropy" if args.fla_linear_ce else "fuse_cross_entropy",
         "results": results,
         "ratio": ratio,
