@@ -479,7 +479,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--checkpoint",
         default="mixer,mlp",
         help="parts of each compiled deltaflow block under selective checkpointing "
-        "(comma-separated: mixer, mlp; '' = none)",
+        "(comma-separated, from deltaflow.models.block.SELECTIVE_PARTS: mixer, mlp, "
+        "mixer_inputs = also keep the delta-rule op's q, k, v, beta, log decay; '' = none)",
     )
     p.add_argument(
         "--triton-conv",

@@ -57,6 +57,17 @@ def resolve_qk_norm(
     return pair  # type: ignore[return-value]
 
 
+def keep_for_backward(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Each tensor through ``torch.alias_copy``: an identity (its gradient passes straight
+    through) that nothing else in a block calls, so the selective-checkpointing policy
+    (``deltaflow.models.block._saved_ops``) can name it to keep exactly these tensors for the
+    backward (issue 31: the op's inputs, instead of recomputing the short conv, SiLU and L2
+    norms before the op's backward). Compiled, inductor lowers it to a copy that fuses into the
+    kernel producing the tensor, so the forward writes no extra bytes; eager, it is a real copy
+    (the marker is only set on compiled blocks)."""
+    return tuple(None if t is None else torch.alias_copy(t) for t in tensors)
+
+
 class DeltaAttention(nn.Module):
     """Delta-rule token mixer with a pluggable step rule.
 
@@ -88,6 +99,9 @@ class DeltaAttention(nn.Module):
     # Set by deltaflow.parallel.enable_context_parallel: the layer then runs on one segment of
     # each sequence (conv halos and recurrent state exchanged with the other ranks).
     context_parallel = None
+    # Set by DeltaFlowBlock.selective_checkpointing ('mixer_inputs'): the op's inputs go through
+    # keep_for_backward, which the block's checkpointing policy saves.
+    keep_op_inputs: bool = False
 
     def __init__(
         self,
@@ -385,6 +399,8 @@ class DeltaAttention(nn.Module):
 
         # Padding = identity step for every rule: no erase, no write (k = v = 0), no decay.
         k, v, beta, log_decay = padding_as_identity_steps(mask, k, v, beta, log_decay)
+        if self.keep_op_inputs and torch.is_grad_enabled() and not use_cache:
+            q, k, v, beta, log_decay = keep_for_backward(q, k, v, beta, log_decay)
 
         S0 = state.get("recurrent_state")
         if S0 is not None and T == 1 and not torch.is_grad_enabled():

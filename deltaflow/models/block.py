@@ -80,14 +80,40 @@ def build_mixer(config: DeltaFlowConfig, layer_idx: int) -> nn.Module:
     return mixer
 
 
+# The parts of a block that selective checkpointing names (the one list: compile_blocks, the
+# block and benchmarks/model_training.py's --checkpoint check names against it). 'mixer' and
+# 'mlp' recompute their glue in the backward; 'mixer_inputs' (with 'mixer', issue 31) also keeps
+# the delta-rule op's inputs q, k, v, β, log α, so the op's backward needs no recompute first.
+SELECTIVE_PARTS = ("mixer", "mlp", "mixer_inputs")
+
+
+def selective_parts(parts: tuple[str, ...] | list[str] | bool) -> tuple[str, ...]:
+    """``parts`` checked against :data:`SELECTIVE_PARTS` (True = 'mixer' and 'mlp', False =
+    none): a misspelled name would otherwise silently checkpoint nothing."""
+    if isinstance(parts, bool):
+        return ("mixer", "mlp") if parts else ()
+    if isinstance(parts, str):  # "mixer" is not ("m", "i", ...)
+        raise TypeError(f"selective checkpointing parts are a tuple of names, got {parts!r}")
+    unknown = [p for p in parts if p not in SELECTIVE_PARTS]
+    if unknown:
+        raise ValueError(
+            f"selective checkpointing parts must be among {SELECTIVE_PARTS}, got {unknown}"
+        )
+    if "mixer_inputs" in parts and "mixer" not in parts:
+        raise ValueError("'mixer_inputs' keeps tensors of the checkpointed mixer: add 'mixer'")
+    return tuple(parts)
+
+
 def _saved_ops() -> frozenset:
     """The ops whose outputs selective checkpointing keeps: the matmuls and the sequence mixers
-    (costly to redo). Everything else in a block (norms, the short conv, SiLU, gates, β and
-    decay activations, L2 norms, the SwiGLU product) is elementwise or a row reduction, cheap
-    to recompute in the backward's own fused kernels. The one exception is the Triton short
-    conv (``conv.TRITON_SHORT_CONV``, issue 31 item 4): an opaque kernel that the compiled
-    backward cannot fuse, so its output (2 bytes per q|k|v channel per token) is kept rather
-    than the kernel run again; it is in the graph only with that switch on."""
+    (costly to redo), and the delta-rule op's inputs where the 'mixer_inputs' part marks them
+    (``deltaflow.layers.delta_attention.keep_for_backward``). Everything else in a block
+    (norms, the short conv, SiLU, gates, β and decay activations, L2 norms, the SwiGLU
+    product) is elementwise or a row reduction, cheap to recompute in the backward's own fused
+    kernels. The one exception is the Triton short conv (``conv.TRITON_SHORT_CONV``, issue 31
+    item 4): an opaque kernel that the compiled backward cannot fuse, so its output (2 bytes
+    per q|k|v channel per token) is kept rather than the kernel run again; it is in the graph
+    only with that switch on."""
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default}
     for name in (
@@ -100,6 +126,8 @@ def _saved_ops() -> frozenset:
     for name in ("chunk_fwd", "short_conv_fwd"):  # the Triton ops (registered on import)
         if hasattr(torch.ops, "deltaflow") and hasattr(torch.ops.deltaflow, name):
             ops.add(getattr(torch.ops.deltaflow, name).default)
+    # The marker of keep_for_backward: in the graph only with the 'mixer_inputs' part on.
+    ops.add(aten.alias_copy.default)
     return frozenset(ops)
 
 
@@ -123,9 +151,21 @@ class DeltaFlowBlock(nn.Module):
     ``selective_checkpointing`` (set by :func:`deltaflow.models.compile.compile_blocks`): the
     parts named there ('mixer', 'mlp') keep only their matmul and sequence-mixer outputs for
     backward and recompute the elementwise glue, which under ``torch.compile`` fuses into the
-    backward kernels (benchmarks/NOTES.md: bytes saved per token per layer)."""
+    backward kernels (benchmarks/NOTES.md: bytes saved per token per layer); 'mixer_inputs'
+    also keeps the delta-rule op's inputs (:data:`SELECTIVE_PARTS`)."""
 
-    selective_checkpointing: tuple[str, ...] = ()
+    _parts: tuple[str, ...] = ()
+
+    @property
+    def selective_checkpointing(self) -> tuple[str, ...]:
+        return self._parts
+
+    @selective_checkpointing.setter
+    def selective_checkpointing(self, parts: tuple[str, ...] | list[str] | bool) -> None:
+        self._parts = selective_parts(parts)
+        # the mixer marks its op's inputs itself (the policy only sees ops, not tensors)
+        if hasattr(self.mixer, "keep_op_inputs"):
+            self.mixer.keep_op_inputs = "mixer_inputs" in self._parts
 
     def __init__(self, config: DeltaFlowConfig, layer_idx: int) -> None:
         super().__init__()

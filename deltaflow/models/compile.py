@@ -18,6 +18,8 @@ import importlib.util
 import torch
 import torch.nn as nn
 
+from deltaflow.models.block import selective_parts
+
 COMPILE_MODES = ("auto", "blocks", "off")
 
 # The warm-up said before the first step ("first steps take ~N s"): inductor compiles one
@@ -91,7 +93,8 @@ def compile_blocks(
 
     ``selective_checkpointing``: the parts of each block ('mixer', 'mlp'; True = both) that keep
     only matmul and mixer outputs for backward and recompute the rest inside the compiled
-    backward (``DeltaFlowBlock.selective_checkpointing``).
+    backward (``DeltaFlowBlock.selective_checkpointing``); 'mixer_inputs' (with 'mixer') also
+    keeps the delta-rule op's inputs (``deltaflow.models.block.SELECTIVE_PARTS``).
 
     ``dynamic=None`` (dynamo's default): the first shape compiles static; a second one (an
     evaluation length, packed documents) recompiles once with dynamic sizes.
@@ -109,9 +112,7 @@ def compile_blocks(
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 4 * limit
         )
-    parts = {True: ("mixer", "mlp"), False: ()}.get(
-        selective_checkpointing, selective_checkpointing
-    )
+    parts = selective_parts(selective_checkpointing)  # before compiling: a typo fails now
     for block in layers:
         if hasattr(block, "selective_checkpointing"):
             block.selective_checkpointing = tuple(parts)
