@@ -26,6 +26,13 @@ from deltaflow.layers.mask import position_in_sequence, zero_padding
 # and activations around it (benchmarks/NOTES.md, "Issue 31, session 15"). Read at call time.
 TRITON_SHORT_CONV = False
 
+# Issue 31, session 15: DeltaAttention's fused path runs the q|k|v conv + SiLU AND the q/k L2
+# norms as one Triton op (conv_norm_triton.py), so that the opaque kernel takes the norms with
+# it instead of cutting them off from inductor's fusion (why TRITON_SHORT_CONV lost in the
+# model). Off until a GPU session measures the training step with it (benchmarks/NOTES.md,
+# "Issue 31, session 15: conv + SiLU + L2 norm in one kernel"). Read at call time.
+TRITON_CONV_NORM = False
+
 
 def _triton_conv(x: torch.Tensor) -> bool:
     """The switch is on and the Triton kernels can take x."""

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from deltaflow.layers import conv, conv_norm_triton
 from deltaflow.layers.conv import ShortConvolution, causal_conv_silu
 from deltaflow.layers.heads import resolve_head_dim
 from deltaflow.layers.mask import padding_as_identity_steps, prepare_mixer_inputs, zero_padding
@@ -235,7 +236,10 @@ class DeltaAttention(nn.Module):
         """q, k, v (after conv + SiLU), W_g x, and the β and decay logits from ONE GEMM over
         the concatenated weights (one read of x instead of six, one launch forward and two
         backward) and ONE short conv over the q|k|v channels. Parameters stay separate, so
-        checkpoints are unchanged; the concatenation copies ~2·hidden² numbers per step."""
+        checkpoints are unchanged; the concatenation copies ~2·hidden² numbers per step.
+
+        The last element says whether q and k are already L2-normalized where the rule asks
+        (``conv.TRITON_CONV_NORM``: one Triton op for conv, SiLU and the norms)."""
         weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
         if self.use_output_gate:
             weights.append(self.g_proj.weight)
@@ -243,13 +247,24 @@ class DeltaAttention(nn.Module):
             weights.append(self.b_proj.weight)
         if self.use_decay:
             weights.append(self.a_proj.weight)
+        normalized = False
         out = F.linear(x, torch.cat(weights))  # [B, T, 2·Dk·H + Dv·Hv (+ Dv·Hv + 2 Hv)]
         qkv_dim = 2 * self.key_dim + self.value_dim
         head = out[..., :qkv_dim]  # q|k|v lead the output: convolve them as one tensor
         if self.use_short_conv:
             w = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])[:, 0]
             cp = self._active_context_parallel()
-            head = causal_conv_silu(head, w, cu_seqlens) if cp is None else cp.conv_silu(head, w)
+            if cp is None and self._conv_norm_kernel(head):
+                begin, end = self._l2_channels()
+                head = conv_norm_triton.conv_silu_l2(
+                    head, w, head_dim=self.head_dim, norm_begin=begin, norm_end=end,
+                    cu_seqlens=cu_seqlens,
+                )  # fmt: skip
+                normalized = True
+            elif cp is None:
+                head = causal_conv_silu(head, w, cu_seqlens)
+            else:
+                head = cp.conv_silu(head, w)
         else:
             head = F.silu(head)
         q, k, v = head.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -257,7 +272,23 @@ class DeltaAttention(nn.Module):
         g = rest.pop(0) if self.use_output_gate else None
         b_logits = rest.pop(0) if self.use_beta else None
         a_logits = rest.pop(0) if self.use_decay else None
-        return q, k, v, g, b_logits, a_logits
+        return q, k, v, g, b_logits, a_logits, normalized
+
+    def _conv_norm_kernel(self, head: torch.Tensor) -> bool:
+        """The fused q|k|v conv goes to the conv + SiLU + L2 norm kernel: the switch is on, the
+        kernels can take ``head``, and the q/k norms are ones it computes (l2 or none)."""
+        return (
+            conv.TRITON_CONV_NORM
+            and conv_norm_triton.usable(head)
+            and {self.q_norm, self.k_norm} <= {"l2", "none"}
+        )
+
+    def _l2_channels(self) -> tuple[int, int]:
+        """[begin, end) of the q|k|v channels that are L2-normalized per head: q's, k's, both
+        (q and k are adjacent) or none."""
+        begin = 0 if self.q_norm == "l2" else self.key_dim
+        end = 2 * self.key_dim if self.k_norm == "l2" else self.key_dim
+        return (begin, end) if begin < end else (0, 0)
 
     def _activate_beta_decay(
         self, b_logits: torch.Tensor | None, a_logits: torch.Tensor | None
@@ -304,15 +335,15 @@ class DeltaAttention(nn.Module):
             f"gate={self.use_output_gate}"
         )
 
-    def _heads(self, q, k, v, B: int, T: int) -> tuple[torch.Tensor, ...]:
+    def _heads(self, q, k, v, B: int, T: int, normalized: bool = False) -> tuple[torch.Tensor, ...]:
         """[B, T, H·D] projections -> [B, T, Hv, D] heads, q/k L2-normalized where the rule
-        asks, q/k repeated over grouped value heads."""
+        asks (unless ``normalized``: done already), q/k repeated over grouped value heads."""
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_heads, self.head_dim)
         v = v.view(B, T, self.num_v_heads, self.head_v_dim)
-        if self.q_norm == "l2":
+        if self.q_norm == "l2" and not normalized:
             q = l2_normalize(q)
-        if self.k_norm == "l2":
+        if self.k_norm == "l2" and not normalized:
             k = l2_normalize(k)
         if self.num_v_heads != self.num_heads:  # grouped value heads share q/k
             group = self.num_v_heads // self.num_heads
@@ -380,10 +411,10 @@ class DeltaAttention(nn.Module):
             fused = x.is_cuda
         if fused and mask is None and not use_cache and not state:
             # Training / scoring: one GEMM for every input projection, one conv over q|k|v.
-            q, k, v, g, b_logits, a_logits = self._fused_inputs(x, cu_seqlens)
+            q, k, v, g, b_logits, a_logits, normalized = self._fused_inputs(x, cu_seqlens)
             beta, log_decay = self._activate_beta_decay(b_logits, a_logits)
         else:
-            g = None
+            g, normalized = None, False
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
             if self.use_short_conv and cp is not None:
                 q, k, v = cp.short_convs((self.q_conv, self.k_conv, self.v_conv), (q, k, v))
@@ -395,7 +426,7 @@ class DeltaAttention(nn.Module):
             else:
                 q, k, v = F.silu(q), F.silu(k), F.silu(v)
             beta, log_decay = self._beta_and_log_decay(x)
-        q, k, v = self._heads(q, k, v, B, T)
+        q, k, v = self._heads(q, k, v, B, T, normalized)
 
         # Padding = identity step for every rule: no erase, no write (k = v = 0), no decay.
         k, v, beta, log_decay = padding_as_identity_steps(mask, k, v, beta, log_decay)

@@ -113,7 +113,8 @@ def _saved_ops() -> frozenset:
     kernels. The one exception is the Triton short conv (``conv.TRITON_SHORT_CONV``, issue 31
     item 4): an opaque kernel that the compiled backward cannot fuse, so its output (2 bytes
     per q|k|v channel per token) is kept rather than the kernel run again; it is in the graph
-    only with that switch on."""
+    only with that switch on. Likewise the conv + SiLU + L2 norm op (``conv.TRITON_CONV_NORM``).
+    """
     aten = torch.ops.aten
     ops = {aten.mm.default, aten.addmm.default, aten.bmm.default}
     for name in (
@@ -123,7 +124,8 @@ def _saved_ops() -> frozenset:
     ):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
-    for name in ("chunk_fwd", "short_conv_fwd"):  # the Triton ops (registered on import)
+    # the Triton ops (registered on import)
+    for name in ("chunk_fwd", "short_conv_fwd", "conv_silu_l2_fwd"):
         if hasattr(torch.ops, "deltaflow") and hasattr(torch.ops.deltaflow, name):
             ops.add(getattr(torch.ops.deltaflow, name).default)
     # The marker of keep_for_backward: in the graph only with the 'mixer_inputs' part on.
