@@ -86,19 +86,23 @@ def build_deltaflow(
     checkpoint: str = "mixer,mlp",
     backend: str = "inductor",
     triton_conv: bool | None = None,
+    triton_conv_norm: bool | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
     output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
     ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default);
     ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen).
     ``triton_conv``: sets the process-wide ``conv.TRITON_SHORT_CONV`` until the next build sets
-    it (it is read when the model runs); None leaves it as it is."""
+    it (it is read when the model runs); None leaves it as it is. ``triton_conv_norm``: the same
+    for ``conv.TRITON_CONV_NORM`` (the conv + SiLU + q/k L2 norms as one Triton op)."""
     from deltaflow.layers import conv
     from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
     from deltaflow.models.compile import compile_blocks
 
     if triton_conv is not None:
         conv.TRITON_SHORT_CONV = triton_conv
+    if triton_conv_norm is not None:
+        conv.TRITON_CONV_NORM = triton_conv_norm
 
     config = DeltaFlowConfig(
         **arch,
@@ -118,7 +122,11 @@ def build_deltaflow(
     if compiled:
         parts = tuple(p for p in checkpoint.split(",") if p)
         compile_blocks(model, selective_checkpointing=parts, backend=backend)
-    return model, {**config.to_dict(), "triton_short_conv": conv.TRITON_SHORT_CONV}
+    switches = {
+        "triton_short_conv": conv.TRITON_SHORT_CONV,
+        "triton_conv_norm": conv.TRITON_CONV_NORM,
+    }
+    return model, {**config.to_dict(), **switches}
 
 
 def build_llama(arch: dict[str, Any], compiled: bool = False) -> tuple[nn.Module, dict[str, Any]]:
@@ -489,6 +497,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="deltaflow's short conv on the Triton kernels (conv.TRITON_SHORT_CONV), or both",
     )
     p.add_argument(
+        "--triton-conv-norm",
+        choices=["off", "on", "both"],
+        default="off",
+        help="deltaflow's conv + SiLU + q/k L2 norms as one Triton op (conv.TRITON_CONV_NORM), "
+        "or both",
+    )
+    p.add_argument(
         "--conv-launch",
         default=None,
         help="launch settings of the Triton short conv, e.g. BWD_BT=32,BWD_DW_ROWS=1 "
@@ -546,14 +561,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # smoke runs trace the compiled blocks with aot_eager (inductor's C++ codegen takes minutes)
     backend = "aot_eager" if args.smoke else "inductor"
     runs: list[tuple[str, Callable, Callable[[], tuple[nn.Module, dict[str, Any]]]]] = []
-    convs = {"off": [False], "on": [True], "both": [False, True]}[args.triton_conv]
+    switch = {"off": [False], "on": [True], "both": [False, True]}
+    convs = [
+        (t, n) for t in switch[args.triton_conv] for n in switch[args.triton_conv_norm]
+    ]  # fmt: skip
     for c in compiled:
         suffix = " (compiled)" if c else ""
-        for t in convs:
-            tags = [tag for tag, on in (("compiled", c), ("triton conv", t)) if on]
+        for t, n in convs:
+            on = (("compiled", c), ("triton conv", t), ("triton conv norm", n))
+            tags = [tag for tag, flag in on if flag]
             tag = f" ({', '.join(tags)})" if tags else ""
             build = functools.partial(
-                build_deltaflow, arch, c, args.no_fused, args.checkpoint, backend, triton_conv=t
+                build_deltaflow,
+                arch,
+                c,
+                args.no_fused,
+                args.checkpoint,
+                backend,
+                triton_conv=t,
+                triton_conv_norm=n,
             )
             if args.trainer:
                 runs.append((f"deltaflow trainer{tag}", benchmark_trainer, build))

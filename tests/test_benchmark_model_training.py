@@ -124,6 +124,26 @@ def test_model_training_benchmark_times_the_triton_conv(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in results.values())
 
 
+def test_model_training_benchmark_times_the_conv_norm_switch(tmp_path):
+    """--triton-conv-norm both: each deltaflow variant with and without conv.TRITON_CONV_NORM,
+    named apart, the switch recorded in the config and left as it was."""
+    from deltaflow.layers import conv
+
+    bench = load_script("benchmarks/model_training.py")
+    args = "--device cpu --layers 1 --seq 16 --batch 1 --steps 1 --warmup 0 --skip-fla --top 0"
+    args += " --hidden 32 --heads 2 --head-dim 16 --vocab 64 --triton-conv-norm both"
+    args += f" --out {tmp_path}"
+    before = conv.TRITON_CONV_NORM
+    try:
+        report = bench.main(args.split())
+    finally:
+        conv.TRITON_CONV_NORM = before
+    results = report["results"]
+    assert set(results) == {"deltaflow", "deltaflow (triton conv norm)"}
+    assert [r["config"]["triton_conv_norm"] for r in results.values()] == [False, True]
+    assert all(r["tokens_per_s"] > 0 for r in results.values())
+
+
 def test_gpu_time_finds_idle_gaps():
     """The profile's GPU idle time: the union of overlapping kernels is busy, the holes between
     them idle, the largest hole first with the kernels on either side."""

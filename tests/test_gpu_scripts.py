@@ -96,6 +96,7 @@ SCRIPTS = [
     ),
     Script("benchmarks/kernel_times.py", ("--smoke",), "smoke ok", True),
     Script("benchmarks/short_conv.py", ("time", "--smoke"), "short_conv: done", True),
+    Script("benchmarks/conv_norm.py", ("time", "--smoke"), "conv_norm: done", True),
     # ours against liger's fused linear cross-entropy, liger on the interpreter
     Script(
         "benchmarks/lm_loss.py",

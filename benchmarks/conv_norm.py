@@ -1,0 +1,147 @@
+"""The conv + SiLU + per-head L2 norm Triton op (issue 31, ``deltaflow/layers/conv_norm_triton.py``)
+alone, at the training step's shape: x = the q|k|v columns (C) of the fused projection's output
+(N wide), bf16, kernel size 4, SiLU, then L2 norms over the q and k heads (the first ``2 H D``
+channels, groups of D = 128), v left as is.
+
+    python benchmarks/conv_norm.py time [--shape 8x2048x3072x4112] [--head-dim 128] [--smoke]
+        [--sweep]
+
+``time`` (GPU; ``--smoke``: tiny, on the CPU interpreter): forward and forward + backward of the
+Triton op and of the torch path it replaces (causal_conv_taps + SiLU + l2_normalize on the q|k
+groups, compiled by torch.compile: what the compiled layer runs with the switch off), median ms,
+and each one's ratio to the bytes floor (forward: read x, write y; forward + backward: that and
+read x, dy, write dx) at the measured copy bandwidth; plus the op's error against the float32
+reference. ``--sweep``: then the launch settings of ``SWEEP_FWD`` / ``SWEEP_BWD`` (the module
+constants of conv_norm_triton.py), each checked and timed, fastest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from _common import bench_ms, copy_bandwidth, git_commit, smoke_env, smoke_requested
+
+if smoke_requested():
+    smoke_env()
+
+import torch  # noqa: E402
+
+from deltaflow.layers import conv_norm_triton as cn  # noqa: E402
+
+# (FWD_BT, FWD_WARPS) and (BWD_BT, BWD_WARPS): the channel block is one head group
+SWEEP_FWD = [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]
+SWEEP_BWD = [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (32, 8)]
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    dims = tuple(int(v) for v in text.lower().split("x"))
+    if len(dims) != 4 or min(dims) < 1 or dims[2] > dims[3]:
+        raise SystemExit(f"error: --shape takes BxTxCxN with positive sizes, C <= N, got {text!r}")
+    return dims  # type: ignore[return-value]
+
+
+def run_time(shape: tuple[int, int, int, int], D: int, smoke: bool, sweep: bool) -> None:
+    B, T, C, N = shape
+    # q|k|v of equal widths: the first two thirds are q and k, normalized per head
+    begin, end = 0, (2 * C // 3) // D * D
+    dev = "cpu" if smoke else "cuda"
+    dtype = torch.float16 if smoke else torch.bfloat16  # the interpreter's bf16 is not trusted
+    g = torch.Generator(device=dev).manual_seed(0)
+    wide = torch.randn(B, T, N, device=dev, generator=g).to(dtype)
+    x = wide[..., :C]  # read in place, as the layer does
+    w = (0.5 * torch.randn(C, 4, device=dev, generator=g)).to(dtype)
+    dy = torch.randn(B, T, C, device=dev, generator=g).to(dtype)
+    args = dict(head_dim=D, norm_begin=begin, norm_end=end)
+
+    def triton_op(x, w):
+        return cn.conv_silu_l2(x, w, **args)
+
+    compiled = torch.compile(
+        lambda x, w: cn.reference(x, w, **args), backend="aot_eager" if smoke else "inductor"
+    )
+    ref = cn.reference(x.float(), w.float(), **args)
+    err = ((triton_op(x, w).float() - ref).norm() / ref.norm()).item()
+    print(f"conv_norm: {B}x{T}x{C} of {N} {str(dtype)[6:]}, head_dim {D}, L2 norm on channels "
+          f"[{begin}, {end}), commit {git_commit()}")  # fmt: skip
+    print(f"triton vs float32 reference: relative error {err:.2e}")
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def fwd_bwd(fn):
+        return lambda: torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+
+    element = B * T * C * x.element_size()
+    floor = {"forward": 2 * element, "forward + backward": 5 * element}  # x, y | x, dy, dx
+    bandwidth = copy_bandwidth(dev)
+    for what, cases in (
+        ("forward", {"triton": lambda: triton_op(x, w), "compiled": lambda: compiled(x, w)}),
+        ("forward + backward", {"triton": fwd_bwd(triton_op), "compiled": fwd_bwd(compiled)}),
+    ):
+        floor_ms = floor[what] / bandwidth * 1e3
+        for name, fn in cases.items():
+            fn()  # compile / warm
+            ms = bench_ms(fn, dev)
+            print(f"{what:>18} {name:>8}: {ms:8.3f} ms  ({ms / floor_ms:.2f}x the bytes floor "
+                  f"{floor_ms:.3f} ms)")  # fmt: skip
+    if sweep:
+        run_sweep(x, w, dy, args, smoke)
+    print("conv_norm: done")
+
+
+def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
+    """Each launch setting: the max relative error of y, dx, dw against the float32 reference,
+    and the median ms of the forward (forward settings) or forward + backward (backward)."""
+    dev = x.device.type
+    xr, wr = x.float().detach().requires_grad_(), w.float().detach().requires_grad_()
+    yr = cn.reference(xr, wr, **args)
+    ref = [yr.detach(), *torch.autograd.grad(yr, (xr, wr), dy.float())]
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+
+    def check() -> float:
+        y = cn.conv_silu_l2(xg, wg, **args)
+        got = [y.detach(), *torch.autograd.grad(y, (xg, wg), dy)]
+        return max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(got, ref))
+
+    names = ("FWD_BT", "FWD_WARPS", "BWD_BT", "BWD_WARPS")
+    saved = {k: getattr(cn, k) for k in names}
+    fwd_bwd = lambda: torch.autograd.grad(cn.conv_silu_l2(xg, wg, **args), (xg, wg), dy)  # noqa: E731
+    for what, keys, settings, fn in (
+        ("FWD", names[:2], SWEEP_FWD[: 2 if smoke else None],
+         lambda: cn.conv_silu_l2(x, w, **args)),
+        ("BWD", names[2:], SWEEP_BWD[: 2 if smoke else None], fwd_bwd),
+    ):  # fmt: skip
+        rows = []
+        for values in settings:
+            for k, v in saved.items():
+                setattr(cn, k, v)
+            for k, v in zip(keys, values):
+                setattr(cn, k, v)
+            try:
+                err = check()
+                ms = bench_ms(fn, dev)
+            except Exception as e:  # noqa: BLE001 - out of resources: reported, next setting
+                rows.append((float("inf"), values, f"failed: {str(e)[:60]}"))
+                continue
+            rows.append((ms, values, f"error {err:.1e}"))
+        print(f"sweep {what} {keys} (fastest first):")
+        for ms, values, note in sorted(rows):
+            print(f"  {values}: {ms:8.3f} ms  {note}")
+    for k, v in saved.items():
+        setattr(cn, k, v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=["time"])
+    parser.add_argument("--shape", default=None, help="BxTxCxN (default 8x2048x3072x4112)")
+    parser.add_argument("--head-dim", type=int, default=None, help="default 128 (smoke: 8)")
+    parser.add_argument("--smoke", action="store_true", help="tiny, CPU interpreter")
+    parser.add_argument("--sweep", action="store_true", help="every launch setting too")
+    args = parser.parse_args(argv)
+    default = "2x40x24x31" if args.smoke else "8x2048x3072x4112"
+    head_dim = args.head_dim or (8 if args.smoke else 128)
+    run_time(parse_shape(args.shape or default), head_dim, args.smoke, args.sweep)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
