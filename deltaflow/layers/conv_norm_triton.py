@@ -31,7 +31,7 @@ from torch import Tensor
 
 from deltaflow.layers.conv import causal_conv_taps
 from deltaflow.layers.norm import l2_normalize
-from deltaflow.layers.short_conv_triton import DTYPES, _positions, _preactivation, _rows, usable
+from deltaflow.layers.short_conv_triton import DTYPES, _positions, usable
 
 try:
     import triton
@@ -50,6 +50,9 @@ BWD_BT, BWD_WARPS = 16, 4
 
 
 if triton is not None:
+    # the short conv's jitted helpers exist only where Triton does (the layer imports this
+    # module unconditionally, so a machine without Triton must still import it)
+    from deltaflow.layers.short_conv_triton import _preactivation, _rows
 
     @triton.jit
     def _norm_scale(u, normed, eps):
