@@ -5,6 +5,7 @@ channels, groups of D = 128), v left as is.
 
     python benchmarks/conv_norm.py time [--shape 8x2048x3072x4112] [--head-dim 128] [--smoke]
         [--sweep]
+    PYTHONPATH=/path/to/triton-3.6:. python benchmarks/conv_norm.py cost [--arch 90]
 
 ``time`` (GPU; ``--smoke``: tiny, on the CPU interpreter): forward and forward + backward of the
 Triton op and of the torch path it replaces (causal_conv_taps + SiLU + l2_normalize on the q|k
@@ -12,16 +13,26 @@ groups, compiled by torch.compile: what the compiled layer runs with the switch 
 and each one's ratio to the bytes floor (forward: read x, write y; forward + backward: that and
 read x, dy, write dx) at the measured copy bandwidth; plus the op's error against the float32
 reference. ``--sweep``: then the launch settings of ``SWEEP_FWD`` / ``SWEEP_BWD`` (the module
-constants of conv_norm_triton.py), each checked and timed, fastest first.
+constants of conv_norm_triton.py), each checked and timed, fastest first. ``cost`` (CPU, no GPU
+needed): every kernel specialization the training step launches (plain and packed, bf16 and
+float32 weight) at the current launch settings, compiled for sm_90 by the Triton first on the
+path, with registers, spill stack and shared memory (as ``short_conv.py cost``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import tempfile
+import time
 
 from _common import bench_ms, copy_bandwidth, git_commit, smoke_env, smoke_requested
 
-if smoke_requested():
+if sys.argv[1:2] == ["cost"]:  # compiling, not interpreting, into a fresh cache
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="conv_norm_cost_"))
+    os.environ.pop("TRITON_INTERPRET", None)
+elif smoke_requested():
     smoke_env()
 
 import torch  # noqa: E402
@@ -103,7 +114,10 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
 
     names = ("FWD_BT", "FWD_WARPS", "BWD_BT", "BWD_WARPS")
     saved = {k: getattr(cn, k) for k in names}
-    fwd_bwd = lambda: torch.autograd.grad(cn.conv_silu_l2(xg, wg, **args), (xg, wg), dy)  # noqa: E731
+
+    def fwd_bwd():
+        return torch.autograd.grad(cn.conv_silu_l2(xg, wg, **args), (xg, wg), dy)
+
     for what, keys, settings, fn in (
         ("FWD", names[:2], SWEEP_FWD[: 2 if smoke else None],
          lambda: cn.conv_silu_l2(x, w, **args)),
@@ -129,14 +143,51 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
         setattr(cn, k, v)
 
 
+def run_cost(arch: int) -> None:
+    import compile_cost
+    from _launches import compile_launch, intercepted, resource_usage, specialization
+
+    compile_cost._init(arch)
+    seen: set = set()
+
+    def handler(fn, run, kwargs) -> None:
+        key = specialization(fn, kwargs)
+        if key in seen:
+            return
+        seen.add(key)
+        t0 = time.perf_counter()
+        usage = resource_usage(compile_launch(fn, run, kwargs))
+        flags = {k: v for k, v in key.constexprs if k in ("VARLEN", "BT")}
+        ptrs = sorted({a.split(":")[0] for a in key.args if a.startswith("*")})
+        print(f"{key.kernel} {flags} ptrs={','.join(ptrs)} seconds={time.perf_counter() - t0:.1f}",
+              " ".join(f"{k}={v}" for k, v in usage.items()), flush=True)  # fmt: skip
+
+    B, T, C, N, D = 8, 2048, 3072, 4112, 128  # the 400M model's step (benchmarks/NOTES.md)
+    x = torch.empty(B, T, N, dtype=torch.bfloat16)[..., :C]
+    packed = torch.empty(1, B * T, N, dtype=torch.bfloat16)[..., :C]
+    cu = torch.tensor([0, 100, B * T])
+    with intercepted(handler):
+        for w_dtype in (torch.float32, torch.bfloat16):  # autocast / pure bf16 training
+            w = torch.empty(C, 4, dtype=w_dtype)
+            for xb, cu_seqlens in ((x, None), (packed, cu)):
+                dy = torch.empty(xb.shape, dtype=xb.dtype)
+                cn._forward(xb, w, cu_seqlens, D, 0, 2048, 1e-6)
+                cn._backward(xb, w, cu_seqlens, dy, D, 0, 2048, 1e-6)
+    print("conv_norm: done")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=["time"])
+    parser.add_argument("mode", choices=["time", "cost"])
+    parser.add_argument("--arch", type=int, default=90, help="cost: the target sm_XX")
     parser.add_argument("--shape", default=None, help="BxTxCxN (default 8x2048x3072x4112)")
     parser.add_argument("--head-dim", type=int, default=None, help="default 128 (smoke: 8)")
     parser.add_argument("--smoke", action="store_true", help="tiny, CPU interpreter")
     parser.add_argument("--sweep", action="store_true", help="every launch setting too")
     args = parser.parse_args(argv)
+    if args.mode == "cost":
+        run_cost(args.arch)
+        return 0
     default = "2x40x24x31" if args.smoke else "8x2048x3072x4112"
     head_dim = args.head_dim or (8 if args.smoke else 128)
     run_time(parse_shape(args.shape or default), head_dim, args.smoke, args.sweep)

@@ -114,6 +114,15 @@ SCRIPTS = [
         name="short_conv_cost",
         expect=("short_conv_bwd_kernel {'HAS_STATE': False, 'VARLEN': True}",),
     ),
+    # sm_90 compile of the conv + SiLU + L2 norm op's launches (the backward must not spill)
+    Script(
+        "benchmarks/conv_norm.py",
+        ("cost",),
+        "conv_norm: done",
+        True,
+        name="conv_norm_cost",
+        expect=("conv_silu_l2_bwd_kernel {'BT': 16, 'VARLEN': True}",),
+    ),
     Script("benchmarks/convert_fla_check.py", ("--smoke",), "fla", True),
     Script("benchmarks/smoke_triton.py", ("--smoke",), "smoke_triton: ok", True),
     Script("benchmarks/profile_forward.py", ("--smoke",), "profile_forward: done", True),

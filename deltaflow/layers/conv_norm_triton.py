@@ -43,10 +43,13 @@ __all__ = ["conv_silu_l2", "reference", "usable"]
 
 # Launch settings (module constants so a GPU sweep can set them; read at call time). The
 # channel block is one head group (next power of two of head_dim), fixed by the norm; only
-# the rows per program and the warps are free. Untuned first guesses: the short conv's best
-# forward (16 rows x 128 channels, 4 warps); backward 16 rows, as it holds 2W-1 tiles of x.
+# the rows per program and the warps are free. Untimed first guesses: the forward at the short
+# conv's best (16 rows x 128 channels, 4 warps). The backward holds 2W-1 tiles of x: at 16 rows
+# and 4 warps sm_90's compile spills (255 registers, 32-56 bytes of stack: `benchmarks/
+# conv_norm.py cost`); 8 warps take 132 registers (packed 182), no spill, and keep dw's partials at
+# B * T / 16 rows.
 FWD_BT, FWD_WARPS = 16, 4
-BWD_BT, BWD_WARPS = 16, 4
+BWD_BT, BWD_WARPS = 16, 8
 
 
 if triton is not None:
