@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--conv-launch",
         default=None,
-        help="launch settings of the Triton short conv, e.g. BWD_BT=32,BWD_DW_ROWS=1 "
+        help="launch settings of the Triton short conv, e.g. BWD_BT=32,BWD_TILES=8 "
         "(short_conv_triton.py's constants; benchmarks/short_conv.py time --sweep prints the best)",
     )
     p.add_argument("--skip-deltaflow", action="store_true")

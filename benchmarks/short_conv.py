@@ -82,16 +82,17 @@ def run_time(shape: tuple[int, int, int, int], smoke: bool, sweep: bool = False)
     print("short_conv: done")
 
 
-# (FWD_BT, FWD_BC, FWD_WARPS)
+# The launch settings a sweep sets (short_conv_triton.py's constants) and their values
+FWD_NAMES = ("FWD_BT", "FWD_BC", "FWD_WARPS")
+BWD_NAMES = ("BWD_BT", "BWD_BC", "BWD_WARPS", "BWD_TILES")
 SWEEP_FWD = [(32, 128, 8), (32, 64, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8), (128, 64, 4),
              (128, 64, 8), (16, 128, 4)]  # fmt: skip
-# (BWD_BT, BWD_BC, BWD_WARPS, BWD_TILES, BWD_DW_ROWS): tiles of 1k-4k elements; dw's row sums per
-# tile (False) only with one tile per program, per program (True) with 1 or 8
+# tiles of 1k-4k elements, 1 or 8 row tiles a program
 SWEEP_BWD = [
-    (bt, bc, warps, tiles, rows)
+    (bt, bc, warps, tiles)
     for bt, bc in ((16, 64), (16, 128), (32, 32), (32, 64), (32, 128), (64, 32), (64, 64))
     for warps in (4, 8)
-    for tiles, rows in ((1, False), (8, False), (1, True), (8, True))
+    for tiles in (1, 8)
 ]
 
 
@@ -109,15 +110,12 @@ def run_sweep(x, w, dy, smoke: bool) -> None:
         got = [y.detach(), *torch.autograd.grad(y, (xg, wg), dy)]
         return max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(got, ref))
 
-    saved = {k: getattr(sct, k) for k in ("FWD_BT", "FWD_BC", "FWD_WARPS", "BWD_BT", "BWD_BC",
-                                            "BWD_WARPS", "BWD_TILES", "BWD_DW_ROWS")}  # fmt: skip
+    saved = {k: getattr(sct, k) for k in FWD_NAMES + BWD_NAMES}
     rows = []
     fwd_bwd = lambda: torch.autograd.grad(sct.short_conv(xg, wg), (xg, wg), dy)  # noqa: E731
     for names, settings, fn in (
-        (("FWD_BT", "FWD_BC", "FWD_WARPS"), SWEEP_FWD[: 2 if smoke else None],
-         lambda: sct.short_conv(x, w)),
-        (("BWD_BT", "BWD_BC", "BWD_WARPS", "BWD_TILES", "BWD_DW_ROWS"),
-         SWEEP_BWD[:: 14 if smoke else 1], fwd_bwd),
+        (FWD_NAMES, SWEEP_FWD[: 2 if smoke else None], lambda: sct.short_conv(x, w)),
+        (BWD_NAMES, SWEEP_BWD[:: 7 if smoke else 1], fwd_bwd),
     ):  # fmt: skip
         for values in settings:
             for k, v in saved.items():
@@ -135,12 +133,8 @@ def run_sweep(x, w, dy, smoke: bool) -> None:
         setattr(sct, k, v)
     best = []
     for what, timed, names in (
-        ("FWD", "forward", ("FWD_BT", "FWD_BC", "FWD_WARPS")),
-        (
-            "BWD",
-            "forward + backward",
-            ("BWD_BT", "BWD_BC", "BWD_WARPS", "BWD_TILES", "BWD_DW_ROWS"),
-        ),
+        ("FWD", "forward", FWD_NAMES),
+        ("BWD", "forward + backward", BWD_NAMES),
     ):
         print(f"sweep {what} ({timed}, fastest first):")
         ranked = sorted(r for r in rows if r[1] == what)

@@ -48,10 +48,9 @@ def _check(got: list[torch.Tensor], ref: list[torch.Tensor], dtype: torch.dtype)
         assert rel_err(a, b) <= TOL[dtype], (i, rel_err(a, b))
 
 
-@pytest.mark.parametrize("dw_rows", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("T, W, activation", [(37, 4, "silu"), (1, 4, "silu"), (70, 3, None)])
-def test_against_float64_reference(monkeypatch, dtype, T, W, activation, dw_rows):
+def test_against_float64_reference(monkeypatch, dtype, T, W, activation):
     # Odd lengths and T = 1 (every tap before the sequence), a strided input, W != 4, no
     # activation; outputs and gradients of x and the weight. T = 70 spans three forward tiles
     # of 32 rows and five backward tiles of 16, here two per program: three dw partials, the
@@ -59,7 +58,6 @@ def test_against_float64_reference(monkeypatch, dtype, T, W, activation, dw_rows
     monkeypatch.setattr(sct, "FWD_BT", 32)
     monkeypatch.setattr(sct, "BWD_BT", 16)
     monkeypatch.setattr(sct, "BWD_TILES", 2)
-    monkeypatch.setattr(sct, "BWD_DW_ROWS", dw_rows)  # dw's row sums per tile or per program
     x = _strided(2, T, 20, dtype, seed=T)
     w = torch.randn(20, W, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
 
@@ -72,12 +70,10 @@ def test_against_float64_reference(monkeypatch, dtype, T, W, activation, dw_rows
     _check(_fwd_bwd(fast, x, w), _fwd_bwd(ref, x.double(), w.double()), dtype)
 
 
-@pytest.mark.parametrize("dw_rows", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_varlen_no_leak_across_sequences(monkeypatch, dtype, dw_rows):
+def test_varlen_no_leak_across_sequences(dtype):
     # Empty and one-token sequences, a sequence of exactly one tile, a long one: the packed conv
     # equals the reference, which restarts at every sequence.
-    monkeypatch.setattr(sct, "BWD_DW_ROWS", dw_rows)
     lengths = [0, 1, 5, 0, 32, 1, 40]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
     x = _strided(1, sum(lengths), 12, dtype, seed=3)
@@ -92,12 +88,10 @@ def test_varlen_no_leak_across_sequences(monkeypatch, dtype, dw_rows):
             torch.testing.assert_close(got[0][:, start:end].detach(), alone)
 
 
-@pytest.mark.parametrize("dw_rows", [False, True])
 @pytest.mark.parametrize("T", [1, 2, 37])
-def test_initial_state_and_its_gradient(monkeypatch, T, dw_rows):
+def test_initial_state_and_its_gradient(T):
     # The decoding window [B, C, W-1] instead of zeros, against cat + conv1d in float64 (what
     # ShortConvolution.forward computes with a state); the state gets its gradient too.
-    monkeypatch.setattr(sct, "BWD_DW_ROWS", dw_rows)
     B, C, W = 2, 9, 4
     x = _strided(B, T, C, torch.float32, seed=T)
     w = torch.randn(C, W, generator=torch.Generator().manual_seed(5)).to(DEVICE)

@@ -48,10 +48,6 @@ BWD_BT, BWD_BC, BWD_WARPS = 32, 32, 4
 # Row tiles per backward program: each program writes one float32 [BC, W] partial of dw, so
 # more tiles per program means a smaller partial buffer (B * T / (BWD_BT * BWD_TILES) rows).
 BWD_TILES = 1
-# dw's row sums: False, one cross-warp reduction per tile and tap; True, dz * x accumulated per
-# tap in a [BT, BC, W] register tile over the program's tiles and reduced once at its end (the
-# sweep: no better, 0.76 ms at best).
-BWD_DW_ROWS = False
 # Input dtypes the kernels take (float64 stays on the torch reference).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -236,7 +232,6 @@ if triton is not None:
         SILU: tl.constexpr,
         HAS_STATE: tl.constexpr,
         VARLEN: tl.constexpr,
-        DW_ROWS: tl.constexpr,
     ):
         """dx (contiguous [B, T, C]), the state's gradient (contiguous [B, C, W-1], from the
         extra first tile of rows [-BT, 0) when HAS_STATE) and one float32 partial of dw per
@@ -247,7 +242,6 @@ if triton is not None:
         cmask = c < C
         taps = tl.arange(0, WP)
         dw = tl.zeros((BC, WP), dtype=tl.float32)
-        dw_rows = tl.zeros((BT if DW_ROWS else 1, BC if DW_ROWS else 1, WP), dtype=tl.float32)
         for tile in range(0, tl.minimum(TILES, n_tiles - i_p * TILES)):  # none past the end
             t = ((i_p * TILES + tile) - HAS_STATE) * BT + tl.arange(0, BT)
             # x at rows t-(W-1) .. t+W-1, each of these 2W-1 shifts loaded once: xs[i] is row
@@ -282,13 +276,8 @@ if triton is not None:
                         xv = xs[j]
                         if VARLEN:
                             xv = tl.where((p >= W - 1 - j)[:, None], xv, 0.0)
-                        if DW_ROWS:  # rows summed once, after the last tile
-                            dw_rows += tl.where(
-                                taps[None, None, :] == j, (dz * xv)[:, :, None], 0.0
-                            )
-                        else:
-                            col = tl.sum(dz * xv, axis=0)
-                            dw += tl.where(taps[None, :] == j, col[:, None], 0.0)
+                        col = tl.sum(dz * xv, axis=0)
+                        dw += tl.where(taps[None, :] == j, col[:, None], 0.0)
                 # Row r belongs to t's sequence when it is s or more tokens into it (packed) or
                 # always (one sequence per batch row; rows t < 0 are the initial state's).
                 if VARLEN:
@@ -306,8 +295,6 @@ if triton is not None:
                 ds_offs = (b.to(tl.int64) * C + c[None, :]) * (W - 1) + slot[:, None]
                 ds_mask = cmask[None, :] & ((t < 0) & (slot >= 0))[:, None]
                 tl.store(ds_ptr + ds_offs, dx.to(ds_ptr.dtype.element_ty), mask=ds_mask)
-        if DW_ROWS:
-            dw = tl.sum(dw_rows, axis=0)
         part = (b.to(tl.int64) * n_programs_t + i_p) * C
         dw_offs = (part + c[:, None]) * W + taps[None, :]
         tl.store(dw_ptr + dw_offs, dw, mask=cmask[:, None] & (taps < W)[None, :])
@@ -417,7 +404,6 @@ def _backward(
         SILU=silu,
         HAS_STATE=state is not None,
         VARLEN=pos is not None,
-        DW_ROWS=BWD_DW_ROWS,
         num_warps=BWD_WARPS,
     )
     return dx, partial.sum(0).to(weight.dtype), ds
