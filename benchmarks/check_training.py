@@ -504,6 +504,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the short conv on its Triton kernels (conv.TRITON_SHORT_CONV; default: as set there)",
     )
+    p.add_argument(
+        "--triton-conv-norm",
+        choices=["on", "off"],
+        default=None,
+        help="conv + SiLU + q/k L2 norms as one Triton op (conv.TRITON_CONV_NORM; default: as "
+        "set there)",
+    )
     p.add_argument("--lm-data", default=None, help="corpus folder for the loss-curve check")
     p.add_argument("--lm-tokenizer", default=None, help="GPT-2 .tiktoken (default: bytes)")
     p.add_argument("--lm-steps", type=int, default=None, help="default 200 (smoke: 3)")
@@ -548,6 +555,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.triton_conv is not None:  # workers get the flag too (args.forwarded)
         conv.TRITON_SHORT_CONV = args.triton_conv == "on"
+    if args.triton_conv_norm is not None:
+        conv.TRITON_CONV_NORM = args.triton_conv_norm == "on"
     dev = torch.device(device(args.smoke))
     out = Path(args.out) if args.unit else output_dir(args.out, args.smoke)
     name = re.sub("[^A-Za-z0-9]+", "_", device_name(dev.type)).strip("_")
@@ -569,6 +578,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "compile_backend": args.compile_backend,
         "triton_short_conv": conv.TRITON_SHORT_CONV,
+        "triton_conv_norm": conv.TRITON_CONV_NORM,
         "tolerances": {
             "fp32_compiled_vs_eager": FP32_TOL,
             "half_ratio": HALF_RATIO,

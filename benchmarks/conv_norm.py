@@ -118,6 +118,7 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
     def fwd_bwd():
         return torch.autograd.grad(cn.conv_silu_l2(xg, wg, **args), (xg, wg), dy)
 
+    best = []
     for what, keys, settings, fn in (
         ("FWD", names[:2], SWEEP_FWD[: 2 if smoke else None],
          lambda: cn.conv_silu_l2(x, w, **args)),
@@ -139,8 +140,13 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
         print(f"sweep {what} {keys} (fastest first):")
         for ms, values, note in sorted(rows):
             print(f"  {values}: {ms:8.3f} ms  {note}")
+        ms, values, _ = min(rows)
+        if ms < float("inf"):
+            best += [f"conv_norm_triton.{k}={v}" for k, v in zip(keys, values)]
     for k, v in saved.items():
         setattr(cn, k, v)
+    # for model_training.py --conv-launch (the call script passes it on)
+    print(f"best launch: {','.join(best)}")
 
 
 def run_cost(arch: int) -> None:

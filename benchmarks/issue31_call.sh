@@ -15,9 +15,12 @@
 # its Triton autotuner reads them instead of timing every configuration again; this call writes
 # its own as fla_autotune.tgz), CHECK=0 (no check_training), FLA_WARM=0 (no fla warm-up: with
 # FLA_AUTOTUNE, fla's timed run compiles its tuned kernels in its own warm-up steps),
-# SHORT_CONV_ARGS (default "time"; "time --sweep" also sweeps the launch settings, and the
-# fastest then go to our timed runs through --conv-launch), LM_LOSS=1 (benchmarks/lm_loss.py,
-# liger's wheel from .whl/). PACK=FILE: everything also packed into FILE (a device call brings
+# SHORT_CONV_ARGS (default "time", "" = skip; "time --sweep" also sweeps the launch settings,
+# and the fastest then go to our timed runs through --conv-launch), CONV_NORM_ARGS (the same for
+# benchmarks/conv_norm.py, default "" = skip), TRAIN_VARIANTS (";"-separated sets of flags each
+# timed as a run of its own after the first, e.g. ";--checkpoint mixer,mlp,mixer_inputs": the
+# first set empty = TRAIN_EXTRA alone; variant i > 1 writes under vi/), LM_LOSS=1
+# (benchmarks/lm_loss.py, liger's wheel from .whl/). PACK=FILE: everything also packed into FILE (a device call brings
 # back at most 8 files).
 # Exit status: 0 when every step exited 0 (check_training exits 1 when an entry fails).
 # If check_training passes, flip CUDA_BLOCKS_VERIFIED in deltaflow/models/compile.py.
@@ -152,18 +155,32 @@ limit() {  # LIMIT: the smaller of LIMIT and what is left until DEADLINE (at lea
 FLA_OK=""
 grep -q "^fla_install: exit 0 " "$SUMMARY" && FLA_OK=1
 # the short conv's kernels alone against the compiled tap sum (seconds; a sweep ~2 minutes)
-read -r -a SHORT_CONV_ARGS <<< "${SHORT_CONV_ARGS:-time}"
-step short_conv "$(limit 240)" "" python3 benchmarks/short_conv.py "${SHORT_CONV_ARGS[@]}" $SMOKE
-LAUNCH=$(sed -n 's/^best launch: //p' "$OUT_DIR/short_conv.log")
-[ -n "$LAUNCH" ] && TRAIN_EXTRA+=(--conv-launch "$LAUNCH")
+# and the conv + SiLU + norm op (conv_norm); the fastest launch settings of a sweep go on
+LAUNCH=()
+for bench in "short_conv:${SHORT_CONV_ARGS-time}" "conv_norm:${CONV_NORM_ARGS:-}"; do
+  name=${bench%%:*}
+  read -r -a BENCH_ARGS <<< "${bench#*:}"
+  [ ${#BENCH_ARGS[@]} -eq 0 ] && continue
+  step "$name" "$(limit 240)" "" python3 "benchmarks/$name.py" "${BENCH_ARGS[@]}" $SMOKE
+  best=$(sed -n 's/^best launch: //p' "$OUT_DIR/$name.log")
+  [ -n "$best" ] && LAUNCH+=("$best")
+done
+[ ${#LAUNCH[@]} -gt 0 ] && TRAIN_EXTRA+=(--conv-launch "$(IFS=,; echo "${LAUNCH[*]}")")
+IFS=';' read -r -a VARIANTS <<< "${TRAIN_VARIANTS:-}"
+[ ${#VARIANTS[@]} -eq 0 ] && VARIANTS=("")
 if [ "${LM_LOSS:-0}" != 0 ]; then  # the LM loss: ours against liger's fused linear CE
   step lm_loss "$(limit 120)" "" python3 benchmarks/lm_loss.py $SMOKE
 fi
 for shape in "${SHAPES[@]}"; do
   read -r B T <<< "$shape"
-  step "train_B${B}_T${T}" "$(limit $L_TRAIN)" "" python3 benchmarks/model_training.py \
-    --compile blocks --trainer --skip-fla --batch "$B" --seq "$T" "${TRAIN_ARGS[@]}" \
-    ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"} --out "$OUT_DIR"
+  for i in "${!VARIANTS[@]}"; do
+    read -r -a VARIANT <<< "${VARIANTS[$i]}"
+    suffix="" dir="$OUT_DIR"
+    [ "$i" -gt 0 ] && suffix="_v$((i + 1))" dir="$OUT_DIR/v$((i + 1))"
+    step "train_B${B}_T${T}$suffix" "$(limit $L_TRAIN)" "" python3 benchmarks/model_training.py \
+      --compile blocks --trainer --skip-fla --batch "$B" --seq "$T" "${TRAIN_ARGS[@]}" \
+      ${TRAIN_EXTRA[@]+"${TRAIN_EXTRA[@]}"} ${VARIANT[@]+"${VARIANT[@]}"} --out "$dir"
+  done
   if [ -n "$FLA_OK" ]; then
     PYTHONPATH=/tmp/site:$PYTHONPATH TRITON_CACHE_DIR=$FLA_CACHE \
       step "fla_B${B}_T${T}" "$(limit $L_FLA_TIMED)" "" \
@@ -181,14 +198,15 @@ python3 - "$OUT_DIR" << 'PY' | tee -a "$SUMMARY"
 import json, pathlib, sys
 
 out = pathlib.Path(sys.argv[1])
-for path in sorted(out.glob("model_training_*.json")):
+ours = sorted(out.glob("model_training_*.json")) + sorted(out.glob("v*/model_training_*.json"))
+for path in ours:
     fla_path = out / "fla" / path.name
     fla = json.loads(fla_path.read_text())["results"].get("fla", {}) if fla_path.exists() else {}
     runs = {**json.loads(path.read_text())["results"], "fla": fla}
     for name, r in runs.items():
         if "tokens_per_s" not in r:
             continue
-        line = f"{path.stem} {name}: {r['tokens_per_s'] / 1e3:.1f}k tok/s, peak {r['peak_memory_gb']} GB"
+        line = f"{path.relative_to(out).with_suffix('')} {name}: {r['tokens_per_s'] / 1e3:.1f}k tok/s, peak {r['peak_memory_gb']} GB"
         if name != "fla" and "tokens_per_s" in fla:
             line += f", {r['tokens_per_s'] / fla['tokens_per_s']:.2f}x fla's tokens/s"
             if r["peak_memory_gb"] is not None:

@@ -506,8 +506,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--conv-launch",
         default=None,
-        help="launch settings of the Triton short conv, e.g. BWD_BT=32,BWD_TILES=8 "
-        "(short_conv_triton.py's constants; benchmarks/short_conv.py time --sweep prints the best)",
+        help="launch settings of the Triton conv ops, e.g. short_conv_triton.BWD_BT=32,"
+        "conv_norm_triton.FWD_WARPS=8 (the modules' constants; benchmarks/short_conv.py and "
+        "conv_norm.py time --sweep print the best)",
     )
     p.add_argument("--skip-deltaflow", action="store_true")
     p.add_argument(
@@ -536,13 +537,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.dtype is None:
         args.dtype = "fp32" if args.device == "cpu" else "bf16"
     if args.conv_launch:
-        from deltaflow.layers import short_conv_triton
+        from deltaflow.layers import conv_norm_triton, short_conv_triton
 
+        modules = {m.__name__.rsplit(".", 1)[1]: m for m in (short_conv_triton, conv_norm_triton)}
         for item in args.conv_launch.split(","):
-            name, _, value = item.partition("=")
-            if not hasattr(short_conv_triton, name) or not value.isdigit():
-                p.error(f"--conv-launch: {item!r} is not NAME=INT of short_conv_triton.py")
-            setattr(short_conv_triton, name, type(getattr(short_conv_triton, name))(int(value)))
+            target, _, value = item.partition("=")
+            module, _, name = target.partition(".")
+            if module not in modules or not hasattr(modules[module], name) or not value.isdigit():
+                p.error(f"--conv-launch: {item!r} is not MODULE.NAME=INT, MODULE one of "
+                        f"{sorted(modules)}")  # fmt: skip
+            setattr(modules[module], name, type(getattr(modules[module], name))(int(value)))
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None:
@@ -624,6 +628,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "warmup": args.warmup,
         "architecture": arch,
         "conv_launch": args.conv_launch,
+        "checkpoint": args.checkpoint,
         "lm_loss": lm_loss_backend(device),
         "fla_loss": "fuse_linear_cross_entropy" if args.fla_linear_ce else "fuse_cross_entropy",
         "results": results,

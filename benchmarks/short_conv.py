@@ -141,7 +141,7 @@ def run_sweep(x, w, dy, smoke: bool) -> None:
         for ms, _, values, note in ranked:
             print(f"  {values}: {ms:8.3f} ms  {note}")
         if ranked and ranked[0][0] < float("inf"):
-            best += [f"{k}={int(v)}" for k, v in zip(names, ranked[0][2])]
+            best += [f"short_conv_triton.{k}={int(v)}" for k, v in zip(names, ranked[0][2])]
     # for model_training.py --conv-launch (the call script passes it on)
     print(f"best launch: {','.join(best)}")
 
