@@ -12,7 +12,7 @@ Triton op and of the torch path it replaces (causal_conv_taps + SiLU + l2_normal
 groups, compiled by torch.compile: what the compiled layer runs with the switch off), median ms,
 and each one's ratio to the bytes floor (forward: read x, write y; forward + backward: that and
 read x, dy, write dx) at the measured copy bandwidth; plus the op's error against the float32
-reference. ``--sweep``: then the launch settings of ``SWEEP_FWD`` / ``SWEEP_BWD`` (the module
+reference. ``--sweep``: then the launch settings of ``SWEEPS`` (the module
 constants of conv_norm_triton.py), each checked and timed, fastest first. ``cost`` (CPU, no GPU
 needed): every kernel specialization the training step launches (plain and packed, bf16 and
 float32 weight) at the current launch settings, compiled for sm_90 by the Triton first on the
@@ -39,9 +39,21 @@ import torch  # noqa: E402
 
 from deltaflow.layers import conv_norm_triton as cn  # noqa: E402
 
-# (FWD_BT, FWD_WARPS) and (BWD_BT, BWD_WARPS): the channel block is one head group
-SWEEP_FWD = [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]
-SWEEP_BWD = [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (32, 8)]
+# The launch settings a sweep sets (conv_norm_triton.py's constants) and their values: the
+# forward's and the backward's dz kernel take one head group of channels a program, the dx
+# kernel any channel block. Each group is swept with the others at their defaults.
+SWEEPS = {
+    ("FWD_BT", "FWD_WARPS"): [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)],
+    ("BWD_BT", "BWD_WARPS"): [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)],
+    ("DX_BT", "DX_BC", "DX_WARPS"): [
+        (16, 128, 4),
+        (32, 128, 4),
+        (32, 64, 4),
+        (64, 64, 4),
+        (64, 128, 8),
+        (32, 256, 8),
+    ],  # fmt: skip
+}
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
@@ -112,20 +124,17 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
         got = [y.detach(), *torch.autograd.grad(y, (xg, wg), dy)]
         return max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(got, ref))
 
-    names = ("FWD_BT", "FWD_WARPS", "BWD_BT", "BWD_WARPS")
-    saved = {k: getattr(cn, k) for k in names}
+    original = {k: getattr(cn, k) for keys in SWEEPS for k in keys}
+    saved = dict(original)  # each group swept with the groups before it at their fastest
 
     def fwd_bwd():
         return torch.autograd.grad(cn.conv_silu_l2(xg, wg, **args), (xg, wg), dy)
 
     best = []
-    for what, keys, settings, fn in (
-        ("FWD", names[:2], SWEEP_FWD[: 2 if smoke else None],
-         lambda: cn.conv_silu_l2(x, w, **args)),
-        ("BWD", names[2:], SWEEP_BWD[: 2 if smoke else None], fwd_bwd),
-    ):  # fmt: skip
+    for keys, settings in SWEEPS.items():
+        fn = (lambda: cn.conv_silu_l2(x, w, **args)) if keys[0] == "FWD_BT" else fwd_bwd
         rows = []
-        for values in settings:
+        for values in settings[: 2 if smoke else None]:
             for k, v in saved.items():
                 setattr(cn, k, v)
             for k, v in zip(keys, values):
@@ -137,13 +146,15 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
                 rows.append((float("inf"), values, f"failed: {str(e)[:60]}"))
                 continue
             rows.append((ms, values, f"error {err:.1e}"))
-        print(f"sweep {what} {keys} (fastest first):")
+        timed = "forward" if keys[0] == "FWD_BT" else "forward + backward"
+        print(f"sweep {keys} ({timed}, fastest first):")
         for ms, values, note in sorted(rows):
             print(f"  {values}: {ms:8.3f} ms  {note}")
         ms, values, _ = min(rows)
         if ms < float("inf"):
             best += [f"conv_norm_triton.{k}={v}" for k, v in zip(keys, values)]
-    for k, v in saved.items():
+            saved.update(zip(keys, values))
+    for k, v in original.items():
         setattr(cn, k, v)
     # for model_training.py --conv-launch (the call script passes it on)
     print(f"best launch: {','.join(best)}")

@@ -19,7 +19,8 @@
 # and the fastest then go to our timed runs through --conv-launch), CONV_NORM_ARGS (the same for
 # benchmarks/conv_norm.py, default "" = skip), TRAIN_VARIANTS (";"-separated sets of flags each
 # timed as a run of its own after the first, e.g. ";--checkpoint mixer,mlp,mixer_inputs": the
-# first set empty = TRAIN_EXTRA alone; variant i > 1 writes under vi/), LM_LOSS=1
+# first set empty = TRAIN_EXTRA alone; variant i > 1 writes under vi/), STEPS (timed steps of
+# every model, default 10), LM_LOSS=1
 # (benchmarks/lm_loss.py, liger's wheel from .whl/). PACK=FILE: everything also packed into FILE (a device call brings
 # back at most 8 files).
 # Exit status: 0 when every step exited 0 (check_training exits 1 when an entry fails).
@@ -93,7 +94,9 @@ else
   CHECK_ARGS=(--jobs 10 ${LM[@]+"${LM[@]}"})
   [ ${#LM[@]} -eq 0 ] && echo "issue31_call: no shared/corpus: gradients only" | tee -a "$SUMMARY"
   IFS=';' read -r -a SHAPES <<< "${SHAPES:-8 2048;2 8192}"
-  TRAIN_ARGS=(--steps 10 --warmup 2)
+  # timed steps of every model (ours and fla's): their medians are compared; one step's time
+  # varies 10-20% on these machines (benchmarks/NOTES.md, session 16), so more than 10
+  TRAIN_ARGS=(--steps "${STEPS:-10}" --warmup 2)
 fi
 DEFAULT_EXTRA="--triton-conv both --top 60"
 [ -n "$SMOKE" ] && DEFAULT_EXTRA=""  # CI's minutes: one conv variant at toy size
@@ -102,6 +105,13 @@ read -r -a CHECK_EXTRA <<< "${CHECK_EXTRA:-}"
 CHECK_ARGS+=(${CHECK_EXTRA[@]+"${CHECK_EXTRA[@]}"})
 
 START=$SECONDS
+# the GPU's clocks, power and temperature every half second while the call runs (a slow step
+# with a lower clock is the card, not the code)
+if [ -z "$SMOKE" ] && command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active \
+    --format=csv -lms 500 > "$OUT_DIR/gpu_clocks.csv" 2>&1 &
+  CLOCKS_PID=$!
+fi
 # step NAME LIMIT CPUS COMMAND...: COMMAND under `timeout` pinned to CPUS ("" = any core), log in
 # NAME.log, exit status, start and seconds in summary.txt. Returns the command's exit status.
 step() {
@@ -189,6 +199,7 @@ for shape in "${SHAPES[@]}"; do
   fi
 done
 
+[ -n "${CLOCKS_PID:-}" ] && kill "$CLOCKS_PID" 2> /dev/null
 FAILED=$(grep -c -v ": exit 0 in \|nothing pinned\|gradients only\|^fla autotune: \|^liger: " "$SUMMARY")
 echo "issue31_call: $((SECONDS - START)) s in all, $FAILED step(s) failed; results in $OUT_DIR" \
   | tee -a "$SUMMARY"

@@ -58,6 +58,8 @@ def _check(got: list[torch.Tensor], ref: list[torch.Tensor], dtype: torch.dtype)
 def test_against_float64_reference(monkeypatch, dtype, T, W, D, C, begin, end):
     monkeypatch.setattr(cn, "FWD_BT", 32)
     monkeypatch.setattr(cn, "BWD_BT", 16)
+    monkeypatch.setattr(cn, "DX_BT", 8)  # several dx tiles and channel blocks, a partial one
+    monkeypatch.setattr(cn, "DX_BC", 16)
     x = _strided(2, T, C, dtype, seed=T)
     w = torch.randn(C, W, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     args = dict(head_dim=D, norm_begin=begin, norm_end=end)

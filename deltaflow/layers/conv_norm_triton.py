@@ -12,12 +12,15 @@ This op takes the norms with it. One program covers BT rows of ONE head group (i
 padded to a power of two), so the norm's row reduction stays in registers; the conv reuses the
 short conv's helpers (strided reads of the projection in place, packed sequences by position).
 
-Backward recomputes everything from x (nothing saved but x and the weight, as the short conv's
-backward does): for the rows t of its tile it needs dz at t .. t+W-1, so at each of those W
-shifts it recomputes z, u = silu(z), the group's norm n and y = u / n, then
-du = (dy - y <dy, y>) / n (the L2 norm's backward, as deltaflow.layers.norm's), dz = du silu'(z);
-dx[t] = sum_s w[W-1-s] dz[t+s], and dw from one float32 partial per program summed after the
-launch (deterministic, no atomics). No initial conv state: decoding keeps the op-by-op path.
+Backward, two kernels, recomputing from x (nothing saved but x and the weight, as the short
+conv's backward does). The first takes BT rows of one head group: z (from the W taps of x it
+reads once), u = silu(z), the group's norm n and y = u / n, then du = (dy - y <dy, y>) / n (the
+L2 norm's backward, as deltaflow.layers.norm's) and dz = du silu'(z), written out in x's dtype
+(as eager autograd rounds it), and dw's float32 partial from the same taps (one per program,
+summed after the launch: deterministic, no atomics). The second is the conv's transpose,
+dx[t] = sum_s w[W-1-s] dz[t+s] within t's sequence. (The first form did both in one kernel by
+recomputing z at each of the W shifts dx needs: 10x its bytes floor on the H100.) No initial
+conv state: decoding keeps the op-by-op path.
 
 The switch that routes the layer here is ``deltaflow.layers.conv.TRITON_CONV_NORM`` (off);
 the torch reference is :func:`reference`. Prediction: benchmarks/NOTES.md, "Issue 31,
@@ -42,20 +45,19 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 __all__ = ["conv_silu_l2", "reference", "usable"]
 
 # Launch settings (module constants so a GPU sweep can set them; read at call time). The
-# channel block is one head group (next power of two of head_dim), fixed by the norm; only
-# the rows per program and the warps are free. Untimed first guesses: the forward at the short
-# conv's best (16 rows x 128 channels, 4 warps). The backward holds 2W-1 tiles of x: at 16 rows
-# and 4 warps sm_90's compile spills (255 registers, 32-56 bytes of stack: `benchmarks/
-# conv_norm.py cost`); 8 warps take 132 registers (packed 182), no spill, and keep dw's partials at
-# B * T / 16 rows.
+# channel block of the forward and of the backward's first kernel is one head group (next power
+# of two of head_dim), fixed by the norm; only the rows per program and the warps are free. The
+# forward's: the H100 sweep's fastest (session 16: 0.098 ms at 8 x 2048 x 3072, 1.44x its bytes
+# floor). The backward's: untimed first guesses (its first form, one kernel recomputing z at W
+# shifts, took 0.96 ms a layer in the model: 10x its floor).
 FWD_BT, FWD_WARPS = 16, 4
-BWD_BT, BWD_WARPS = 16, 8
-
+BWD_BT, BWD_WARPS = 32, 8  # dz + dw partials, one head group
+DX_BT, DX_BC, DX_WARPS = 32, 128, 4  # dx, the conv's transpose over dz
 
 if triton is not None:
     # the short conv's jitted helpers exist only where Triton does (the layer imports this
     # module unconditionally, so a machine without Triton must still import it)
-    from deltaflow.layers.short_conv_triton import _preactivation, _rows
+    from deltaflow.layers.short_conv_triton import _preactivation
 
     @triton.jit
     def _norm_scale(u, normed, eps):
@@ -98,12 +100,12 @@ if triton is not None:
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=(r < T)[:, None] & cmask[None, :])
 
     @triton.jit
-    def conv_silu_l2_bwd_kernel(
+    def conv_silu_l2_dz_kernel(
         x_ptr,
         w_ptr,
         pos_ptr,
         dy_ptr,
-        dx_ptr,
+        dz_ptr,
         dw_ptr,
         T,
         C,
@@ -124,68 +126,88 @@ if triton is not None:
         DP: tl.constexpr,
         VARLEN: tl.constexpr,
     ):
-        """dx (contiguous [B, T, C]) for BT rows of head group i_g, and this program's float32
-        partial of dw (``dw_ptr``: [B * n_t, C, W])."""
+        """dz (the gradient of the conv's output, contiguous [B, T, C]) for BT rows of head group
+        i_g, and this program's float32 partial of dw (``dw_ptr``: [B * n_t, C, W]). Each row's
+        z, u and norm are recomputed once, from the W taps of x it reads."""
         i_t, i_g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         t = i_t * BT + tl.arange(0, BT)
         d = tl.arange(0, DP)
         c = i_g * D + d
         cmask = (d < D) & (c < C)
+        in_t = t < T
         normed = (i_g * D >= norm_begin) & (i_g * D < norm_end)
-        taps = tl.arange(0, WP)
-        # x at rows t-(W-1) .. t+W-1, each shift loaded once: xs[i] is row t + i - (W-1), so z
-        # at row t+s takes tap j from xs[s + j] (the short conv's backward scheme).
+        if VARLEN:
+            p = tl.load(pos_ptr + t, mask=in_t, other=0)
+        x_b = x_ptr + b.to(tl.int64) * sx_b
+        # xs[j] = x[t - (W-1-j)] (zero before the sequence): z's taps, and dw's
         xs = ()
-        for i in tl.static_range(2 * W - 1):
-            xs = xs + (_rows(x_ptr, x_ptr, b, t + i - (W - 1), c, T, sx_b, sx_t, sx_c,
-                             0, 0, 0, cmask, W, False),)  # fmt: skip
-        dx = tl.zeros((BT, DP), dtype=tl.float32)
-        dw = tl.zeros((DP, WP), dtype=tl.float32)
-        for s in tl.static_range(W):  # dz at rows t + s feeds dx[t] through tap W-1-s
-            r = t + s
-            in_t = (r >= 0) & (r < T)
-            if VARLEN:  # a tap reaching before r's sequence start reads zero
-                p = tl.load(pos_ptr + r, mask=in_t, other=0)
-            z = tl.zeros((BT, DP), dtype=tl.float32)
-            for j in tl.static_range(W):
-                w_j = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
-                xv = xs[s + j]
-                if VARLEN:
-                    xv = tl.where((p >= W - 1 - j)[:, None], xv, 0.0)
-                z += w_j[None, :] * xv
-            sig = tl.sigmoid(z)
-            u = z * sig
-            rn = _norm_scale(u, normed, eps)
-            dy_offs = b.to(tl.int64) * sdy_b + r.to(tl.int64)[:, None] * sdy_t
-            dy_offs += c[None, :] * sdy_c
-            dz_mask = in_t[:, None] & cmask[None, :]
-            g = tl.load(dy_ptr + dy_offs, mask=dz_mask, other=0.0).to(tl.float32)
-            # L2 norm's backward, y = u rn: du = rn (dy - y <dy, y>) (rn = 1, no dot: not normed)
-            y = u * rn[:, None]
-            dot = tl.where(normed, tl.sum(g * y, axis=1), 0.0)
-            du = rn[:, None] * (g - y * dot[:, None])
-            dz = du * sig * (1.0 + z * (1.0 - sig))
-            dz = tl.where(dz_mask, dz, 0.0)  # rows past T: z there is never needed
-            if s == 0:  # dw[c, j] += sum over this tile's rows of dz[t] x[t - (W-1-j)]
-                for j in tl.static_range(W):
-                    xv = xs[j]
-                    if VARLEN:
-                        xv = tl.where((p >= W - 1 - j)[:, None], xv, 0.0)
-                    col = tl.sum(dz * xv, axis=0)
-                    dw += tl.where(taps[None, :] == j, col[:, None], 0.0)
-            # Row r is in t's sequence when it is s or more tokens into it (packed) or always.
+        z = tl.zeros((BT, DP), dtype=tl.float32)
+        for j in tl.static_range(W):
+            rows = t - (W - 1 - j)
+            ok = in_t & (rows >= 0)
             if VARLEN:
-                same = in_t & (p >= s)
-            else:
-                same = in_t
-            w_s = tl.load(w_ptr + c * W + (W - 1 - s), mask=cmask, other=0.0).to(tl.float32)
-            dx += tl.where(same[:, None], dz, 0.0) * w_s[None, :]
-        dx_offs = (b.to(tl.int64) * T + t.to(tl.int64)[:, None]) * C + c[None, :]
-        tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty),
-                 mask=cmask[None, :] & (t < T)[:, None])  # fmt: skip
+                ok = ok & (p >= W - 1 - j)
+            offs = rows.to(tl.int64)[:, None] * sx_t + c[None, :] * sx_c
+            xv = tl.load(x_b + offs, mask=ok[:, None] & cmask[None, :], other=0.0)
+            xs = xs + (xv.to(tl.float32),)
+            w_j = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
+            z += w_j[None, :] * xs[j]
+        sig = tl.sigmoid(z)
+        u = z * sig
+        rn = _norm_scale(u, normed, eps)
+        mask = in_t[:, None] & cmask[None, :]
+        dy_offs = b.to(tl.int64) * sdy_b + t.to(tl.int64)[:, None] * sdy_t + c[None, :] * sdy_c
+        g = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+        # L2 norm's backward, y = u rn: du = rn (dy - y <dy, y>) (rn = 1, no dot: not normed)
+        y = u * rn[:, None]
+        dot = tl.where(normed, tl.sum(g * y, axis=1), 0.0)
+        du = rn[:, None] * (g - y * dot[:, None])
+        dz = tl.where(mask, du * sig * (1.0 + z * (1.0 - sig)), 0.0)
+        dz_offs = (b.to(tl.int64) * T + t.to(tl.int64)[:, None]) * C + c[None, :]
+        tl.store(dz_ptr + dz_offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+        # dw[c, j] = sum over this tile's rows of dz[t] x[t - (W-1-j)] (from float32 dz)
+        taps = tl.arange(0, WP)
+        dw = tl.zeros((DP, WP), dtype=tl.float32)
+        for j in tl.static_range(W):
+            col = tl.sum(dz * xs[j], axis=0)
+            dw += tl.where(taps[None, :] == j, col[:, None], 0.0)
         part = (b.to(tl.int64) * n_t + i_t) * C
         dw_offs = (part + c[:, None]) * W + taps[None, :]
         tl.store(dw_ptr + dw_offs, dw, mask=cmask[:, None] & (taps < W)[None, :])
+
+    @triton.jit
+    def conv_dx_kernel(
+        dz_ptr,
+        w_ptr,
+        pos_ptr,
+        dx_ptr,
+        T,
+        C,
+        W: tl.constexpr,
+        BT: tl.constexpr,
+        BC: tl.constexpr,
+        VARLEN: tl.constexpr,
+    ):
+        """dx[t] = sum_s w[W-1-s] dz[t+s] over the rows t+s of t's sequence (the causal conv's
+        transpose), BT rows x BC channels of batch row b; dz and dx contiguous [B, T, C]."""
+        i_t, i_c, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        t = i_t * BT + tl.arange(0, BT)
+        c = i_c * BC + tl.arange(0, BC)
+        cmask = c < C
+        base = b.to(tl.int64) * T * C
+        dx = tl.zeros((BT, BC), dtype=tl.float32)
+        for s in tl.static_range(W):
+            r = t + s
+            same = r < T
+            if VARLEN:  # row r is in t's sequence when it is s or more tokens into it
+                same = same & (tl.load(pos_ptr + r, mask=same, other=0) >= s)
+            offs = base + r.to(tl.int64)[:, None] * C + c[None, :]
+            g = tl.load(dz_ptr + offs, mask=same[:, None] & cmask[None, :], other=0.0)
+            w_s = tl.load(w_ptr + c * W + (W - 1 - s), mask=cmask, other=0.0).to(tl.float32)
+            dx += g.to(tl.float32) * w_s[None, :]
+        offs = base + t.to(tl.int64)[:, None] * C + c[None, :]
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty),
+                 mask=(t < T)[:, None] & cmask[None, :])  # fmt: skip
 
 
 def _forward(
@@ -243,16 +265,18 @@ def _backward(
     if B * T * C == 0:
         return dx, torch.zeros_like(weight)
     pos = _positions(cu_seqlens, T, x.device)
+    w = weight.contiguous()
     n_t = triton.cdiv(T, BWD_BT)
     partial = torch.empty(B * n_t, C, W, device=x.device, dtype=torch.float32)
+    dz = torch.empty(B, T, C, device=x.device, dtype=x.dtype)  # as eager autograd rounds it
     sx_b, sx_t, sx_c = x.stride()
     sdy_b, sdy_t, sdy_c = grad_y.stride()
-    conv_silu_l2_bwd_kernel[(n_t, triton.cdiv(C, head_dim), B)](
+    conv_silu_l2_dz_kernel[(n_t, triton.cdiv(C, head_dim), B)](
         x_ptr=x,
-        w_ptr=weight.contiguous(),
+        w_ptr=w,
         pos_ptr=x if pos is None else pos,
         dy_ptr=grad_y,
-        dx_ptr=dx,
+        dz_ptr=dz,
         dw_ptr=partial,
         T=T,
         C=C,
@@ -273,6 +297,19 @@ def _backward(
         DP=triton.next_power_of_2(head_dim),
         VARLEN=pos is not None,
         num_warps=BWD_WARPS,
+    )
+    conv_dx_kernel[(triton.cdiv(T, DX_BT), triton.cdiv(C, DX_BC), B)](
+        dz_ptr=dz,
+        w_ptr=w,
+        pos_ptr=x if pos is None else pos,
+        dx_ptr=dx,
+        T=T,
+        C=C,
+        W=W,
+        BT=DX_BT,
+        BC=DX_BC,
+        VARLEN=pos is not None,
+        num_warps=DX_WARPS,
     )
     return dx, partial.sum(0).to(weight.dtype)
 
