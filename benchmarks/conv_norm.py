@@ -41,10 +41,19 @@ from deltaflow.layers import conv_norm_triton as cn  # noqa: E402
 
 # The launch settings a sweep sets (conv_norm_triton.py's constants) and their values: the
 # forward's and the backward's dz kernel take one head group of channels a program, the dx
-# kernel any channel block. Each group is swept with the others at their defaults.
+# kernel any channel block. Each group is swept with the groups before it at their fastest.
 SWEEPS = {
     ("FWD_BT", "FWD_WARPS"): [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)],
-    ("BWD_BT", "BWD_WARPS"): [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)],
+    ("BWD_BT", "BWD_WARPS", "BWD_TILES"): [
+        (16, 4, 1),
+        (64, 8, 1),
+        (16, 4, 8),
+        (16, 8, 8),
+        (32, 8, 4),
+        (32, 4, 4),
+        (8, 4, 16),
+        (64, 8, 2),
+    ],  # fmt: skip
     ("DX_BT", "DX_BC", "DX_WARPS"): [
         (16, 128, 4),
         (32, 128, 4),

@@ -58,6 +58,7 @@ def _check(got: list[torch.Tensor], ref: list[torch.Tensor], dtype: torch.dtype)
 def test_against_float64_reference(monkeypatch, dtype, T, W, D, C, begin, end):
     monkeypatch.setattr(cn, "FWD_BT", 32)
     monkeypatch.setattr(cn, "BWD_BT", 16)
+    monkeypatch.setattr(cn, "BWD_TILES", 2)  # a program walks two row tiles, or one at the end
     monkeypatch.setattr(cn, "DX_BT", 8)  # several dx tiles and channel blocks, a partial one
     monkeypatch.setattr(cn, "DX_BC", 16)
     x = _strided(2, T, C, dtype, seed=T)

@@ -121,7 +121,7 @@ SCRIPTS = [
         "conv_norm: done",
         True,
         name="conv_norm_cost",
-        expect=("conv_silu_l2_dz_kernel {'BT': 32, 'VARLEN': True}", "conv_dx_kernel"),
+        expect=("conv_silu_l2_dz_kernel {'BT': 16, 'VARLEN': True}", "conv_dx_kernel"),
     ),
     Script("benchmarks/convert_fla_check.py", ("--smoke",), "fla", True),
     Script("benchmarks/smoke_triton.py", ("--smoke",), "smoke_triton: ok", True),

@@ -49,9 +49,11 @@ __all__ = ["conv_silu_l2", "reference", "usable"]
 # of two of head_dim), fixed by the norm; only the rows per program and the warps are free. The
 # forward's: the H100 sweep's fastest (session 16: 0.098 ms at 8 x 2048 x 3072, 1.44x its bytes
 # floor). The backward's: untimed first guesses (its first form, one kernel recomputing z at W
-# shifts, took 0.96 ms a layer in the model: 10x its floor).
-FWD_BT, FWD_WARPS = 16, 4
-BWD_BT, BWD_WARPS = 32, 8  # dz + dw partials, one head group
+# shifts, took 0.96 ms a layer in the model: 10x its floor; the two-kernel form's dz kernel
+# with one row tile a program 0.53 ms, its dx kernel ~0.05 ms: session 16, call 3). BWD_TILES:
+# row tiles a dz program walks, summing dw's products across warps once at the end (untimed).
+FWD_BT, FWD_WARPS = 32, 4
+BWD_BT, BWD_WARPS, BWD_TILES = 16, 4, 1  # dz + dw partials, one head group
 DX_BT, DX_BC, DX_WARPS = 32, 128, 4  # dx, the conv's transpose over dz
 
 if triton is not None:
@@ -109,7 +111,8 @@ if triton is not None:
         dw_ptr,
         T,
         C,
-        n_t,
+        n_tiles,
+        n_programs_t,
         sx_b,
         sx_t,
         sx_c,
@@ -124,54 +127,65 @@ if triton is not None:
         WP: tl.constexpr,
         BT: tl.constexpr,
         DP: tl.constexpr,
+        TILES: tl.constexpr,
         VARLEN: tl.constexpr,
     ):
-        """dz (the gradient of the conv's output, contiguous [B, T, C]) for BT rows of head group
-        i_g, and this program's float32 partial of dw (``dw_ptr``: [B * n_t, C, W]). Each row's
-        z, u and norm are recomputed once, from the W taps of x it reads."""
-        i_t, i_g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        t = i_t * BT + tl.arange(0, BT)
+        """dz (the gradient of the conv's output, contiguous [B, T, C]) for TILES tiles of BT rows
+        of head group i_g, and this program's float32 partial of dw (``dw_ptr``:
+        [B * n_programs_t, C, W]). Each row's z, u and norm are recomputed once, from the W taps
+        of x it reads. dw's products accumulate per element over the tiles and are summed over
+        rows once at the end (a sum across warps per tile would stall each tile)."""
+        i_p, i_g, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         d = tl.arange(0, DP)
         c = i_g * D + d
         cmask = (d < D) & (c < C)
-        in_t = t < T
         normed = (i_g * D >= norm_begin) & (i_g * D < norm_end)
-        if VARLEN:
-            p = tl.load(pos_ptr + t, mask=in_t, other=0)
         x_b = x_ptr + b.to(tl.int64) * sx_b
-        # xs[j] = x[t - (W-1-j)] (zero before the sequence): z's taps, and dw's
-        xs = ()
-        z = tl.zeros((BT, DP), dtype=tl.float32)
+        w_taps = ()
+        acc = ()  # acc[j]: sum over this program's tiles of dz[t] x[t - (W-1-j)], per element
         for j in tl.static_range(W):
-            rows = t - (W - 1 - j)
-            ok = in_t & (rows >= 0)
+            w_taps = w_taps + (tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32),)
+            acc = acc + (tl.zeros((BT, DP), dtype=tl.float32),)
+        for tile in range(0, tl.minimum(TILES, n_tiles - i_p * TILES)):  # none past the end
+            t = (i_p * TILES + tile) * BT + tl.arange(0, BT)
+            in_t = t < T
             if VARLEN:
-                ok = ok & (p >= W - 1 - j)
-            offs = rows.to(tl.int64)[:, None] * sx_t + c[None, :] * sx_c
-            xv = tl.load(x_b + offs, mask=ok[:, None] & cmask[None, :], other=0.0)
-            xs = xs + (xv.to(tl.float32),)
-            w_j = tl.load(w_ptr + c * W + j, mask=cmask, other=0.0).to(tl.float32)
-            z += w_j[None, :] * xs[j]
-        sig = tl.sigmoid(z)
-        u = z * sig
-        rn = _norm_scale(u, normed, eps)
-        mask = in_t[:, None] & cmask[None, :]
-        dy_offs = b.to(tl.int64) * sdy_b + t.to(tl.int64)[:, None] * sdy_t + c[None, :] * sdy_c
-        g = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-        # L2 norm's backward, y = u rn: du = rn (dy - y <dy, y>) (rn = 1, no dot: not normed)
-        y = u * rn[:, None]
-        dot = tl.where(normed, tl.sum(g * y, axis=1), 0.0)
-        du = rn[:, None] * (g - y * dot[:, None])
-        dz = tl.where(mask, du * sig * (1.0 + z * (1.0 - sig)), 0.0)
-        dz_offs = (b.to(tl.int64) * T + t.to(tl.int64)[:, None]) * C + c[None, :]
-        tl.store(dz_ptr + dz_offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
-        # dw[c, j] = sum over this tile's rows of dz[t] x[t - (W-1-j)] (from float32 dz)
+                p = tl.load(pos_ptr + t, mask=in_t, other=0)
+            # xs[j] = x[t - (W-1-j)] (zero before the sequence): z's taps, and dw's
+            xs = ()
+            z = tl.zeros((BT, DP), dtype=tl.float32)
+            for j in tl.static_range(W):
+                rows = t - (W - 1 - j)
+                ok = in_t & (rows >= 0)
+                if VARLEN:
+                    ok = ok & (p >= W - 1 - j)
+                offs = rows.to(tl.int64)[:, None] * sx_t + c[None, :] * sx_c
+                xv = tl.load(x_b + offs, mask=ok[:, None] & cmask[None, :], other=0.0)
+                xs = xs + (xv.to(tl.float32),)
+                z += w_taps[j][None, :] * xs[j]
+            sig = tl.sigmoid(z)
+            u = z * sig
+            rn = _norm_scale(u, normed, eps)
+            mask = in_t[:, None] & cmask[None, :]
+            dy_offs = b.to(tl.int64) * sdy_b + t.to(tl.int64)[:, None] * sdy_t
+            g = tl.load(dy_ptr + dy_offs + c[None, :] * sdy_c, mask=mask, other=0.0)
+            g = g.to(tl.float32)
+            # L2 norm's backward, y = u rn: du = rn (dy - y <dy, y>) (rn = 1, no dot: not normed)
+            y = u * rn[:, None]
+            dot = tl.where(normed, tl.sum(g * y, axis=1), 0.0)
+            du = rn[:, None] * (g - y * dot[:, None])
+            dz = tl.where(mask, du * sig * (1.0 + z * (1.0 - sig)), 0.0)
+            dz_offs = (b.to(tl.int64) * T + t.to(tl.int64)[:, None]) * C + c[None, :]
+            tl.store(dz_ptr + dz_offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+            acc_next = ()
+            for j in tl.static_range(W):
+                acc_next = acc_next + (acc[j] + dz * xs[j],)
+            acc = acc_next
         taps = tl.arange(0, WP)
         dw = tl.zeros((DP, WP), dtype=tl.float32)
         for j in tl.static_range(W):
-            col = tl.sum(dz * xs[j], axis=0)
-            dw += tl.where(taps[None, :] == j, col[:, None], 0.0)
-        part = (b.to(tl.int64) * n_t + i_t) * C
+            dw += tl.where(taps[None, :] == j, tl.sum(acc[j], axis=0)[:, None], 0.0)
+        part = (b.to(tl.int64) * n_programs_t + i_p) * C
         dw_offs = (part + c[:, None]) * W + taps[None, :]
         tl.store(dw_ptr + dw_offs, dw, mask=cmask[:, None] & (taps < W)[None, :])
 
@@ -266,12 +280,13 @@ def _backward(
         return dx, torch.zeros_like(weight)
     pos = _positions(cu_seqlens, T, x.device)
     w = weight.contiguous()
-    n_t = triton.cdiv(T, BWD_BT)
-    partial = torch.empty(B * n_t, C, W, device=x.device, dtype=torch.float32)
+    n_tiles = triton.cdiv(T, BWD_BT)
+    n_programs_t = triton.cdiv(n_tiles, BWD_TILES)
+    partial = torch.empty(B * n_programs_t, C, W, device=x.device, dtype=torch.float32)
     dz = torch.empty(B, T, C, device=x.device, dtype=x.dtype)  # as eager autograd rounds it
     sx_b, sx_t, sx_c = x.stride()
     sdy_b, sdy_t, sdy_c = grad_y.stride()
-    conv_silu_l2_dz_kernel[(n_t, triton.cdiv(C, head_dim), B)](
+    conv_silu_l2_dz_kernel[(n_programs_t, triton.cdiv(C, head_dim), B)](
         x_ptr=x,
         w_ptr=w,
         pos_ptr=x if pos is None else pos,
@@ -280,7 +295,8 @@ def _backward(
         dw_ptr=partial,
         T=T,
         C=C,
-        n_t=n_t,
+        n_tiles=n_tiles,
+        n_programs_t=n_programs_t,
         sx_b=sx_b,
         sx_t=sx_t,
         sx_c=sx_c,
@@ -295,6 +311,7 @@ def _backward(
         WP=triton.next_power_of_2(W),
         BT=BWD_BT,
         DP=triton.next_power_of_2(head_dim),
+        TILES=BWD_TILES,
         VARLEN=pos is not None,
         num_warps=BWD_WARPS,
     )
