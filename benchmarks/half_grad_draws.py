@@ -79,19 +79,32 @@ def _torch_op(q, k, v, beta, log_decay, s0, kernel_id, negative_eigenvalues, eps
 _THREAD = ThreadPoolExecutor(max_workers=1)
 
 
-def _forward(q, k, v, *, beta, log_decay, initial_state, cu_seqlens, kernel_id, **kw):
+def _forward(q, k, v, *, beta, log_decay, initial_state, cu_seqlens, kernel_id, save="none", **kw):
     assert cu_seqlens is None  # the check's batches are dense
+    assert save == "none", "triton_backend.SAVE_FOR_BACKWARD: the torch op keeps nothing"
 
     def body():
         with torch.no_grad():
             return _torch_op(q, k, v, beta, log_decay, initial_state, kernel_id, **kw)
 
     o, state = _THREAD.submit(body).result()
-    return o.contiguous(), state.float().contiguous()  # the fake kernel's strides
+    return o.contiguous(), state.float().contiguous(), {}  # the fake kernel's strides
 
 
 def _backward(
-    q, k, v, *, beta, log_decay, initial_state, cu_seqlens, grad_o, grad_state, kernel_id, **kw
+    q,
+    k,
+    v,
+    *,
+    beta,
+    log_decay,
+    initial_state,
+    cu_seqlens,
+    grad_o,
+    grad_state,
+    kernel_id,
+    kept=None,
+    **kw,
 ):
     """The op's gradients by autograd through the torch backend, in the input dtypes (the
     Triton backward's: dq, dk, dv in the operands' dtype, dβ and d log α in float32)."""

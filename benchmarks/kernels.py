@@ -3,6 +3,14 @@ backend, same run, same GPU, medians of ``triton.testing.do_bench``.
 
     python benchmarks/kernels.py [--out benchmarks/results] [--skip-torch] [--rounds 2]
     python benchmarks/kernels.py --smoke     # CPU, Triton interpreter, tiny shapes, no fla (CI)
+    python benchmarks/kernels.py --save-for-backward [--rounds 3]   # what the forward keeps
+
+``--save-for-backward``: instead of the table below, delta with decay's forward and forward +
+backward at ``SAVE_SHAPES`` under each ``triton_backend.SAVE_FOR_BACKWARD`` value ("none",
+"prepare", "states"), interleaved in one process, with the bytes autograd keeps from the forward
+beyond the inputs, the peak memory of a forward + backward, and the gradients' largest relative
+difference from "none" (benchmarks/NOTES.md, "Issue 31/32, session 16"). Writes
+``kernels_save_<device>.json`` and ``.md``.
 
 Every Triton rule's forward at the shapes of ``RULE_SHAPES``, delta with decay against fla at
 every shape (forward, forward + backward), and decode. ``--rounds`` interleaves the whole list
@@ -62,6 +70,12 @@ delta_rule = functools.partial(_delta_rule, check_values=False)
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (16, 2048, 32, 64), (8, 2048, 32, 256)]
 RULE_SHAPES = [(8, 4096, 16, 128), (16, 2048, 32, 64)]  # every Triton rule's forward here
 DECODE_BATCHES = [1, 64, 256]
+# --save-for-backward: one layer of the 400M model's step at B=8 T=2048 and at B=2 T=8192 (the
+# forward's two-pass form either way: 8 x 8 x 2 programs < 132 SMs), and a shape whose forward
+# is the fused one (the "states" mode then takes the two-pass form: its cost shows there).
+SAVE_SHAPES = [(8, 2048, 8, 128), (2, 8192, 8, 128), (8, 4096, 16, 128)]
+SMOKE_SAVE_SHAPES = [(1, 65, 2, 32)]
+SAVE_MODES = ("none", "prepare", "states")
 SMOKE_SHAPES = [(1, 65, 2, 32)]
 SMOKE_DECODE_BATCHES = [1]
 DECODE_HEADS = (16, 128)  # decode's (H, D); smoke: SMOKE_DECODE_HEADS
@@ -197,6 +211,125 @@ def measurements(
             )
 
 
+def _kept_bytes(fn) -> int:
+    """Bytes of the storages autograd saves while ``fn`` runs a forward, the inputs' aside."""
+    saved: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        if not (x.is_leaf and x.requires_grad):  # the inputs are saved in every mode
+            storage = x.untyped_storage()
+            saved[storage.data_ptr()] = storage.nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        fn()
+    return sum(saved.values())
+
+
+def _memory_and_grads(xs, do, fwd) -> tuple[int, int | None, list]:
+    """Kept bytes, the peak of one forward + backward above what was allocated before it
+    (CUDA; None on the CPU) and its gradients."""
+    for x in xs:
+        x.grad = None
+    kept = _kept_bytes(fwd)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    fwd().backward(do)
+    peak = None
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    return kept, peak, [x.grad.float() for x in xs]
+
+
+def save_for_backward(shapes, rounds: int) -> list[dict]:
+    """Per shape and SAVE_FOR_BACKWARD mode: forward and forward + backward ms (medians of the
+    rounds, the modes interleaved in each), kept and peak bytes, and the gradients' largest
+    relative max-abs difference from mode "none"'s (the same kernels on the same values: 0)."""
+    from deltaflow.ops import triton_backend
+
+    times: dict[tuple, list[float]] = {}
+    records: dict[tuple, dict] = {}
+    try:
+        for r in range(rounds):
+            for shape in shapes:
+                xs = inputs(*shape, grad=True)
+                do = torch.randn_like(xs[2])
+                ref = None  # mode "none"'s gradients (SAVE_MODES starts with it)
+                for mode in SAVE_MODES:
+                    triton_backend.SAVE_FOR_BACKWARD = mode
+
+                    def fwd(xs=xs):
+                        return delta_rule(*xs[:4], log_decay=xs[4], backend="triton")[0]
+
+                    def fwd_bwd(xs=xs, do=do):
+                        fwd(xs).backward(do)
+
+                    key = (tuple(shape), mode)
+                    for kind, fn in (("forward", fwd), ("fwd_bwd", fwd_bwd)):
+                        times.setdefault((*key, kind), []).append(bench(fn))
+                    print(
+                        f"round {r}: save {mode} {tuple(shape)} forward "
+                        f"{times[(*key, 'forward')][-1]:.3f} ms, forward+backward "
+                        f"{times[(*key, 'fwd_bwd')][-1]:.3f} ms",
+                        flush=True,
+                    )
+                    if r == 0:  # memory and gradients: the same every round
+                        kept, peak, grads = _memory_and_grads(xs, do, fwd)
+                        ref = ref or grads
+                        diff = max(
+                            ((g - g0).abs().max() / g0.abs().max().clamp_min(1e-30)).item()
+                            for g, g0 in zip(grads, ref)
+                        )
+                        records[key] = {
+                            "kept_bytes": kept,
+                            "peak_bytes": peak,
+                            "grad_diff_vs_none": diff,
+                        }
+    finally:
+        triton_backend.SAVE_FOR_BACKWARD = "none"
+    out = []
+    for (shape, mode), rec in records.items():
+        B, T, H, _ = shape
+        out.append(
+            {
+                "shape": list(shape),
+                "mode": mode,
+                **{
+                    f"{k}_ms": statistics.median(times[(shape, mode, k)])
+                    for k in ("forward", "fwd_bwd")
+                },
+                "rounds_fwd_bwd_ms": times[(shape, mode, "fwd_bwd")],
+                **rec,
+                "kept_bytes_per_token_head": rec["kept_bytes"] / (B * T * H),
+            }
+        )
+    return out
+
+
+def save_report(records: list[dict], device: str, commit: str, rounds: int) -> list[str]:
+    lines = [
+        f"# SAVE_FOR_BACKWARD: {device}, bf16, delta with decay, commit {commit}",
+        f"median of {rounds} interleaved rounds of do_bench medians; kept = bytes autograd saves "
+        "beyond the inputs; peak = a forward + backward's peak above what was allocated before",
+        "",
+        "| (B, T, H, D) | save | forward ms | fwd+bwd ms | rounds (ms) | kept MB "
+        "| kept B/token/head | peak MB | grads vs none |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e6:.1f}"
+        spread = "/".join(f"{x:.3f}" for x in r["rounds_fwd_bwd_ms"])
+        lines.append(
+            f"| {tuple(r['shape'])} | {r['mode']} | {r['forward_ms']:.3f} | {r['fwd_bwd_ms']:.3f} "
+            f"| {spread} | {r['kept_bytes'] / 1e6:.1f} | {r['kept_bytes_per_token_head']:.0f} "
+            f"| {peak} | {r['grad_diff_vs_none']:.1e} |"
+        )
+    return lines
+
+
 def warm_shapes(shapes: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
     return [(B, WARM_T, H, D) for B, _, H, D in shapes]
 
@@ -300,7 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         help="only run fla's measurements once (compile + autotune into Triton's disk cache) "
         "and exit",
     )
+    parser.add_argument(
+        "--save-for-backward",
+        action="store_true",
+        help="time forward and forward + backward under each triton_backend.SAVE_FOR_BACKWARD "
+        "value in one process, with kept and peak memory (and nothing else)",
+    )
     args = parser.parse_args(argv)
+    if args.save_for_backward and (args.warm_only or args.warm_fla):
+        parser.error("--save-for-backward times; --warm-only / --warm-fla only compile")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warm_only < 0:
@@ -327,8 +468,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_fla:
         return warm_fla(fla)
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    bw = copy_bandwidth(DEVICE)
     commit = git_commit()
+    if args.save_for_backward:
+        rounds = 1 if args.smoke else args.rounds
+        records = save_for_backward(SMOKE_SAVE_SHAPES if args.smoke else SAVE_SHAPES, rounds)
+        lines = save_report(records, device, commit, rounds)
+        print("\n".join(lines))
+        if args.smoke:
+            print(f"smoke ok: {len(records)} save-for-backward measurements ran")
+            return 0
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        tag = device.replace(" ", "_")
+        meta = {"device": device, "commit": commit, "torch": torch.__version__, "rounds": rounds}
+        (out / f"kernels_save_{tag}.json").write_text(
+            json.dumps({"meta": meta, "records": records}, indent=1)
+        )
+        (out / f"kernels_save_{tag}.md").write_text("\n".join(lines) + "\n")
+        return 0
+    bw = copy_bandwidth(DEVICE)
     print(f"{device}: copy bandwidth {bw / 1e12:.2f} TB/s, commit {commit}")
     times: dict[tuple, list[float]] = {}
     meta_of: dict[tuple, tuple] = {}

@@ -50,6 +50,14 @@ SCRIPTS = [
         "benchmarks/bf16_floor.py", ("--smoke", "--out", "{tmp}/floor.md"), "bf16_floor: done", True
     ),
     Script("benchmarks/kernels.py", ("--smoke",), "smoke ok", True),
+    # the op with triton_backend.SAVE_FOR_BACKWARD at each value, one process
+    Script(
+        "benchmarks/kernels.py",
+        ("--smoke", "--save-for-backward"),
+        "smoke ok: 3 save-for-backward measurements ran",
+        True,
+        name="kernels_save",
+    ),
     # the warm-ups trace real launches (no interpreter): what they would compile on a GPU
     Script("benchmarks/kernels.py", ("--smoke", "--warm-only", "2"), "smoke ok", True, name="kw"),
     Script("benchmarks/generation.py", ("--smoke", "--warm-only", "2"), "done", True, name="gw"),

@@ -106,6 +106,28 @@ def test_mixer_inputs_are_kept_not_recomputed_and_gradients_match():
         )
 
 
+def test_what_the_op_keeps_is_saved_not_recomputed(monkeypatch):
+    # triton_backend.SAVE_FOR_BACKWARD = "states" on the same path (selective checkpointing
+    # keeps the op's outputs, the kept tensors among them): the partitioned backward hands them
+    # to the op's backward as saved tensors, never runs the op's forward again, and the
+    # gradients are eager's with the switch off.
+    model = _model()
+    ids = torch.randint(0, 97, (2, 80), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    eager = {n: p.grad for n, p in model.named_parameters()}
+    monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "states")
+    grads, graphs = _step(PARTS_OFF)
+    (gm,) = graphs
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.deltaflow.chunk_fwd.default]
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.deltaflow.chunk_bwd.default]
+    kept = [a for a in node.args[9:15] if a is not None]  # w, t, h, v_new
+    assert len(kept) == 4 and all(a.op == "placeholder" for a in kept), kept
+    for name, g in eager.items():
+        torch.testing.assert_close(
+            grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 def test_parts_are_checked_against_one_list():
     assert selective_parts(True) == ("mixer", "mlp") and selective_parts(False) == ()
     assert selective_parts(PARTS_ON) == PARTS_ON and set(PARTS_ON) == set(SELECTIVE_PARTS)

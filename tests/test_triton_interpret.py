@@ -8,6 +8,7 @@ import torch
 from _inputs import make_inputs, rel_err
 
 from deltaflow import delta_rule, delta_rule_step
+from deltaflow.ops.triton_ops import KEPT
 from deltaflow.rules import RULES, triton_rules
 
 # The rules with a Triton form; the others (gated_efla) run on the torch backend only.
@@ -201,12 +202,35 @@ def test_decode_kernel(rule):
         assert rel_err(state2, s_ref) <= 1e-4
 
 
-def test_custom_op_registration():
-    # The fake (meta) implementations must agree with the real ones on shapes and strides.
-    inputs = on_device(make_inputs(1, 20, 2, 16, 16, rule="delta", dtype=torch.float32))
-    args = [inputs[n] for n in NAMES] + [None, 1, False, 1e-6, 0.25, 64]
+def _op_args(varlen: bool, save: str, grad: bool) -> list:
+    """chunk_fwd's arguments: one sequence of 20 tokens, or four packed ones (two empty)."""
+    lengths = [0, 5, 64, 1] if varlen else [20]
+    cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0) if varlen else None
+    n_states = len(lengths) if varlen else None
+    inputs = make_inputs(
+        1, sum(lengths), 2, 16, 16, rule="delta", dtype=torch.float32, n_states=n_states
+    )
+    tensors = [inputs[n].to(DEVICE).requires_grad_(grad) for n in NAMES]
+    return tensors + [cu, 1, False, 1e-6, 0.25, 64, save]
+
+
+@pytest.mark.parametrize(
+    "save, varlen",
+    [("none", False), ("prepare", True), ("states", True), ("states_fp32", False)],
+)
+def test_custom_op_registration(save, varlen):
+    # The fake (meta) implementations must agree with the real ones on shapes, strides and
+    # dtypes, what the forward keeps included (packed sequences: chunk rows bounded from
+    # shapes); autograd's registration and AOT dispatch (forward and backward) hold for each
+    # SAVE_FOR_BACKWARD mode (the op's save argument).
+    torch.library.opcheck(triton_backend.chunk_fwd_op, _op_args(varlen, save, grad=True))
+    # the backward op, given what the forward kept (None where it keeps nothing)
+    args = _op_args(varlen, save, grad=False)
+    o, state, *slots = triton_backend.chunk_fwd_op(*args)
+    kept = [x if name in triton_backend.SAVE_MODES[save] else None for name, x in zip(KEPT, slots)]
+    bwd_args = [*args[:7], torch.randn_like(o), torch.randn_like(state), *kept, *args[7:12]]
     torch.library.opcheck(
-        triton_backend.chunk_fwd_op, args, test_utils=("test_schema", "test_faketensor")
+        triton_backend.chunk_bwd_op, bwd_args, test_utils=("test_schema", "test_faketensor")
     )
 
 
@@ -218,7 +242,7 @@ def test_chunk_size_is_refused_not_ignored():
     o, _ = delta_rule(**inputs, backend="triton", chunk_size=64)
     o_ref, _ = delta_rule(**inputs, backend="reference")
     assert rel_err(o, o_ref) <= 1e-4
-    args = [inputs[n] for n in NAMES] + [None, 1, False, 1e-6, 0.25, 16]
+    args = [inputs[n] for n in NAMES] + [None, 1, False, 1e-6, 0.25, 16, "none"]
     with pytest.raises(ValueError, match="chunk_size=16"):
         triton_backend.chunk_fwd_op(*args)
 
@@ -259,3 +283,171 @@ def test_half_precision_backward_with_t_flags(monkeypatch, module, flag, value):
     got = _fwd_bwd(inputs, "triton", rule="longhorn")
     for name, g, g_ref in zip(["o", "state", *NAMES], got, ref):
         assert rel_err(g, g_ref) <= 1e-2, name
+
+
+# ---------------------------------------------------------------------------------------------
+# SAVE_FOR_BACKWARD: the backward reuses what the forward computed instead of recomputing it.
+
+# (make_inputs arguments, delta_rule options): rules with and without β and decay, a ragged
+# chunk, T = 1, packed sequences (empty ones too) with initial states, negative eigenvalues.
+REUSE_CASES = {
+    "delta-T70-neg": (dict(B=1, T=70, Dk=16, Dv=24, rule="delta", seed=8), {"ne": True}),
+    "longhorn-T1": (
+        dict(B=2, T=1, Dk=16, Dv=16, rule="longhorn", decay=False, initial_state=False),
+        {},
+    ),
+    "kaczmarz-T65-nobeta": (dict(B=1, T=65, Dk=20, Dv=12, rule="kaczmarz", seed=3), {}),
+    "efla-varlen": (dict(B=1, T=140, Dk=16, Dv=16, rule="efla", n_states=6, seed=5), {}),
+}
+REUSE_LENGTHS = [0, 5, 64, 0, 70, 1]  # efla-varlen's sequences (140 tokens)
+STAGES = ("prepare", "states", "forward", "outputs", "dstates", "gradients")
+# The stage launches of the forward and of the backward per mode (the interpreter's forward is
+# the fused one; keeping h takes the two-pass form).
+LAUNCHES = {
+    "none": (["prepare", "forward"], ["prepare", "states", "dstates", "gradients"]),
+    "prepare": (["prepare", "forward"], ["states", "dstates", "gradients"]),
+    "states": (["prepare", "states", "outputs"], ["dstates", "gradients"]),
+}
+
+
+def _record_launches(monkeypatch) -> list[str]:
+    """The stages the backend launches, in order, from now on."""
+    calls: list[str] = []
+    for stage in STAGES:
+        launch = getattr(triton_backend, f"launch_{stage}")
+
+        def spy(*args, _launch=launch, _stage=stage, **kwargs):
+            calls.append(_stage)
+            return _launch(*args, **kwargs)
+
+        monkeypatch.setattr(triton_backend, f"launch_{stage}", spy)
+    return calls
+
+
+def _reuse_run(
+    inputs: dict, calls: list[str], backend: str = "triton", **kwargs
+) -> tuple[list, list, list]:
+    """Outputs and gradients of a loss linear in the outputs and the final state (so that the
+    backward's incoming gradients do not depend on the forward's rounding), with the launches
+    of the forward and of the backward."""
+    leaves = {n: None if t is None else t.clone().requires_grad_(True) for n, t in inputs.items()}
+    calls.clear()
+    o, s = delta_rule(**leaves, output_final_state=True, backend=backend, **kwargs)
+    forward = list(calls)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(x.shape, generator=g).to(DEVICE) for x in (o, s)]
+    ((o * weights[0]).sum() + (s * weights[1]).sum()).backward()
+    grads = [None if leaves[n] is None else leaves[n].grad for n in NAMES]
+    return [o, s, *grads], forward, calls[len(forward) :]
+
+
+@pytest.mark.parametrize("save", ["prepare", "states"])
+@pytest.mark.parametrize("case", list(REUSE_CASES))
+def test_backward_reuses_the_forward(monkeypatch, case, save):
+    # With the switch on, the backward skips the launches whose results the forward kept, and
+    # its gradients are those of the switch off (the same kernels on the same values, so equal
+    # to fp32 rounding at most); the outputs differ by the forward's form (fused, two-pass).
+    spec, options = REUSE_CASES[case]
+    spec = dict(spec)
+    B, T, Dk, Dv = (spec.pop(n) for n in ("B", "T", "Dk", "Dv"))
+    inputs = on_device(make_inputs(B, T, 2, Dk, Dv, dtype=torch.float32, **spec))
+    if spec["rule"] == "kaczmarz":
+        inputs["beta"] = None
+    kwargs = dict(rule=spec["rule"], negative_eigenvalues=options.get("ne", False))
+    if case == "efla-varlen":
+        kwargs["cu_seqlens"] = torch.tensor([0, *REUSE_LENGTHS], device=DEVICE).cumsum(0)
+    calls = _record_launches(monkeypatch)
+    off, *launches_off = _reuse_run(inputs, calls, **kwargs)
+    monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", save)
+    on, *launches_on = _reuse_run(inputs, calls, **kwargs)
+    assert tuple(launches_off) == LAUNCHES["none"] and tuple(launches_on) == LAUNCHES[save]
+    for name, g, g_off in zip(["o", "state", *NAMES], on, off):
+        assert (g is None) == (g_off is None), name
+        if g is not None:
+            tol = 1e-5 if name in ("o", "state") else 1e-6
+            assert torch.isfinite(g).all() and rel_err(g, g_off) <= tol, name
+
+
+@pytest.mark.parametrize("fp32_states", [False, True])
+def test_half_precision_backward_reuses_the_forward(monkeypatch, fp32_states):
+    # Half precision: the forward's prepare keeps T with the backward's roundings (prepare.
+    # BACKWARD_*), so the gradients are the switch-off ones; h kept in float32 where the
+    # backward's states are (BACKWARD_STATES_FP32). Against the float64 reference as before.
+    _, inputs = _half_inputs(70, 16, 48, "trapezoid", seed=9)
+    monkeypatch.setattr(triton_backend, "BACKWARD_STATES_FP32", fp32_states)
+    off, *_ = _reuse_run(inputs, [], rule="trapezoid")
+    monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "states")
+    on, *_ = _reuse_run(inputs, [], rule="trapezoid")
+    double = {n: t.double() for n, t in inputs.items()}
+    ref, *_ = _reuse_run(double, [], backend="reference", rule="trapezoid")
+    for name, g, g_off, g_ref in zip(["o", "state", *NAMES], on, off, ref):
+        assert rel_err(g, g_off) <= (5e-3 if name in ("o", "state") else 1e-6), name
+        assert rel_err(g, g_ref) <= 1e-2, name
+
+
+def test_nothing_is_kept_without_a_backward(monkeypatch):
+    # Inference (no grad, or no input that requires one) keeps nothing whatever the switch;
+    # an unknown value is refused with one line.
+    monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "states")
+    x = torch.ones(1, requires_grad=True)
+    assert triton_backend._save_mode(None, x) == "states"
+    assert triton_backend._save_mode(None, x.detach()) == "none"
+    with torch.no_grad():
+        assert triton_backend._save_mode(x) == "none"
+    monkeypatch.setattr(triton_backend, "BACKWARD_STATES_FP32", True)
+    assert triton_backend._save_mode(x) == "states_fp32"
+    monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", True)
+    with pytest.raises(ValueError, match="SAVE_FOR_BACKWARD must be"):
+        triton_backend._save_mode(x)
+
+
+def test_compiled_fullgraph_reads_the_kept_tensors(monkeypatch):
+    # torch.compile(fullgraph=True) traces the op with what the forward keeps as outputs; the
+    # backward that inductor's partitioner cuts reads them from the forward's saved tensors
+    # (never runs chunk_fwd again) and gives eager's gradients.
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "states")
+    backward_graphs = []
+
+    def keep_backward(gm, example_inputs):
+        backward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(
+        fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+        bw_compiler=keep_backward,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+
+    def step(q, k, v, beta, log_decay, initial_state):
+        o, s = delta_rule(
+            q,
+            k,
+            v,
+            beta,
+            log_decay=log_decay,
+            initial_state=initial_state,
+            output_final_state=True,
+            backend="triton",
+            check_values=False,
+        )
+        return o.sin().sum() + s.pow(2).sum()
+
+    inputs = on_device(make_inputs(1, 70, 2, 16, 16, rule="delta", dtype=torch.float32))
+    grads = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend=backend)):
+        leaves = [inputs[n].clone().requires_grad_() for n in NAMES]
+        fn(*leaves).backward()
+        grads.append([x.grad for x in leaves])
+    (graph,) = backward_graphs
+    ops = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops.deltaflow.chunk_fwd.default not in ops
+    (node,) = [n for n in graph.graph.nodes if n.target is torch.ops.deltaflow.chunk_bwd.default]
+    kept = dict(zip(KEPT, node.args[9:15]))
+    assert {n for n, a in kept.items() if a is not None} == set(triton_backend.SAVE_MODES["states"])
+    assert all(a.op == "placeholder" for a in kept.values() if a is not None), kept
+    for g, g_ref in zip(grads[1], grads[0]):
+        torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-6)

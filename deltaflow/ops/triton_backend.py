@@ -1,19 +1,22 @@
 """The Triton backend: the kernels of ``deltaflow/ops/triton/`` assembled into a forward, a
-fused backward and a decode step, behind ``torch.library`` custom ops (with fake
-implementations and autograd), so ``torch.compile(fullgraph=True)`` traces through
-``delta_rule`` without graph breaks. The algorithm and its equations: docs/design.md §3, §7.
+fused backward and a decode step, run by the ``torch.library`` custom ops of
+``deltaflow/ops/triton_ops.py`` (fake implementations, autograd), so that
+``torch.compile(fullgraph=True)`` traces through ``delta_rule`` without graph breaks. The
+algorithm and its equations: docs/design.md §3, §7.
 
 Forward (two or three launches, chunks of ``CHUNK`` = 64 tokens):
   prepare (``triton/prepare.py``) → the fused state pass with outputs (``triton/states.py``),
   or, with fewer sequences × heads than the GPU has multiprocessors, a state pass with narrower
   value blocks, then the per-chunk outputs (``triton/outputs.py``).
-Backward (five launches), recomputing rather than storing: prepare again (also storing T), the
-state pass, the reverse state-gradient pass (``triton/states.py``), then the per-chunk
-gradients (``triton/gradients.py``).
+Backward (five launches), by default recomputing rather than storing: prepare again (also
+storing T), the state pass, the reverse state-gradient pass (``triton/states.py``), then the
+per-chunk gradients (``triton/gradients.py``). ``SAVE_FOR_BACKWARD`` trades memory for the
+first one or two of them: the forward keeps what they would have recomputed.
 Decode (one launch): ``triton/decode.py``.
 
 This module owns the buffers (so a checking script can NaN-poison every kernel output, see
-``POISON_OUTPUTS``); the launchers beside their kernels own grids and launch settings.
+``POISON_OUTPUTS``) and the switches; the launchers beside their kernels own grids and launch
+settings.
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ import os
 import torch
 from torch import Tensor
 
+from deltaflow.ops.triton_ops import (  # noqa: F401  (the ops re-exported, registered here)
+    SAVE_MODES,
+    chunk_bwd_op,
+    chunk_fwd_op,
+    chunk_rows,
+    decode_step_op,
+    dot_dtype,
+)
 from deltaflow.rules import StepRule, get_rule
 
 try:
@@ -57,6 +68,16 @@ FORWARD_MODE = "auto"
 # The key-side gradient kernel then takes narrower value blocks, so it fits Hopper's shared
 # memory at every head size (gradients.GRADS_BV_FP32). Off: it costs state traffic (issue 30).
 BACKWARD_STATES_FP32 = False
+# What the forward keeps for the backward, which then skips recomputing it (triton_ops.py's
+# docstring; benchmarks/NOTES.md "Issue 31/32, session 16": bytes and predicted ms):
+# "none": only the inputs, the backward recomputes prepare and the state pass (5 launches);
+# "prepare": W, Ũ, T, first_bad (+768 B per token and head at Dk = Dv = 128 in bf16), one
+# launch fewer; "states": W, T, h, U (+1280 B), two fewer (the forward then always runs its
+# two-pass form, whose state pass writes h and U). Kept only when autograd will need them.
+# The forward's prepare then runs with the backward's roundings (prepare.BACKWARD_*): the
+# gradients are the same as with "none"; bf16/fp16 outputs round like the backward's prepare.
+# Off: untimed on the GPU (benchmarks/kernels.py --save-for-backward times all three).
+SAVE_FOR_BACKWARD = "none"
 
 
 def _output(*shape: int, like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -93,12 +114,28 @@ def _check_chunk_size(chunk_size: int | None) -> None:
 
 def _inputs(q, k, v, beta, log_decay, initial_state):
     """Operands in the matrix units' dtype (bf16/fp16 as given, else fp32), contiguous."""
-    dot_dtype = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    q, k, v = (x.to(dot_dtype).contiguous() for x in (q, k, v))
+    dt = dot_dtype(q.dtype)
+    q, k, v = (x.to(dt).contiguous() for x in (q, k, v))
     beta = None if beta is None else beta.contiguous()
     log_decay = None if log_decay is None else log_decay.contiguous()
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     return q, k, v, beta, log_decay, s0
+
+
+def _save_mode(*inputs: Tensor | None) -> str:
+    """The op's ``save`` argument: ``SAVE_FOR_BACKWARD`` where autograd will run a backward
+    (grad mode on, an input that requires grad), "none" otherwise (inference keeps nothing)."""
+    if SAVE_FOR_BACKWARD not in ("none", "prepare", "states"):
+        raise ValueError(
+            "triton_backend.SAVE_FOR_BACKWARD must be 'none', 'prepare' or 'states', got "
+            f"{SAVE_FOR_BACKWARD!r}"
+        )
+    needed = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    if SAVE_FOR_BACKWARD == "none" or not needed:
+        return "none"
+    if SAVE_FOR_BACKWARD == "states" and BACKWARD_STATES_FP32:
+        return "states_fp32"  # h as the backward would have stored it
+    return SAVE_FOR_BACKWARD
 
 
 def _use_two_pass(N: int, H: int, Dv: int, device: torch.device) -> bool:
@@ -123,11 +160,12 @@ def _prepare(
     negative_eigenvalues: bool,
     eps: float,
     store_t: bool,
+    rows: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """(3)–(4): W and Ũ laid out like k and v, T per chunk when asked, and each chunk's first
-    non-finite token."""
+    non-finite token (``rows`` per-chunk rows, default the chunk count)."""
     B, T, H, Dk = k.shape
-    n = max(tables.n_chunks, 1)
+    n = rows or max(tables.n_chunks, 1)
     w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
     u = _output(B, T, H, v.shape[-1], like=k, dtype=k.dtype)
     t = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=torch.float32) if store_t else None
@@ -160,13 +198,14 @@ def _state_pass(
     tables: ChunkTables,
     block_v: int,
     h_dtype: torch.dtype | None = None,
+    rows: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(4), (6): the state entering every chunk (h, in ``h_dtype``, default the dot dtype), U
-    (v_new) and the final state."""
+    """(4), (6): the state entering every chunk (h, in ``h_dtype``, default the dot dtype; ``rows``
+    chunk rows, default the chunk count), U (v_new) and the final state."""
     B, T, H, Dk = k.shape
     Dv = u.shape[-1]
     N = tables.cu_seqlens.numel() - 1
-    h = _output(max(tables.n_chunks, 1), H, Dk, Dv, like=k, dtype=h_dtype or k.dtype)
+    h = _output(rows or max(tables.n_chunks, 1), H, Dk, Dv, like=k, dtype=h_dtype or k.dtype)
     v_new = _output(B, T, H, Dv, like=k, dtype=k.dtype)
     final_state = _output(N, H, Dk, Dv, like=k, dtype=torch.float32)
     launch_states(
@@ -198,14 +237,22 @@ def _forward(
     negative_eigenvalues: bool,
     eps: float,
     scale: float,
-) -> tuple[Tensor, Tensor]:
+    save: str = "none",
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The outputs, the final states and what ``save`` keeps for the backward (by name, as
+    triton_ops.SAVE_MODES lists it)."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     v_dtype = v.dtype
     q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
     tables = chunk_tables(cu_seqlens, B, T, q.device)
     N = tables.cu_seqlens.numel() - 1
-    w, u, _, first_bad = _prepare(
+    keep = SAVE_MODES[save]
+    # Kept per-chunk tensors have the rows the fake implementation can compute from shapes.
+    rows = chunk_rows(B, T, cu_seqlens) if keep else None
+    # Keeping T makes this the backward's prepare (prepare.launch_prepare: T stored, and in half
+    # precision the backward's roundings), so the backward gets what it would have recomputed.
+    w, u, t, first_bad = _prepare(
         k,
         v,
         beta=beta,
@@ -214,10 +261,13 @@ def _forward(
         kernel_id=kernel_id,
         negative_eigenvalues=negative_eigenvalues,
         eps=eps,
-        store_t=False,
+        store_t="t" in keep,
+        rows=rows,
     )
+    found = {"w": w, "u": u, "t": t, "first_bad": first_bad}
     o = _output(B, T, H, Dv, like=q, dtype=v_dtype)
-    if _use_two_pass(N, H, Dv, q.device):
+    # Keeping h takes the two-pass form whatever its size: only its state pass stores h and U.
+    if "h" in keep or _use_two_pass(N, H, Dv, q.device):
         h, v_new, final_state = _state_pass(
             k,
             w=w,
@@ -227,6 +277,8 @@ def _forward(
             first_bad=first_bad,
             tables=tables,
             block_v=states.TWO_PASS_BV,
+            h_dtype=torch.float32 if save == "states_fp32" else None,
+            rows=rows,
         )
         launch_outputs(
             q,
@@ -239,23 +291,28 @@ def _forward(
             scale=scale,
             o=o,
         )
-        return o, final_state
-
-    final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
-    launch_forward(
-        q,
-        k,
-        w=w,
-        u=u,
-        log_decay=log_decay,
-        initial_state=s0,
-        first_bad=first_bad,
-        tables=tables,
-        scale=scale,
-        o=o,
-        final_state=final_state,
-    )
-    return o, final_state
+        found.update(h=h, v_new=v_new)
+    else:
+        final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
+        launch_forward(
+            q,
+            k,
+            w=w,
+            u=u,
+            log_decay=log_decay,
+            initial_state=s0,
+            first_bad=first_bad,
+            tables=tables,
+            scale=scale,
+            o=o,
+            final_state=final_state,
+        )
+    kept = {name: found[name] for name in keep}
+    if rows is not None and rows > tables.n_chunks:  # packed sequences: the bound's spare rows
+        for name in ("t", "first_bad", "h"):
+            if name in kept:
+                kept[name][tables.n_chunks :].zero_()
+    return o, final_state, kept
 
 
 def _backward(
@@ -273,11 +330,14 @@ def _backward(
     negative_eigenvalues: bool,
     eps: float,
     scale: float,
+    kept: dict[str, Tensor] | None = None,
 ) -> list[Tensor | None]:
-    """The fused backward: prepare (W, Ũ, T) and the state pass recomputed from the inputs,
-    then the reverse state-gradient pass and the per-chunk gradients. Five launches."""
+    """The fused backward: prepare (W, Ũ, T) and the state pass (h, U) recomputed from the
+    inputs unless the forward ``kept`` them, then the reverse state-gradient pass and the
+    per-chunk gradients. Three to five launches."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
+    kept = kept or {}
     dtypes = [None if x is None else x.dtype for x in (q, k, v, beta, log_decay, initial_state)]
     q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
     do = grad_o.to(q.dtype).contiguous()
@@ -285,29 +345,36 @@ def _backward(
     tables = chunk_tables(cu_seqlens, B, T, q.device)
     N = tables.cu_seqlens.numel() - 1
     n = max(tables.n_chunks, 1)
-    w, u, t, first_bad = _prepare(
-        k,
-        v,
-        beta=beta,
-        log_decay=log_decay,
-        tables=tables,
-        kernel_id=kernel_id,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
-        store_t=True,
-    )
-    h, v_new, _ = _state_pass(
-        k,
-        w=w,
-        u=u,
-        log_decay=log_decay,
-        initial_state=s0,
-        first_bad=first_bad,
-        tables=tables,
-        block_v=states.BWD_STATES_BV,
-        h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
-    )
-    dh = _output(n, H, Dk, Dv, like=q, dtype=torch.float32 if BACKWARD_STATES_FP32 else q.dtype)
+    if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
+        w, u, t, first_bad = (kept.get(name) for name in ("w", "u", "t", "first_bad"))
+    else:
+        w, u, t, first_bad = _prepare(
+            k,
+            v,
+            beta=beta,
+            log_decay=log_decay,
+            tables=tables,
+            kernel_id=kernel_id,
+            negative_eigenvalues=negative_eigenvalues,
+            eps=eps,
+            store_t=True,
+        )
+    if "h" in kept:  # the forward's state pass ("states")
+        h, v_new = kept["h"], kept["v_new"]
+    else:
+        h, v_new, _ = _state_pass(
+            k,
+            w=w,
+            u=u,
+            log_decay=log_decay,
+            initial_state=s0,
+            first_bad=first_bad,
+            tables=tables,
+            block_v=states.BWD_STATES_BV,
+            h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
+        )
+    # dh in h's dtype: float32 with BACKWARD_STATES_FP32 (or fp32 inputs), else the dot dtype
+    dh = _output(n, H, Dk, Dv, like=q, dtype=h.dtype)
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     launch_dstates(
@@ -359,164 +426,20 @@ def _backward(
     return [None if g is None else g.to(d) for g, d in zip(grads, dtypes)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Custom ops. Optional tensors travel as `Tensor?`; the rule as its kernel id. `chunk_size` is
-# part of the schema so that a caller cannot ask for another chunk length and be ignored.
-
-
-@torch.library.custom_op("deltaflow::chunk_fwd", mutates_args=())
-def chunk_fwd_op(
+def _decode(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    beta: Tensor | None,
-    log_decay: Tensor | None,
-    initial_state: Tensor | None,
-    cu_seqlens: Tensor | None,
-    rule: int,
-    negative_eigenvalues: bool,
-    eps: float,
-    scale: float,
-    chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    _check_chunk_size(chunk_size)
-    return _forward(
-        q,
-        k,
-        v,
-        beta=beta,
-        log_decay=log_decay,
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
-        kernel_id=rule,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
-        scale=scale,
-    )
-
-
-@chunk_fwd_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    beta,
-    log_decay,
-    initial_state,
-    cu_seqlens,
-    rule,
-    negative_eigenvalues,
-    eps,
-    scale,
-    chunk_size,
-):
-    B, T, H, Dk = q.shape
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return (
-        q.new_empty(B, T, H, v.shape[-1], dtype=v.dtype),
-        q.new_empty(N, H, Dk, v.shape[-1], dtype=torch.float32),
-    )
-
-
-@torch.library.custom_op("deltaflow::chunk_bwd", mutates_args=())
-def chunk_bwd_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    beta: Tensor | None,
-    log_decay: Tensor | None,
-    initial_state: Tensor | None,
-    cu_seqlens: Tensor | None,
-    grad_o: Tensor,
-    grad_state: Tensor,
-    rule: int,
-    negative_eigenvalues: bool,
-    eps: float,
-    scale: float,
-    chunk_size: int,
-) -> list[Tensor]:
-    _check_chunk_size(chunk_size)
-    grads = _backward(
-        q,
-        k,
-        v,
-        beta=beta,
-        log_decay=log_decay,
-        initial_state=initial_state,
-        cu_seqlens=cu_seqlens,
-        grad_o=grad_o,
-        grad_state=grad_state,
-        kernel_id=rule,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
-        scale=scale,
-    )
-    return [q.new_empty(0) if g is None else g for g in grads]
-
-
-@chunk_bwd_op.register_fake
-def _(
-    q,
-    k,
-    v,
-    beta,
-    log_decay,
-    initial_state,
-    cu_seqlens,
-    grad_o,
-    grad_state,
-    rule,
-    negative_eigenvalues,
-    eps,
-    scale,
-    chunk_size,
-):
-    # Contiguous, as the kernels write them: empty_like would copy a permuted input's strides,
-    # and torch.compile would then read the real (contiguous) gradients through wrong strides.
-    return [
-        q.new_empty(0) if x is None else x.new_empty(x.shape)
-        for x in (q, k, v, beta, log_decay, initial_state)
-    ]
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, beta, log_decay, initial_state, cu_seqlens, *options = inputs
-    ctx.save_for_backward(q, k, v, beta, log_decay, initial_state, cu_seqlens)
-    ctx.options = options
-
-
-def _chunk_fwd_backward(ctx, grad_o, grad_state):
-    q, k, v, beta, log_decay, initial_state, cu_seqlens = ctx.saved_tensors
-    if grad_o is None:
-        grad_o = torch.zeros_like(v)
-    if grad_state is None:
-        B, _, H, Dk = q.shape
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        grad_state = q.new_zeros(N, H, Dk, v.shape[-1], dtype=torch.float32)
-    grads = chunk_bwd_op(
-        q, k, v, beta, log_decay, initial_state, cu_seqlens, grad_o, grad_state, *ctx.options
-    )
-    present = [q, k, v, beta, log_decay, initial_state]
-    grads = [None if x is None else g for x, g in zip(present, grads)]
-    return (*grads, None, None, None, None, None, None)
-
-
-chunk_fwd_op.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("deltaflow::decode_step", mutates_args=("state",))
-def decode_step_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    *,
     beta: Tensor | None,
     log_decay: Tensor | None,
     state: Tensor,
-    rule: int,
+    kernel_id: int,
     negative_eigenvalues: bool,
     eps: float,
     scale: float,
 ) -> Tensor:
+    """(1)–(2) token by token: the outputs, ``state`` (fp32) updated in place."""
     B, T, H, Dk = q.shape
     o = _output(B, T, H, v.shape[-1], like=q, dtype=v.dtype)
     launch_decode(
@@ -526,18 +449,13 @@ def decode_step_op(
         beta=None if beta is None else beta.contiguous(),
         log_decay=None if log_decay is None else log_decay.contiguous(),
         state=state,
-        kernel_id=rule,
+        kernel_id=kernel_id,
         negative_eigenvalues=negative_eigenvalues,
         eps=eps,
         scale=scale,
         o=o,
     )
     return o
-
-
-@decode_step_op.register_fake
-def _(q, k, v, beta, log_decay, state, rule, negative_eigenvalues, eps, scale):
-    return torch.empty_like(v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,7 +480,7 @@ def delta_rule(
 ) -> tuple[Tensor, Tensor | None]:
     """``chunk_size``: None or CHUNK (64); anything else is refused, not ignored."""
     _check_chunk_size(chunk_size)
-    o, state = chunk_fwd_op(
+    o, state, *_kept = chunk_fwd_op(  # what the forward keeps lives on in autograd's graph
         q,
         k,
         v,
@@ -575,6 +493,7 @@ def delta_rule(
         eps,
         scale,
         CHUNK.value,
+        _save_mode(q, k, v, beta, log_decay, initial_state),
     )
     return o, (state if output_final_state else None)
 

@@ -1,0 +1,270 @@
+"""The Triton backend's ``torch.library`` custom ops: schemas, fake (meta) implementations and
+autograd, so that ``torch.compile(fullgraph=True)`` traces through ``delta_rule`` without graph
+breaks. Optional tensors travel as ``Tensor?``, the rule as its kernel id; ``chunk_size`` is in
+the schema so that a caller cannot ask for another chunk length and be ignored.
+
+The bodies run ``_forward``, ``_backward`` and ``_decode`` of ``deltaflow/ops/triton_backend.py``,
+looked up there at each call (imported inside each body: triton_backend imports this module when
+it loads, never the reverse): the backend's switches live beside the code that reads them, and a
+checking script may swap those functions (``benchmarks/half_grad_draws.py``).
+
+What the forward keeps for the backward (``save``, from ``triton_backend.SAVE_FOR_BACKWARD``) is
+returned as six extra outputs, in :data:`KEPT`'s order, marked non-differentiable; autograd
+saves them and hands them to the backward op, which then skips what it would have recomputed
+(benchmarks/NOTES.md, "Issue 31/32, session 16"):
+
+- ``"none"``: nothing but the inputs; the backward recomputes prepare and the state pass.
+- ``"prepare"``: W, Ũ, T and first_bad of the forward's prepare; the backward's state pass stays.
+- ``"states"``: W, T and the forward's state pass's h (S_0 of every chunk) and U: nothing is
+  recomputed. ``"states_fp32"``: the same with h in float32 (``BACKWARD_STATES_FP32``).
+
+Every slot is returned whatever the mode (an empty tensor where it keeps nothing): one schema.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deltaflow.ops.chunk import TRITON_CHUNK_SIZE
+
+KEPT = ("w", "u", "t", "first_bad", "h", "v_new")
+SAVE_MODES = {
+    "none": (),
+    "prepare": ("w", "u", "t", "first_bad"),
+    "states": ("w", "t", "h", "v_new"),
+    "states_fp32": ("w", "t", "h", "v_new"),
+}
+
+
+def dot_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The matrix units' operand dtype for inputs in ``dtype``: bf16/fp16 as given, else fp32."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+def chunk_rows(B: int, T: int, cu_seqlens: Tensor | None) -> int:
+    """Rows of a per-chunk tensor the forward keeps: the chunk count of B sequences of T tokens;
+    for packed sequences a bound from shapes alone, Σ⌈L_i/C⌉ ≤ (T + (C−1)·N) / C, since the
+    count depends on cu_seqlens' values, which a fake tensor does not have. The kernels write
+    the first n_chunks rows; the forward zeroes the others (never read)."""
+    C = TRITON_CHUNK_SIZE
+    if cu_seqlens is None:
+        return max(B * ((T + C - 1) // C), 1)
+    return max((T + (C - 1) * (cu_seqlens.shape[0] - 1)) // C, 1)
+
+
+def kept_layout(
+    save: str, q: Tensor, v: Tensor, cu_seqlens: Tensor | None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each tensor that ``save`` keeps, as the fake forward returns them; the
+    real one allocates the same (its per-chunk rows from :func:`chunk_rows`), which
+    ``torch.library.opcheck`` compares (tests/test_triton_interpret.py)."""
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    dt = dot_dtype(q.dtype)
+    n, C = chunk_rows(B, T, cu_seqlens), TRITON_CHUNK_SIZE
+    every = {
+        "w": ((B, T, H, Dk), dt),
+        "u": ((B, T, H, Dv), dt),
+        "t": ((n, H, C, C), torch.float32),
+        "first_bad": ((n, H), torch.int32),
+        "h": ((n, H, Dk, Dv), torch.float32 if save == "states_fp32" else dt),
+        "v_new": ((B, T, H, Dv), dt),
+    }
+    return {name: every[name] for name in SAVE_MODES[save]}
+
+
+def _slots(kept: dict[str, Tensor], like: Tensor) -> tuple[Tensor, ...]:
+    """The six kept slots in KEPT's order, an empty tensor where ``kept`` has none."""
+    return tuple(kept[name] if name in kept else like.new_empty(0) for name in KEPT)
+
+
+@torch.library.custom_op("deltaflow::chunk_fwd", mutates_args=())
+def chunk_fwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    rule: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+    chunk_size: int,
+    save: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final_state, *the six kept slots)."""
+    from deltaflow.ops import triton_backend as backend
+
+    backend._check_chunk_size(chunk_size)
+    if save not in SAVE_MODES:
+        raise ValueError(f"save must be one of {sorted(SAVE_MODES)}, got {save!r}")
+    o, final_state, kept = backend._forward(
+        q,
+        k,
+        v,
+        beta=beta,
+        log_decay=log_decay,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        kernel_id=rule,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
+        save=save,
+    )
+    return (o, final_state, *_slots(kept, q))
+
+
+@chunk_fwd_op.register_fake
+def _(q, k, v, beta, log_decay, initial_state, cu_seqlens, *options):
+    save = options[-1]
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    kept = {
+        name: q.new_empty(shape, dtype=dtype)
+        for name, (shape, dtype) in kept_layout(save, q, v, cu_seqlens).items()
+    }
+    return (
+        q.new_empty(B, T, H, Dv, dtype=v.dtype),
+        q.new_empty(N, H, Dk, Dv, dtype=torch.float32),
+        *_slots(kept, q),
+    )
+
+
+@torch.library.custom_op("deltaflow::chunk_bwd", mutates_args=())
+def chunk_bwd_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    grad_o: Tensor,
+    grad_state: Tensor,
+    w: Tensor | None,
+    u: Tensor | None,
+    t: Tensor | None,
+    first_bad: Tensor | None,
+    h: Tensor | None,
+    v_new: Tensor | None,
+    rule: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+    chunk_size: int,
+) -> list[Tensor]:
+    """The gradients of q, k, v, β, log α and the initial state (empty where absent); the kept
+    tensors that are given (None: recomputed) are the forward's, as chunk_fwd returned them."""
+    from deltaflow.ops import triton_backend as backend
+
+    backend._check_chunk_size(chunk_size)
+    slots = (w, u, t, first_bad, h, v_new)
+    grads = backend._backward(
+        q,
+        k,
+        v,
+        beta=beta,
+        log_decay=log_decay,
+        initial_state=initial_state,
+        cu_seqlens=cu_seqlens,
+        grad_o=grad_o,
+        grad_state=grad_state,
+        kernel_id=rule,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
+        kept={name: x for name, x in zip(KEPT, slots) if x is not None},
+    )
+    return [q.new_empty(0) if g is None else g for g in grads]
+
+
+@chunk_bwd_op.register_fake
+def _(q, k, v, beta, log_decay, initial_state, *rest):
+    # Contiguous, as the kernels write them: empty_like would copy a permuted input's strides,
+    # and torch.compile would then read the real (contiguous) gradients through wrong strides.
+    return [
+        q.new_empty(0) if x is None else x.new_empty(x.shape)
+        for x in (q, k, v, beta, log_decay, initial_state)
+    ]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, beta, log_decay, initial_state, cu_seqlens, *options, save = inputs
+    kept = output[2:]
+    ctx.mark_non_differentiable(*kept)
+    # The kept outputs never get a gradient: without this autograd would hand the backward a
+    # zero tensor of each (a memset of W, T, h, U per layer). grad_o / grad_state may be None.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, beta, log_decay, initial_state, cu_seqlens, *kept)
+    ctx.options = options
+    ctx.kept = SAVE_MODES[save]
+
+
+def _chunk_fwd_backward(ctx, grad_o, grad_state, *_kept_grads):
+    q, k, v, beta, log_decay, initial_state, cu_seqlens, *slots = ctx.saved_tensors
+    kept = [x if name in ctx.kept else None for name, x in zip(KEPT, slots)]
+    if grad_o is None:
+        grad_o = torch.zeros_like(v)
+    if grad_state is None:
+        B, _, H, Dk = q.shape
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        grad_state = q.new_zeros(N, H, Dk, v.shape[-1], dtype=torch.float32)
+    grads = chunk_bwd_op(
+        q,
+        k,
+        v,
+        beta,
+        log_decay,
+        initial_state,
+        cu_seqlens,
+        grad_o,
+        grad_state,
+        *kept,
+        *ctx.options,
+    )
+    present = [q, k, v, beta, log_decay, initial_state]
+    grads = [None if x is None else g for x, g in zip(present, grads)]
+    # cu_seqlens, rule, negative_eigenvalues, eps, scale, chunk_size, save: no gradient
+    return (*grads, None, None, None, None, None, None, None)
+
+
+chunk_fwd_op.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("deltaflow::decode_step", mutates_args=("state",))
+def decode_step_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    state: Tensor,
+    rule: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+) -> Tensor:
+    from deltaflow.ops import triton_backend as backend
+
+    return backend._decode(
+        q,
+        k,
+        v,
+        beta=beta,
+        log_decay=log_decay,
+        state=state,
+        kernel_id=rule,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
+    )
+
+
+@decode_step_op.register_fake
+def _(q, k, v, beta, log_decay, state, rule, negative_eigenvalues, eps, scale):
+    return torch.empty_like(v)
