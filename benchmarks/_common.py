@@ -113,12 +113,17 @@ def low_precision(smoke: bool) -> Any:
     return torch.float16 if smoke else torch.bfloat16
 
 
-def bench_ms(fn: Any, dev: str, **do_bench_kw: Any) -> float:
+def bench_ms(fn: Any, dev: str, graph: bool = False, **do_bench_kw: Any) -> float:
     """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on the GPU (CUDA events);
-    off it (smoke mode) one ``perf_counter`` call, which checks the plumbing, not the speed."""
+    off it (smoke mode) one ``perf_counter`` call, which checks the plumbing, not the speed.
+    ``graph``: replays of ``fn`` captured in a CUDA graph (``do_bench_cudagraph``), the GPU's
+    time alone: a function whose host work (autograd, allocations, launches) takes about as long
+    as its kernels is otherwise timed at the host's pace, which varies by machine and moment."""
     if dev == "cuda":
         import triton.testing
 
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, return_mode="median", **do_bench_kw)
         return triton.testing.do_bench(fn, return_mode="median", **do_bench_kw)
     import time
 

@@ -114,9 +114,21 @@ def run_time(shape: tuple[int, int, int, int], D: int, smoke: bool, sweep: bool)
             ms = bench_ms(fn, dev)
             print(f"{what:>18} {name:>8}: {ms:8.3f} ms  ({ms / floor_ms:.2f}x the bytes floor "
                   f"{floor_ms:.3f} ms)")  # fmt: skip
+    # the backward's kernels alone, replayed from a CUDA graph (the GPU's time: the forward +
+    # backward above goes through autograd, whose host work is as long as these kernels)
+    floor_ms = 3 * element / bandwidth * 1e3  # read x, dy, write dx
+    ms = bench_ms(lambda: backward_kernels(x, w, dy, args), dev, graph=True)
+    print(f"{'backward kernels':>18} {'triton':>8}: {ms:8.3f} ms  ({ms / floor_ms:.2f}x the bytes "
+          f"floor {floor_ms:.3f} ms; CUDA graph)")  # fmt: skip
     if sweep:
         run_sweep(x, w, dy, args, smoke)
     print("conv_norm: done")
+
+
+def backward_kernels(x, w, dy, args: dict):
+    """The op's backward launches without autograd (dz + dw partials, dx, the partials' sum)."""
+    return cn._backward(x, w, None, dy, args["head_dim"], args["norm_begin"], args["norm_end"],
+                        1e-6)  # fmt: skip
 
 
 def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
@@ -136,12 +148,10 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
     original = {k: getattr(cn, k) for keys in SWEEPS for k in keys}
     saved = dict(original)  # each group swept with the groups before it at their fastest
 
-    def fwd_bwd():
-        return torch.autograd.grad(cn.conv_silu_l2(xg, wg, **args), (xg, wg), dy)
-
     best = []
     for keys, settings in SWEEPS.items():
-        fn = (lambda: cn.conv_silu_l2(x, w, **args)) if keys[0] == "FWD_BT" else fwd_bwd
+        forward = keys[0] == "FWD_BT"
+        # the backward's settings by its kernels' GPU time alone (CUDA graph: see bench_ms)
         rows = []
         for values in settings[: 2 if smoke else None]:
             for k, v in saved.items():
@@ -150,12 +160,15 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
                 setattr(cn, k, v)
             try:
                 err = check()
-                ms = bench_ms(fn, dev)
+                if forward:
+                    ms = bench_ms(lambda: cn.conv_silu_l2(x, w, **args), dev)
+                else:
+                    ms = bench_ms(lambda: backward_kernels(x, w, dy, args), dev, graph=True)
             except Exception as e:  # noqa: BLE001 - out of resources: reported, next setting
                 rows.append((float("inf"), values, f"failed: {str(e)[:60]}"))
                 continue
             rows.append((ms, values, f"error {err:.1e}"))
-        timed = "forward" if keys[0] == "FWD_BT" else "forward + backward"
+        timed = "forward" if forward else "backward kernels, CUDA graph"
         print(f"sweep {keys} ({timed}, fastest first):")
         for ms, values, note in sorted(rows):
             print(f"  {values}: {ms:8.3f} ms  {note}")

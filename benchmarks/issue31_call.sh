@@ -50,6 +50,12 @@ cd "$(dirname "$0")/.."
 SMOKE=""
 if [ "${1:-}" = "--smoke" ]; then SMOKE="--smoke"; shift; fi
 OUT_DIR="${1:-gpu_check_issue31_$(date +%Y%m%d_%H%M%S)}"
+# an earlier call's files would be packed and read as this call's (seen: a device machine's /tmp
+# kept another session's check_training report)
+if [ -n "$(ls -A "$OUT_DIR" 2> /dev/null)" ]; then
+  echo "issue31_call: OUT_DIR $OUT_DIR is not empty; give a new or empty folder" >&2
+  exit 2
+fi
 mkdir -p "$OUT_DIR"
 SUMMARY="$OUT_DIR/summary.txt"
 : > "$SUMMARY"

@@ -45,15 +45,15 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 __all__ = ["conv_silu_l2", "reference", "usable"]
 
 # Launch settings (module constants so a GPU sweep can set them; read at call time). The
-# channel block of the forward and of the backward's first kernel is one head group (next power
-# of two of head_dim), fixed by the norm; only the rows per program and the warps are free. The
-# forward's: the H100 sweep's fastest (session 16: 0.098 ms at 8 x 2048 x 3072, 1.44x its bytes
-# floor). The backward's: untimed first guesses (its first form, one kernel recomputing z at W
-# shifts, took 0.96 ms a layer in the model: 10x its floor; the two-kernel form's dz kernel
-# with one row tile a program 0.53 ms, its dx kernel ~0.05 ms: session 16, call 3). BWD_TILES:
-# row tiles a dz program walks, summing dw's products across warps once at the end (untimed).
-FWD_BT, FWD_WARPS = 32, 4
-BWD_BT, BWD_WARPS, BWD_TILES = 16, 4, 1  # dz + dw partials, one head group
+# channel block of the forward and of the backward's dz kernel is one head group (next power of
+# two of head_dim), fixed by the norm; only the rows per program, the row tiles a dz program
+# walks (BWD_TILES: dw's products summed across warps once per program, not per tile) and the
+# warps are free. The H100 sweeps' fastest (session 16, calls 3-4, benchmarks/NOTES.md): the
+# forward 0.094 ms at 8 x 2048 x 3072 (1.4x its bytes floor); the backward's dz kernel, 0.53 ms a
+# layer in the model with one tile a program, went from 0.86 to 0.59 ms forward + backward alone
+# with 8 (timed through autograd, so partly at the host's pace); dx ~0.05 ms a layer.
+FWD_BT, FWD_WARPS = 16, 4
+BWD_BT, BWD_WARPS, BWD_TILES = 16, 8, 8  # dz + dw partials, one head group
 DX_BT, DX_BC, DX_WARPS = 32, 128, 4  # dx, the conv's transpose over dz
 
 if triton is not None:
