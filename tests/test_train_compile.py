@@ -198,3 +198,35 @@ def test_compiled_blocks_fit_the_benchmark_step_on_one_gpu(
     )
     assert MemoryFitMixin._fit_memory(trainer, model, 8) == accum
     assert bool(notes) is (accum > 1)
+
+
+def test_cuda_graphs_switch_reaches_the_blocks_and_marks_each_step(tmp_path, monkeypatch):
+    """compile.CUDA_GRAPHS (off: untimed): on CUDA with inductor the blocks compile with
+    mode="reduce-overhead" and the trainer marks every step's start for cudagraph trees; on the
+    CPU, or with another backend, the mode is left unset and nothing is marked."""
+    seen: list[dict] = []
+    real_compile = torch.nn.Module.compile
+
+    def record(self, **kwargs):
+        seen.append(dict(kwargs))
+        kwargs.pop("mode", None)  # the CPU run traces with aot_eager, which takes no mode
+        return real_compile(self, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch.nn.Module, "compile", record)
+    monkeypatch.setattr(compile_mod, "CUDA_GRAPHS", True)
+    assert not compile_mod.cuda_graphs_on(_model())  # CPU parameters
+    compile_mod.compile_blocks(_model())
+    assert seen and all("mode" not in kw for kw in seen)
+
+    # as on CUDA: the switch decides (the parameters' device is the only CUDA fact it reads)
+    monkeypatch.setattr(compile_mod, "cuda_graphs_on", lambda model, backend="inductor": True)
+    monkeypatch.setattr(compiling, "cuda_graphs_on", lambda model, backend="inductor": True)
+    seen.clear()
+    compile_mod.compile_blocks(_model())
+    assert seen and all(kw.get("mode") == "reduce-overhead" for kw in seen)
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    trainer, _ = _train(tmp_path, "blocks", "graphs")
+    assert trainer.cuda_graphs and len(marks) == 2  # one per step
+    start = next(r for r in read_log(tmp_path / "graphs") if r.get("event") == "start")
+    assert start["cuda_graphs"] is True

@@ -30,6 +30,15 @@ COMPILE_MODES = ("auto", "blocks", "off")
 # trace with aot_eager).
 WARMUP_SECONDS = {"cuda": 40, "cpu": 90}
 
+# Blocks compiled with mode="reduce-overhead": inductor replays each block's forward and
+# backward from CUDA graphs (cudagraph trees), so the host launches one graph per block instead
+# of its ~70 kernels and the custom ops' Python. Off: untimed. Why it may pay: the H100 step of
+# the 400M model is host-bound (session 16, benchmarks/NOTES.md: its kernels sum to 133-149 ms
+# of a ~165 ms step; the op's host time alone ~50 ms a profiled step). The trainer marks each
+# step's start (torch.compiler.cudagraph_mark_step_begin) so a replay never overwrites outputs
+# still in use. CUDA and inductor only (elsewhere compile_blocks leaves the mode unset).
+CUDA_GRAPHS = False
+
 
 def resolve_compile(mode: str, device: torch.device) -> bool:
     """Whether the trainer's ``compile`` setting asks for compiled blocks on ``device``.
@@ -113,8 +122,17 @@ def compile_blocks(
             torch._dynamo.config.accumulated_cache_size_limit, 4 * limit
         )
     parts = selective_parts(selective_checkpointing)  # before compiling: a typo fails now
+    mode = {"mode": "reduce-overhead"} if cuda_graphs_on(model, backend) else {}
     for block in layers:
         if hasattr(block, "selective_checkpointing"):
             block.selective_checkpointing = tuple(parts)
-        block.compile(fullgraph=fullgraph, dynamic=dynamic, backend=backend)
+        block.compile(fullgraph=fullgraph, dynamic=dynamic, backend=backend, **mode)
     return len(layers)
+
+
+def cuda_graphs_on(model: nn.Module, backend: str = "inductor") -> bool:
+    """Whether compiled blocks of ``model`` replay CUDA graphs (``CUDA_GRAPHS``, inductor, and
+    the model's parameters on CUDA)."""
+    param = next(model.parameters(), None)
+    on_cuda = param is not None and param.device.type == "cuda"
+    return CUDA_GRAPHS and backend == "inductor" and on_cuda

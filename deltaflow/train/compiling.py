@@ -24,6 +24,7 @@ from deltaflow.models.compile import (
     WARMUP_SECONDS,
     compile_blocks,
     compile_obstacle,
+    cuda_graphs_on,
     resolve_compile,
     uncompile_blocks,
 )
@@ -82,16 +83,20 @@ class CompileMixin:
         self.compiled, line = plan_compile(self.config.compile, self.device, model, allowed)
         self.compile_fallback = line  # also recorded in the log's start event
         self._compile_pending = self.compiled  # the first step still to run compiled
+        self.cuda_graphs = False  # blocks replayed from CUDA graphs (compile.CUDA_GRAPHS)
         if line is not None:
             self.note(line)
 
     def _compile_model(self) -> None:
         if self.compiled:
             compile_blocks(self.raw_model)  # in place: parameter names are unchanged
+            self.cuda_graphs = cuda_graphs_on(self.raw_model)
 
     def _compile_record(self) -> dict[str, Any]:
         """The start event's fields: what the run compiles (and why not, where it fell back)."""
         record: dict[str, Any] = {"compiled_blocks": self.compiled}
+        if self.cuda_graphs:
+            record["cuda_graphs"] = True
         if self.compile_fallback is not None:
             record["compile_fallback"] = self.compile_fallback
         return record
@@ -114,7 +119,7 @@ class CompileMixin:
                     "so the run stops: rerun with --compile off"
                 ) from e
         uncompile_blocks(self.raw_model)
-        self.compiled = False
+        self.compiled = self.cuda_graphs = False
         self.optimizer.zero_grad(set_to_none=True)  # what the failed step had accumulated
         self.compile_fallback = fallback_line(reason)
         self.note(self.compile_fallback)

@@ -290,6 +290,8 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
+        if self.cuda_graphs:  # a new step: the graphs' outputs from the last one are done with
+            torch.compiler.cudagraph_mark_step_begin()
         loss_sum = torch.zeros((), device=self.device)
         rank_rows = cfg.batch_size // self.layout.dp_size
         start = self.layout.dp_rank * rank_rows
