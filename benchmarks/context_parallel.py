@@ -67,7 +67,7 @@ class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
         import torch.distributed as dist
-        from model_training import build_deltaflow, shared_architecture
+        from _models import build_deltaflow, shared_architecture
 
         self.args = args
         self.world = int(os.environ.get("WORLD_SIZE", 1))
@@ -321,7 +321,7 @@ def run_search(args: argparse.Namespace) -> None:
 
 
 def worker_main(argv: list[str] | None = None) -> None:
-    from model_training import add_architecture_args
+    from _models import add_architecture_args
 
     p = argparse.ArgumentParser(description="context-parallel benchmark worker")
     p.add_argument("mode", choices=["measure", "search"])

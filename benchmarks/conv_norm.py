@@ -178,7 +178,7 @@ def run_sweep(x, w, dy, args: dict, smoke: bool) -> None:
             saved.update(zip(keys, values))
     for k, v in original.items():
         setattr(cn, k, v)
-    # for model_training.py --conv-launch (the call script passes it on)
+    # MODULE.NAME=V items for model_training.py --set (issue31_call.sh passes them on)
     print(f"best launch: {','.join(best)}")
 
 

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from _common import copy_bandwidth, git_commit, output_dir, smoke_env, smoke_requested
@@ -48,8 +46,13 @@ if smoke_requested() and not any(a.startswith("--warm-only") for a in sys.argv[1
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from _models import (  # noqa: E402
+    add_architecture_args,
+    build_deltaflow,
+    build_fla,
+    shared_architecture,
+)
 
-_HERE = Path(__file__).resolve().parent
 # --smoke's defaults (flags still override): a tiny model on the CPU, the checks included
 SMOKE = dict(
     device="cpu",
@@ -69,17 +72,6 @@ SMOKE = dict(
     skip_fla=True,
     check=True,
 )
-
-
-def _model_training() -> Any:
-    """benchmarks/model_training.py (architecture helpers shared with the training benchmark)."""
-    spec = importlib.util.spec_from_file_location("model_training", _HERE / "model_training.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MT = _model_training()
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -139,9 +131,9 @@ def left_padded(batch: int, length: int, vocab: int, device: torch.device):
 def build(name: str, arch: dict[str, Any], dtype: torch.dtype, device: torch.device, **extra):
     torch.manual_seed(0)
     if name == "deltaflow":  # the training benchmark's Gated DeltaNet (+ e.g. attn_every)
-        model, _ = MT.build_deltaflow({**arch, **extra})
+        model, _ = build_deltaflow({**arch, **extra})
     else:
-        model, _ = MT.build_fla(arch, linear_ce=False)
+        model, _ = build_fla(arch, linear_ce=False)
     return model.to(device=device, dtype=dtype).eval()
 
 
@@ -446,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=None, help="default benchmarks/results (smoke: a temp dir)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    MT.add_architecture_args(p)
+    add_architecture_args(p)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=128, help="new tokens timed at batch 1")
     p.add_argument("--new-large", type=int, default=32, help="new tokens at batch > 1")
@@ -473,7 +465,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.prefill = [int(x) for x in args.prefill.split(",") if x]
     modes = [m for m in args.modes.split(",") if m]
     device = torch.device(args.device)
-    arch = MT.shared_architecture(args)
+    arch = shared_architecture(args)
     if args.warm_only < 0:
         p.error(f"--warm-only must be a number of processes >= 1, got {args.warm_only}")
     if args.warm_only:

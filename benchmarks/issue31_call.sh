@@ -10,13 +10,14 @@
 # columns are left out. Loss curves: the corpus and GPT-2 tokenizer from shared/ (in the
 # checkout, or ../shared); without them check_training runs the gradients only.
 # Environment: SHAPES ("B T;B T", default "8 2048;2 8192"), TRAIN_EXTRA (more model_training
-# flags for our timed runs, default "--triton-conv both --top 60"), CHECK_EXTRA (more
+# flags for our timed runs, default "--triton-conv both --top 60"; e.g. --set
+# triton_backend.SAVE_FOR_BACKWARD=states, beside the sweeps' --set), CHECK_EXTRA (more
 # check_training flags), FLA_AUTOTUNE (a .tgz of fla's autotune results from an earlier call:
 # its Triton autotuner reads them instead of timing every configuration again; this call writes
 # its own as fla_autotune.tgz), CHECK=0 (no check_training), FLA_WARM=0 (no fla warm-up: with
 # FLA_AUTOTUNE, fla's timed run compiles its tuned kernels in its own warm-up steps),
 # SHORT_CONV_ARGS (default "time", "" = skip; "time --sweep" also sweeps the launch settings,
-# and the fastest then go to our timed runs through --conv-launch), CONV_NORM_ARGS (the same for
+# and the fastest then go to our timed runs through --set), CONV_NORM_ARGS (the same for
 # benchmarks/conv_norm.py, default "" = skip), TRAIN_VARIANTS (";"-separated sets of flags each
 # timed as a run of its own after the first, e.g. ";--checkpoint mixer,mlp,mixer_inputs": the
 # first set empty = TRAIN_EXTRA alone; variant i > 1 writes under vi/), STEPS (timed steps of
@@ -185,7 +186,7 @@ for bench in "short_conv:${SHORT_CONV_ARGS-time}" "conv_norm:${CONV_NORM_ARGS:-}
   best=$(sed -n 's/^best launch: //p' "$OUT_DIR/$name.log")
   [ -n "$best" ] && LAUNCH+=("$best")
 done
-[ ${#LAUNCH[@]} -gt 0 ] && TRAIN_EXTRA+=(--conv-launch "$(IFS=,; echo "${LAUNCH[*]}")")
+[ ${#LAUNCH[@]} -gt 0 ] && TRAIN_EXTRA+=(--set "$(IFS=,; echo "${LAUNCH[*]}")")
 IFS=';' read -r -a VARIANTS <<< "${TRAIN_VARIANTS:-}"
 [ ${#VARIANTS[@]} -eq 0 ] && VARIANTS=("")
 if [ "${LM_LOSS:-0}" != 0 ]; then  # the LM loss: ours against liger's fused linear CE

@@ -13,10 +13,17 @@ B=8, T=2048 (~390M parameters with untied embeddings). A run fits in ~5 minutes 
     # CPU smoke run (no GPU, no fla; tiny model, report in a temporary folder or --out):
     python3 benchmarks/model_training.py --smoke [--llama]
 
+    # deltaflow's switches and launch settings under trial, set before the runs (_settings.py):
+    python3 benchmarks/model_training.py --compile blocks --trainer --skip-fla \\
+        --set conv_norm_triton.BWD_TILES=8,triton_backend.SAVE_FOR_BACKWARD=states
+
 Writes ``model_training_<device>.md`` and ``.json`` (device, shapes, dtype, commit, both
 models' numbers and their ratio) and ``model_training_<device>_profile.txt`` under ``--out``.
 fla's gated backward is refused on Hopper with Triton < 3.7.1 (fla issue #640); as in
 benchmarks/kernels.py its guard is forced for timing only.
+
+Read top to bottom: the flags, the timing of one run, the runs, the report. The models are
+built in _models.py, the profile of a step taken in _step_profile.py.
 """
 
 from __future__ import annotations
@@ -32,158 +39,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _common import git_commit, load_fla, output_dir, smoke_env, smoke_requested
+import _settings
+from _common import git_commit, output_dir, smoke_env, smoke_requested
 from _step_profile import profile_step
 
-# Before torch/triton are imported; run as a script only: an importer (generation.py,
-# saved_activations.py) decides for itself (generation.py --smoke --warm-only traces compiled
-# kernels, which the interpreter would replace).
+# Before torch/triton are imported; run as a script only: an importer (the tests) decides for
+# itself.
 if smoke_requested() and __name__ == "__main__":
     smoke_env()
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from _models import (  # noqa: E402
+    DTYPES,
+    add_architecture_args,
+    build_deltaflow,
+    build_fla,
+    build_llama,
+    count_parameters,
+    shared_architecture,
+)
 
-# --------------------------------------------------------------------------------- models
-
-
-def fla_intermediate_size(hidden_size: int, hidden_ratio: int = 4) -> int:
-    """fla's GatedMLP width for ``intermediate_size=None``: 2/3·ratio·hidden, rounded up to 256."""
-    size = int(hidden_size * hidden_ratio * 2 / 3)
-    return 256 * ((size + 255) // 256)
-
-
-def add_architecture_args(p: argparse.ArgumentParser) -> None:
-    """The model-shape flags that :func:`shared_architecture` reads (360M-class defaults)."""
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128, help="q/k head dim")
-    p.add_argument("--expand-v", type=float, default=1.0, help="v head dim = head_dim * this")
-    p.add_argument("--vocab", type=int, default=32000)
-
-
-def shared_architecture(args: argparse.Namespace) -> dict[str, Any]:
-    """The one architecture both models are built from (names are ours)."""
-    return dict(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        head_dim=args.head_dim,
-        expand_v=args.expand_v,
-        intermediate_size=fla_intermediate_size(args.hidden),
-        conv_size=4,
-        norm_eps=1e-6,
-        tie_word_embeddings=False,  # fla's default
-    )
-
-
-def build_deltaflow(
-    arch: dict[str, Any],
-    compiled: bool = False,
-    no_fused: bool = False,
-    checkpoint: str = "mixer,mlp",
-    backend: str = "inductor",
-    triton_conv: bool | None = None,
-    triton_conv_norm: bool | None = None,
-) -> tuple[nn.Module, dict[str, Any]]:
-    """Gated DeltaNet in deltaflow: delta rule + Mamba2 decay, sigmoid β, L2 q/k, short conv,
-    output RMSNorm ⊙ SiLU gate, SwiGLU MLP; the lean loss is on in training mode.
-    ``compiled``: every block under ``torch.compile`` (the training harness's CUDA default);
-    ``backend``: its backend (CPU smoke runs trace with "aot_eager", no codegen).
-    ``triton_conv``: sets the process-wide ``conv.TRITON_SHORT_CONV`` until the next build sets
-    it (it is read when the model runs); None leaves it as it is. ``triton_conv_norm``: the same
-    for ``conv.TRITON_CONV_NORM`` (the conv + SiLU + q/k L2 norms as one Triton op)."""
-    from deltaflow.layers import conv
-    from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
-    from deltaflow.models.compile import compile_blocks
-
-    if triton_conv is not None:
-        conv.TRITON_SHORT_CONV = triton_conv
-    if triton_conv_norm is not None:
-        conv.TRITON_CONV_NORM = triton_conv_norm
-
-    config = DeltaFlowConfig(
-        **arch,
-        rule="delta",
-        use_decay=True,
-        beta_activation="sigmoid",
-        qk_norm="l2",
-        use_short_conv=True,
-        use_output_gate=True,
-        backend="auto",
-    )
-    model = DeltaFlowForCausalLM(config)
-    if no_fused:
-        for m in model.modules():
-            if hasattr(m, "fused_projections"):
-                m.fused_projections = False
-    if compiled:
-        parts = tuple(p for p in checkpoint.split(",") if p)
-        compile_blocks(model, selective_checkpointing=parts, backend=backend)
-    switches = {
-        "triton_short_conv": conv.TRITON_SHORT_CONV,
-        "triton_conv_norm": conv.TRITON_CONV_NORM,
-    }
-    return model, {**config.to_dict(), **switches}
-
-
-def build_llama(arch: dict[str, Any], compiled: bool = False) -> tuple[nn.Module, dict[str, Any]]:
-    """A Llama-style Transformer of the same size with SDPA (flash) attention: the quadratic
-    model a linear-attention user compares against (same width, depth, heads, MLP, vocab)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=arch["vocab_size"],
-        hidden_size=arch["hidden_size"],
-        intermediate_size=arch["intermediate_size"],
-        num_hidden_layers=arch["num_layers"],
-        num_attention_heads=arch["num_heads"],
-        num_key_value_heads=arch["num_heads"],
-        head_dim=arch["head_dim"],
-        rms_norm_eps=arch["norm_eps"],
-        tie_word_embeddings=arch["tie_word_embeddings"],
-        max_position_embeddings=1 << 17,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config)
-    if compiled:
-        for layer in model.model.layers:
-            layer.compile(fullgraph=True)
-    return model, config.to_dict()
-
-
-def build_fla(arch: dict[str, Any], linear_ce: bool) -> tuple[nn.Module, dict[str, Any]]:
-    """fla's Gated DeltaNet of ``arch``; ImportError without fla (optional: callers report it)."""
-    classes = load_fla("fla.models:GatedDeltaNetConfig", "fla.models:GatedDeltaNetForCausalLM")
-    if classes is None:
-        raise ImportError("fla is not installed")
-    GatedDeltaNetConfig, GatedDeltaNetForCausalLM = classes
-    config = GatedDeltaNetConfig(
-        attn_mode="chunk",
-        hidden_size=arch["hidden_size"],
-        num_hidden_layers=arch["num_layers"],
-        num_heads=arch["num_heads"],
-        head_dim=arch["head_dim"],
-        expand_v=arch["expand_v"],
-        vocab_size=arch["vocab_size"],
-        intermediate_size=arch["intermediate_size"],
-        conv_size=arch["conv_size"],
-        norm_eps=arch["norm_eps"],
-        tie_word_embeddings=arch["tie_word_embeddings"],
-        use_gate=True,
-        use_short_conv=True,
-        allow_neg_eigval=False,
-        # fla's defaults are fuse_cross_entropy=True (logits materialized, fused CE kernel);
-        # --fla-linear-ce switches to its chunked linear + CE, the analogue of ours.
-        fuse_cross_entropy=not linear_ce,
-        fuse_linear_cross_entropy=linear_ce,
-    )
-    return GatedDeltaNetForCausalLM(config), config.to_dict()
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # --smoke's defaults: the CPU plumbing check CI runs (tests/test_gpu_scripts.py), in seconds
 SMOKE = dict(
     device="cpu",
@@ -201,8 +77,100 @@ SMOKE = dict(
 )
 
 
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())  # parameters() de-duplicates tied weights
+# ---------------------------------------------------------------------------------- flags
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; ``--set`` items parsed and applied (a bad one exits with one line)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=2048)
+    add_architecture_args(p)
+    p.add_argument("--top", type=int, default=25, help="rows of the profile table (0 = none)")
+    p.add_argument("--skip-fla", action="store_true")
+    p.add_argument(
+        "--llama", action="store_true", help="also a Llama-style SDPA Transformer of the same size"
+    )
+    p.add_argument(
+        "--compile",
+        choices=["off", "blocks", "both"],
+        default="off",
+        help="torch.compile each block of deltaflow (and the Llama): off, blocks, or both "
+        "(time each model eager and compiled)",
+    )
+    p.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="torch._functorch.config.activation_memory_budget for compiled runs (1.0 = default)",
+    )
+    p.add_argument("--no-fused", action="store_true", help="deltaflow without fused projections")
+    p.add_argument(
+        "--checkpoint",
+        default="mixer,mlp",
+        help="parts of each compiled deltaflow block under selective checkpointing "
+        "(comma-separated, from deltaflow.models.block.SELECTIVE_PARTS: mixer, mlp, "
+        "mixer_inputs = also keep the delta-rule op's q, k, v, beta, log decay; '' = none)",
+    )
+    p.add_argument(
+        "--triton-conv",
+        choices=["off", "on", "both"],
+        default=None,
+        help="deltaflow's short conv on the Triton kernels (conv.TRITON_SHORT_CONV), or both; "
+        "default: the switch as it is (off unless --set conv.TRITON_SHORT_CONV=1)",
+    )
+    p.add_argument(
+        "--triton-conv-norm",
+        choices=["off", "on", "both"],
+        default=None,
+        help="deltaflow's conv + SiLU + q/k L2 norms as one Triton op (conv.TRITON_CONV_NORM), "
+        "or both; default: the switch as it is (off unless --set conv.TRITON_CONV_NORM=1)",
+    )
+    _settings.add_settings_arg(p)
+    p.add_argument("--skip-deltaflow", action="store_true")
+    p.add_argument(
+        "--trainer",
+        action="store_true",
+        help="also time the trainer's own step (Trainer.train_step: fp32 master weights, bf16 "
+        "autocast on CUDA, its loss, clipping, fused AdamW), compiled as --compile says",
+    )
+    p.add_argument(
+        "--fla-linear-ce", action="store_true", help="fla with fuse_linear_cross_entropy=True"
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="parameter dtype: bf16 (default on GPU), fp32 (default on CPU: bf16 matmuls are slow)",
+    )
+    p.add_argument("--out", default=None, help="default benchmarks/results (smoke: a temp dir)")
+    p.add_argument(
+        "--smoke", action="store_true", help="CPU, tiny model, no fla (flags above still apply)"
+    )
+    if smoke_requested(argv):
+        p.set_defaults(**SMOKE)
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "fp32" if args.device == "cpu" else "bf16"
+    try:
+        args.settings = _settings.parse(args.set)
+    except _settings.SettingError as e:  # one line, not argparse's usage block above it
+        p.exit(2, f"{p.prog}: error: --set {e}\n")
+    _settings.apply(args.settings)
+    # the conv switches' runs start from the modules' values: a --set of either is then not
+    # undone by build_deltaflow's default
+    from deltaflow.layers import conv
+
+    for flag, on in (
+        ("triton_conv", conv.TRITON_SHORT_CONV),
+        ("triton_conv_norm", conv.TRITON_CONV_NORM),
+    ):
+        if getattr(args, flag) is None:
+            setattr(args, flag, "on" if on else "off")
+    return args
 
 
 # --------------------------------------------------------------------------------- timing
@@ -373,6 +341,53 @@ def measure(
     return result
 
 
+# ----------------------------------------------------------------------------------- runs
+
+
+# a run: its name, benchmark or benchmark_trainer, and the build of its model
+Run = tuple[str, Callable[..., dict[str, Any]], Callable[[], tuple[nn.Module, dict[str, Any]]]]
+
+
+def plan_runs(args: argparse.Namespace, arch: dict[str, Any]) -> list[Run]:
+    """The runs the flags ask for, in order: per compile setting, deltaflow's conv variants (the
+    trainer's step first), then the Llama; fla last."""
+    compiled = {"off": [False], "blocks": [True], "both": [False, True]}[args.compile]
+    # smoke runs trace the compiled blocks with aot_eager (inductor's C++ codegen takes minutes)
+    backend = "aot_eager" if args.smoke else "inductor"
+    runs: list[Run] = []
+    switch = {"off": [False], "on": [True], "both": [False, True]}
+    convs = [
+        (t, n) for t in switch[args.triton_conv] for n in switch[args.triton_conv_norm]
+    ]  # fmt: skip
+    for c in compiled:
+        suffix = " (compiled)" if c else ""
+        for t, n in convs:
+            on = (("compiled", c), ("triton conv", t), ("triton conv norm", n))
+            tags = [tag for tag, flag in on if flag]
+            tag = f" ({', '.join(tags)})" if tags else ""
+            build = functools.partial(
+                build_deltaflow,
+                arch,
+                c,
+                args.no_fused,
+                args.checkpoint,
+                backend,
+                triton_conv=t,
+                triton_conv_norm=n,
+            )
+            if args.trainer:
+                runs.append((f"deltaflow trainer{tag}", benchmark_trainer, build))
+            if not args.skip_deltaflow:
+                runs.append((f"deltaflow{tag}", benchmark, build))
+        if args.llama:
+            runs.append((f"llama-sdpa{suffix}", benchmark, lambda c=c: build_llama(arch, c)))
+    if args.skip_fla:
+        print("fla skipped (--skip-fla)")
+    else:
+        runs.append(("fla", benchmark, lambda: build_fla(arch, args.fla_linear_ce)))
+    return runs
+
+
 # --------------------------------------------------------------------------------- report
 
 
@@ -393,8 +408,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"x {report['architecture']['head_dim']} (expand_v {report['architecture']['expand_v']}),"
         f" vocab {report['architecture']['vocab_size']}; median of {report['steps']} steps; "
         f"our LM loss: {report.get('lm_loss', 'torch (chunked)')}."
-        + TRAINER_NOTE
-        * any(name.startswith("deltaflow trainer") for name in report["results"]),
+        + "".join(f" {k} = {v!r}." for k, v in report.get("settings", {}).items())
+        + TRAINER_NOTE * any(name.startswith("deltaflow trainer") for name in report["results"]),
         "",
         "| model | params | tokens/s | MFU | step ms | peak GB | warm-up s |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -457,97 +472,29 @@ def lm_loss_backend(device: torch.device) -> str:
     return "liger" if uses_liger and loss._liger_loss() is not None else "torch (chunked)"
 
 
+def write_report(report: dict[str, Any], args: argparse.Namespace, device_name: str) -> None:
+    """``model_training_<device>_B<b>_T<t>``: .md, .json, and _profile.txt (the full tables)."""
+    results = report["results"]
+    out = output_dir(args.out, args.smoke)
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name) + f"_B{args.batch}_T{args.seq}"
+    stem = out / f"model_training_{tag}"
+    tables = "\n\n".join(
+        f"== {r['name']} ==\n{r['profile']['table']}" for r in results.values() if r.get("profile")
+    )
+    Path(f"{stem}_profile.txt").write_text(tables + "\n")
+    for r in results.values():  # the full tables live in the .txt file, not the JSON
+        if r.get("profile"):
+            r["profile"].pop("table")
+    Path(f"{stem}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    md = markdown(report)
+    Path(f"{stem}.md").write_text(md)
+    print("\n" + md)
+    print(f"wrote {stem}.md, {stem}.json, {stem}_profile.txt")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=2048)
-    add_architecture_args(p)
-    p.add_argument("--top", type=int, default=25, help="rows of the profile table (0 = none)")
-    p.add_argument("--skip-fla", action="store_true")
-    p.add_argument(
-        "--llama", action="store_true", help="also a Llama-style SDPA Transformer of the same size"
-    )
-    p.add_argument(
-        "--compile",
-        choices=["off", "blocks", "both"],
-        default="off",
-        help="torch.compile each block of deltaflow (and the Llama): off, blocks, or both "
-        "(time each model eager and compiled)",
-    )
-    p.add_argument(
-        "--memory-budget",
-        type=float,
-        default=None,
-        help="torch._functorch.config.activation_memory_budget for compiled runs (1.0 = default)",
-    )
-    p.add_argument("--no-fused", action="store_true", help="deltaflow without fused projections")
-    p.add_argument(
-        "--checkpoint",
-        default="mixer,mlp",
-        help="parts of each compiled deltaflow block under selective checkpointing "
-        "(comma-separated, from deltaflow.models.block.SELECTIVE_PARTS: mixer, mlp, "
-        "mixer_inputs = also keep the delta-rule op's q, k, v, beta, log decay; '' = none)",
-    )
-    p.add_argument(
-        "--triton-conv",
-        choices=["off", "on", "both"],
-        default="off",
-        help="deltaflow's short conv on the Triton kernels (conv.TRITON_SHORT_CONV), or both",
-    )
-    p.add_argument(
-        "--triton-conv-norm",
-        choices=["off", "on", "both"],
-        default="off",
-        help="deltaflow's conv + SiLU + q/k L2 norms as one Triton op (conv.TRITON_CONV_NORM), "
-        "or both",
-    )
-    p.add_argument(
-        "--conv-launch",
-        default=None,
-        help="launch settings of the Triton conv ops, e.g. short_conv_triton.BWD_BT=32,"
-        "conv_norm_triton.FWD_WARPS=8 (the modules' constants; benchmarks/short_conv.py and "
-        "conv_norm.py time --sweep print the best)",
-    )
-    p.add_argument("--skip-deltaflow", action="store_true")
-    p.add_argument(
-        "--trainer",
-        action="store_true",
-        help="also time the trainer's own step (Trainer.train_step: fp32 master weights, bf16 "
-        "autocast on CUDA, its loss, clipping, fused AdamW), compiled as --compile says",
-    )
-    p.add_argument(
-        "--fla-linear-ce", action="store_true", help="fla with fuse_linear_cross_entropy=True"
-    )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default=None,
-        help="parameter dtype: bf16 (default on GPU), fp32 (default on CPU: bf16 matmuls are slow)",
-    )
-    p.add_argument("--out", default=None, help="default benchmarks/results (smoke: a temp dir)")
-    p.add_argument(
-        "--smoke", action="store_true", help="CPU, tiny model, no fla (flags above still apply)"
-    )
-    if smoke_requested(argv):
-        p.set_defaults(**SMOKE)
-    args = p.parse_args(argv)
-    if args.dtype is None:
-        args.dtype = "fp32" if args.device == "cpu" else "bf16"
-    if args.conv_launch:
-        from deltaflow.layers import conv_norm_triton, short_conv_triton
-
-        modules = {m.__name__.rsplit(".", 1)[1]: m for m in (short_conv_triton, conv_norm_triton)}
-        for item in args.conv_launch.split(","):
-            target, _, value = item.partition("=")
-            module, _, name = target.partition(".")
-            if module not in modules or not hasattr(modules[module], name) or not value.isdigit():
-                p.error(f"--conv-launch: {item!r} is not MODULE.NAME=INT, MODULE one of "
-                        f"{sorted(modules)}")  # fmt: skip
-            setattr(modules[module], name, type(getattr(modules[module], name))(int(value)))
-
+    """The flags, the runs, the report (written under --out and returned)."""
+    args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device.index)  # CUDA events time the current device's stream
@@ -556,47 +503,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"{device_name}: B={args.batch} T={args.seq} {args.dtype}, architecture {json.dumps(arch)}"
     )
-
+    if args.settings:
+        print(f"settings: {json.dumps(args.settings)}")
     if args.memory_budget is not None:
         import torch._functorch.config as functorch_config
 
         functorch_config.activation_memory_budget = args.memory_budget
-    compiled = {"off": [False], "blocks": [True], "both": [False, True]}[args.compile]
-    # smoke runs trace the compiled blocks with aot_eager (inductor's C++ codegen takes minutes)
-    backend = "aot_eager" if args.smoke else "inductor"
-    runs: list[tuple[str, Callable, Callable[[], tuple[nn.Module, dict[str, Any]]]]] = []
-    switch = {"off": [False], "on": [True], "both": [False, True]}
-    convs = [
-        (t, n) for t in switch[args.triton_conv] for n in switch[args.triton_conv_norm]
-    ]  # fmt: skip
-    for c in compiled:
-        suffix = " (compiled)" if c else ""
-        for t, n in convs:
-            on = (("compiled", c), ("triton conv", t), ("triton conv norm", n))
-            tags = [tag for tag, flag in on if flag]
-            tag = f" ({', '.join(tags)})" if tags else ""
-            build = functools.partial(
-                build_deltaflow,
-                arch,
-                c,
-                args.no_fused,
-                args.checkpoint,
-                backend,
-                triton_conv=t,
-                triton_conv_norm=n,
-            )
-            if args.trainer:
-                runs.append((f"deltaflow trainer{tag}", benchmark_trainer, build))
-            if not args.skip_deltaflow:
-                runs.append((f"deltaflow{tag}", benchmark, build))
-        if args.llama:
-            runs.append((f"llama-sdpa{suffix}", benchmark, lambda c=c: build_llama(arch, c)))
-    if args.skip_fla:
-        print("fla skipped (--skip-fla)")
-    else:
-        runs.append(("fla", benchmark, lambda: build_fla(arch, args.fla_linear_ce)))
+
     results: dict[str, Any] = {}
-    for name, bench, build in runs:
+    for name, bench, build in plan_runs(args, arch):
         try:
             results[name] = bench(name, build, args, device)
         except Exception as e:  # noqa: BLE001 - report and go on with the other model
@@ -615,8 +530,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         names = [f"{prefix} ({t})" for t in tags] + [prefix]
         return next((results[n] for n in names if n in results), {})
 
-    ratio = versus(fastest("deltaflow"), fla)
-    trainer = fastest("deltaflow trainer")
     report = {
         "device": device_name,
         "commit": git_commit(),
@@ -627,30 +540,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "architecture": arch,
-        "conv_launch": args.conv_launch,
+        "settings": args.settings,  # --set's items (until session 16: "conv_launch")
         "checkpoint": args.checkpoint,
         "lm_loss": lm_loss_backend(device),
         "fla_loss": "fuse_linear_cross_entropy" if args.fla_linear_ce else "fuse_cross_entropy",
         "results": results,
-        "ratio": ratio,
-        "ratio_trainer": versus(trainer, fla),
+        "ratio": versus(fastest("deltaflow"), fla),
+        "ratio_trainer": versus(fastest("deltaflow trainer"), fla),
     }
-
-    out = output_dir(args.out, args.smoke)
-    tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name) + f"_B{args.batch}_T{args.seq}"
-    stem = out / f"model_training_{tag}"
-    tables = "\n\n".join(
-        f"== {r['name']} ==\n{r['profile']['table']}" for r in results.values() if r.get("profile")
-    )
-    Path(f"{stem}_profile.txt").write_text(tables + "\n")
-    for r in results.values():  # the full tables live in the .txt file, not the JSON
-        if r.get("profile"):
-            r["profile"].pop("table")
-    Path(f"{stem}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    md = markdown(report)
-    Path(f"{stem}.md").write_text(md)
-    print("\n" + md)
-    print(f"wrote {stem}.md, {stem}.json, {stem}_profile.txt")
+    write_report(report, args, device_name)
     return report
 
 

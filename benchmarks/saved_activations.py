@@ -23,7 +23,7 @@ if smoke_requested():
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-from model_training import (  # noqa: E402
+from _models import (  # noqa: E402
     DTYPES,
     add_architecture_args,
     build_deltaflow,

@@ -142,7 +142,7 @@ def run_sweep(x, w, dy, smoke: bool) -> None:
             print(f"  {values}: {ms:8.3f} ms  {note}")
         if ranked and ranked[0][0] < float("inf"):
             best += [f"short_conv_triton.{k}={int(v)}" for k, v in zip(names, ranked[0][2])]
-    # for model_training.py --conv-launch (the call script passes it on)
+    # MODULE.NAME=V items for model_training.py --set (issue31_call.sh passes them on)
     print(f"best launch: {','.join(best)}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from _scripts import load_script
 
@@ -155,3 +156,78 @@ def test_gpu_time_finds_idle_gaps():
     assert t["idle_ms"] == pytest.approx(0.077)
     assert t["gaps"][0] == {"ms": 0.069, "after": "d", "before": "e"}
     assert gpu_time([])["idle_ms"] == 0.0
+
+
+def test_set_types_each_item_by_the_constant_it_names():
+    """--set MODULE.NAME=VALUE (benchmarks/_settings.py): bool from 0/1/true/false, int, str
+    (checked where its values are a fixed set), comma-separated and repeatable, the last of a
+    name winning; a bad item is one line naming it and what was expected."""
+    import importlib
+
+    import pytest
+
+    settings = load_script("benchmarks/_settings.py")
+    parsed = settings.parse(
+        ["conv.TRITON_CONV_NORM=true,conv_norm_triton.BWD_TILES=2", "conv_norm_triton.BWD_TILES=4"]
+        + ["triton_backend.SAVE_FOR_BACKWARD=prepare, compile.CUDA_GRAPHS=0,"]
+    )
+    assert parsed == {
+        "conv.TRITON_CONV_NORM": True,
+        "conv_norm_triton.BWD_TILES": 4,
+        "triton_backend.SAVE_FOR_BACKWARD": "prepare",
+        "compile.CUDA_GRAPHS": False,
+    }
+    bad = {
+        "foo.X=1": "no module 'foo', expected one of conv, ",
+        "conv_norm_triton.NOPE=1": "conv_norm_triton has no setting 'NOPE', expected one of BWD_BT",
+        "conv_norm_triton.BWD_BT=abc": "BWD_BT is an int (now 16), got 'abc'",
+        "conv.TRITON_SHORT_CONV=yes": "is a bool (0/1/true/false; now False), got 'yes'",
+        "triton_backend.SAVE_FOR_BACKWARD=all": "is one of none, prepare, states (now 'none')",
+        "loss.DEFAULT_CHUNK_SIZE=1": "expected one of FUSED_CE_BACKEND",  # bound at import
+        "conv_norm_triton.BWD_BT": "is not MODULE.NAME=VALUE",
+    }
+    for item, message in bad.items():
+        with pytest.raises(settings.SettingError, match=re.escape(message)):
+            settings.parse([item])
+    # the fixed sets hold today's values (the loss's from its own tuple)
+    for key, choices in settings.CHOICES.items():
+        module, name = key.split(".")
+        assert getattr(importlib.import_module(settings.MODULES[module]), name) in choices
+    assert (
+        settings.CHOICES["loss.FUSED_CE_BACKEND"]
+        == importlib.import_module("deltaflow.models.loss").BACKENDS
+    )
+
+
+def test_model_training_applies_and_records_set(tmp_path, capsys):
+    """--set before the runs: conv.TRITON_CONV_NORM=1 names the run as --triton-conv-norm on
+    does (build_deltaflow starts from the switch as set), the launch setting is the module's
+    during the run, the report keeps both under "settings"; a bad item exits with one line."""
+    import pytest
+
+    from deltaflow.layers import conv, conv_norm_triton
+
+    bench = load_script("benchmarks/model_training.py")
+    args = "--device cpu --layers 1 --seq 16 --batch 1 --steps 1 --warmup 0 --skip-fla --top 0"
+    args += " --hidden 32 --heads 2 --head-dim 16 --vocab 64 --out " + str(tmp_path)
+    args += " --set conv.TRITON_CONV_NORM=1 --set conv_norm_triton.BWD_TILES=2"
+    before = conv.TRITON_CONV_NORM, conv_norm_triton.BWD_TILES
+    try:
+        report = bench.main(args.split())
+        assert conv_norm_triton.BWD_TILES == 2
+    finally:
+        conv.TRITON_CONV_NORM, conv_norm_triton.BWD_TILES = before
+    assert set(report["results"]) == {"deltaflow (triton conv norm)"}
+    expected = {"conv.TRITON_CONV_NORM": True, "conv_norm_triton.BWD_TILES": 2}
+    assert report["settings"] == expected
+    saved = json.loads((tmp_path / "model_training_cpu_B1_T16.json").read_text())
+    assert saved["settings"] == expected and "conv_launch" not in saved
+    assert (
+        "conv_norm_triton.BWD_TILES = 2." in (tmp_path / "model_training_cpu_B1_T16.md").read_text()
+    )
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--set", "conv_norm_triton.BWD_BT=abc"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "--set 'conv_norm_triton.BWD_BT=abc': BWD_BT is an int (now 16)" in err
