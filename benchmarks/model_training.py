@@ -199,6 +199,8 @@ def make_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor
 ) -> Callable[[], None]:
     def step() -> None:
+        # a new step for cudagraph trees (compile.CUDA_GRAPHS); a no-op without CUDA graphs
+        torch.compiler.cudagraph_mark_step_begin()
         with torch.profiler.record_function("step/forward"):
             loss = model(input_ids=ids, labels=ids).loss
         with torch.profiler.record_function("step/backward"):

@@ -202,8 +202,8 @@ def test_compiled_blocks_fit_the_benchmark_step_on_one_gpu(
 
 def test_cuda_graphs_switch_reaches_the_blocks_and_marks_each_step(tmp_path, monkeypatch):
     """compile.CUDA_GRAPHS (off: untimed): on CUDA with inductor the blocks compile with
-    mode="reduce-overhead" and the trainer marks every step's start for cudagraph trees; on the
-    CPU, or with another backend, the mode is left unset and nothing is marked."""
+    mode="reduce-overhead" and the trainer marks every step's start for cudagraph trees; without
+    CUDA, or with another backend, the mode is left unset and nothing is marked."""
     seen: list[dict] = []
     real_compile = torch.nn.Module.compile
 
@@ -214,11 +214,14 @@ def test_cuda_graphs_switch_reaches_the_blocks_and_marks_each_step(tmp_path, mon
 
     monkeypatch.setattr(torch.nn.Module, "compile", record)
     monkeypatch.setattr(compile_mod, "CUDA_GRAPHS", True)
-    assert not compile_mod.cuda_graphs_on(_model())  # CPU parameters
+    cuda = torch.cuda.is_available()
+    assert compile_mod.cuda_graphs_on(_model()) == cuda
+    assert not compile_mod.cuda_graphs_on(_model(), backend="aot_eager")
+    monkeypatch.setattr(compile_mod, "cuda_graphs_on", lambda model, backend="inductor": False)
     compile_mod.compile_blocks(_model())
     assert seen and all("mode" not in kw for kw in seen)
 
-    # as on CUDA: the switch decides (the parameters' device is the only CUDA fact it reads)
+    # as on CUDA
     monkeypatch.setattr(compile_mod, "cuda_graphs_on", lambda model, backend="inductor": True)
     monkeypatch.setattr(compiling, "cuda_graphs_on", lambda model, backend="inductor": True)
     seen.clear()

@@ -131,8 +131,8 @@ def compile_blocks(
 
 
 def cuda_graphs_on(model: nn.Module, backend: str = "inductor") -> bool:
-    """Whether compiled blocks of ``model`` replay CUDA graphs (``CUDA_GRAPHS``, inductor, and
-    the model's parameters on CUDA)."""
-    param = next(model.parameters(), None)
-    on_cuda = param is not None and param.device.type == "cuda"
-    return CUDA_GRAPHS and backend == "inductor" and on_cuda
+    """Whether compiled blocks of ``model`` replay CUDA graphs: ``CUDA_GRAPHS``, inductor, and
+    CUDA present (not the parameters' device: a benchmark compiles before it moves the model;
+    inductor leaves CPU graphs alone anyway)."""
+    del model  # one rule for every model today; the argument keeps call sites stable
+    return CUDA_GRAPHS and backend == "inductor" and torch.cuda.is_available()
