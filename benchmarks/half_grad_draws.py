@@ -114,6 +114,8 @@ def _backward(
         leaves = [None if x is None else x.detach().requires_grad_() for x in inputs]
         o, state = _torch_op(*leaves, kernel_id, **kw)
         present = [x for x in leaves if x is not None]
+        if grad_state is None:  # the final state was not used (the op passes no zeros)
+            return torch.autograd.grad(o, present, grad_o, allow_unused=True)
         return torch.autograd.grad((o, state), present, (grad_o, grad_state), allow_unused=True)
 
     grads = iter(_THREAD.submit(body).result())

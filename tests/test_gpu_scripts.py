@@ -103,6 +103,14 @@ SCRIPTS = [
         ),
     ),
     Script("benchmarks/kernel_times.py", ("--smoke",), "smoke ok", True),
+    # the op's host time with no-op launches (no interpreter), its syncs, the model step's
+    Script(
+        "benchmarks/host_overhead.py",
+        ("--smoke", "--json", "{tmp}/host.json"),
+        "host_overhead: done",
+        True,
+        expect=("dense backward: ", "model training step, trainer's step: 0 syncs"),
+    ),
     Script("benchmarks/short_conv.py", ("time", "--smoke"), "short_conv: done", True),
     Script("benchmarks/conv_norm.py", ("time", "--smoke"), "conv_norm: done", True),
     # ours against liger's fused linear cross-entropy, liger on the interpreter

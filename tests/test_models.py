@@ -493,3 +493,29 @@ def test_labels_outside_the_vocabulary_are_a_value_error():
     with pytest.raises(ValueError, match=rf"labels must be token ids in \[0, vocab_size={V}\)"):
         model(input_ids=ids, labels=torch.full((1, 4), V))
     model(input_ids=ids, labels=torch.tensor([[1, -100, 2, -100]]))  # -100: not scored
+
+
+def test_token_ids_checked_on_the_host_batch():
+    """Issue 31: the trainer checks its CPU batch's ids itself (no GPU sync) and runs the model
+    inside token_ids_checked, where the model's own check (a host sync each on a GPU) is
+    skipped; the errors are the model's."""
+    from deltaflow.models.modeling import (
+        check_batch_token_ids,
+        check_token_ids,
+        token_ids_checked,
+    )
+
+    model = tiny()
+    ids, bad = torch.zeros(1, 4, dtype=torch.long), torch.full((1, 4), V)
+    assert check_batch_token_ids(model, ids, torch.tensor([[1, -100, 2, -100]]))
+    with pytest.raises(ValueError, match=rf"labels must be token ids in \[0, vocab_size={V}\)"):
+        check_batch_token_ids(model, ids, bad)
+    with pytest.raises(ValueError, match=r"input_ids must be token ids"):
+        check_batch_token_ids(model, bad, ids)
+    assert not check_batch_token_ids(torch.nn.Linear(2, 2), bad, bad)  # not ours: not checked
+    with token_ids_checked():
+        check_token_ids(bad, V)  # the caller vouched for them
+        with pytest.raises(TypeError):  # the dtype is still checked
+            check_token_ids(bad.float(), V)
+    with pytest.raises(ValueError):
+        check_token_ids(bad, V)

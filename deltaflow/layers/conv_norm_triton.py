@@ -39,6 +39,9 @@ from deltaflow.layers.short_conv_triton import DTYPES, _positions, usable
 try:
     import triton
     import triton.language as tl
+
+    # the launch grids' arithmetic without Triton's constexpr_function wrappers (µs a call)
+    from deltaflow.ops.triton.common import cdiv, next_power_of_2
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -239,7 +242,7 @@ def _forward(
         return y
     pos = _positions(cu_seqlens, T, x.device)
     sx_b, sx_t, sx_c = x.stride()
-    grid = (triton.cdiv(T, FWD_BT), triton.cdiv(C, head_dim), B)
+    grid = (cdiv(T, FWD_BT), cdiv(C, head_dim), B)
     conv_silu_l2_fwd_kernel[grid](  # keywords only: benchmarks/_launches.py traces launches
         x_ptr=x,
         w_ptr=weight.contiguous(),
@@ -256,7 +259,7 @@ def _forward(
         D=head_dim,
         W=weight.shape[-1],
         BT=FWD_BT,
-        DP=triton.next_power_of_2(head_dim),
+        DP=next_power_of_2(head_dim),
         VARLEN=pos is not None,
         num_warps=FWD_WARPS,
     )
@@ -280,13 +283,13 @@ def _backward(
         return dx, torch.zeros_like(weight)
     pos = _positions(cu_seqlens, T, x.device)
     w = weight.contiguous()
-    n_tiles = triton.cdiv(T, BWD_BT)
-    n_programs_t = triton.cdiv(n_tiles, BWD_TILES)
+    n_tiles = cdiv(T, BWD_BT)
+    n_programs_t = cdiv(n_tiles, BWD_TILES)
     partial = torch.empty(B * n_programs_t, C, W, device=x.device, dtype=torch.float32)
     dz = torch.empty(B, T, C, device=x.device, dtype=x.dtype)  # as eager autograd rounds it
     sx_b, sx_t, sx_c = x.stride()
     sdy_b, sdy_t, sdy_c = grad_y.stride()
-    conv_silu_l2_dz_kernel[(n_programs_t, triton.cdiv(C, head_dim), B)](
+    conv_silu_l2_dz_kernel[(n_programs_t, cdiv(C, head_dim), B)](
         x_ptr=x,
         w_ptr=w,
         pos_ptr=x if pos is None else pos,
@@ -308,14 +311,14 @@ def _backward(
         eps=eps,
         D=head_dim,
         W=W,
-        WP=triton.next_power_of_2(W),
+        WP=next_power_of_2(W),
         BT=BWD_BT,
-        DP=triton.next_power_of_2(head_dim),
+        DP=next_power_of_2(head_dim),
         TILES=BWD_TILES,
         VARLEN=pos is not None,
         num_warps=BWD_WARPS,
     )
-    conv_dx_kernel[(triton.cdiv(T, DX_BT), triton.cdiv(C, DX_BC), B)](
+    conv_dx_kernel[(cdiv(T, DX_BT), cdiv(C, DX_BC), B)](
         dz_ptr=dz,
         w_ptr=w,
         pos_ptr=x if pos is None else pos,

@@ -57,13 +57,16 @@ def prepare_cu_seqlens(
         raise ValueError(
             f"cu_seqlens packs sequences along T and needs batch size 1, got {batch_size}"
         )
-    cu = cu_seqlens.to(device=device, dtype=torch.long)
-    if int(cu[0]) != 0 or int(cu[-1]) != seq_len or bool((cu[1:] < cu[:-1]).any()):
+    # Checked where the offsets are (a CPU tensor, as the trainer's packing makes them: no GPU
+    # sync; on a GPU one sync, not one per condition), then moved without waiting: a pageable
+    # host tensor is staged at once, so the copy never waits for the GPU's queue.
+    cu = cu_seqlens.long()
+    if bool((cu[0] != 0) | (cu[-1] != seq_len) | (cu[1:] < cu[:-1]).any()):
         raise ValueError(
             f"cu_seqlens must start at 0, end at seq_len={seq_len} and never decrease, "
             f"got {cu_seqlens.tolist()}"
         )
-    return cu
+    return cu.to(device, non_blocking=True)
 
 
 def position_in_sequence(

@@ -36,6 +36,9 @@ from deltaflow.layers.mask import position_in_sequence
 try:
     import triton
     import triton.language as tl
+
+    # the launch grids' arithmetic without Triton's constexpr_function wrappers (µs a call)
+    from deltaflow.ops.triton.common import cdiv, next_power_of_2
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
 
@@ -321,7 +324,7 @@ def _forward(
         return y
     w = weight.contiguous()
     pos = _positions(cu_seqlens, T, x.device)
-    grid = (triton.cdiv(T, FWD_BT), triton.cdiv(C, FWD_BC), B)
+    grid = (cdiv(T, FWD_BT), cdiv(C, FWD_BC), B)
     sx_b, sx_t, sx_c = x.stride()
     ss_b, ss_c, ss_w = _state_strides(state)
     short_conv_fwd_kernel[grid](  # keywords only: benchmarks/_launches.py traces launches
@@ -368,13 +371,13 @@ def _backward(
         return dx, dw, ds
     w = weight.contiguous()
     pos = _positions(cu_seqlens, T, x.device)
-    tiles = triton.cdiv(T, BWD_BT) + (state is not None)
-    n_programs_t = triton.cdiv(tiles, BWD_TILES)
+    tiles = cdiv(T, BWD_BT) + (state is not None)
+    n_programs_t = cdiv(tiles, BWD_TILES)
     partial = torch.empty(B * n_programs_t, C, W, device=x.device, dtype=torch.float32)
     sx_b, sx_t, sx_c = x.stride()
     ss_b, ss_c, ss_w = _state_strides(state)
     sdy_b, sdy_t, sdy_c = grad_y.stride()
-    short_conv_bwd_kernel[(n_programs_t, triton.cdiv(C, BWD_BC), B)](
+    short_conv_bwd_kernel[(n_programs_t, cdiv(C, BWD_BC), B)](
         x_ptr=x,
         w_ptr=w,
         s_ptr=x if state is None else state,
@@ -397,7 +400,7 @@ def _backward(
         sdy_t=sdy_t,
         sdy_c=sdy_c,
         W=W,
-        WP=triton.next_power_of_2(W),
+        WP=next_power_of_2(W),
         BT=BWD_BT,
         BC=BWD_BC,
         TILES=BWD_TILES,

@@ -11,7 +11,10 @@ that does not depend on transformers' generation code is :meth:`generate_greedy`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,16 +146,37 @@ def _weight_problems(cls: type, info: dict[str, Any]) -> list[str]:
     return problems
 
 
+# True inside token_ids_checked(): the caller checked the ids on the host already.
+_TOKEN_IDS_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "deltaflow_token_ids_checked", default=False
+)
+
+
+@contextlib.contextmanager
+def token_ids_checked() -> Iterator[None]:
+    """Within, the models skip :func:`check_token_ids`' value check, for a caller that checked
+    the same ids on the CPU before moving them to the GPU (the trainer: free there). On a GPU
+    each check is a host sync, input ids and labels, at the start of the forward: the host then
+    waits for the previous step's work to drain before it queues any of this one."""
+    token = _TOKEN_IDS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _TOKEN_IDS_CHECKED.reset(token)
+
+
 def check_token_ids(
     input_ids: torch.Tensor, vocab_size: int, *, name: str = "input_ids", ignore: int | None = None
 ) -> None:
     """Token ids must index the embedding (labels: the logits, ``ignore`` = -100 aside): an id
     >= vocab_size is otherwise an IndexError on CPU, and a device-side assert that kills the
     process on CUDA. One reduction and one host sync; skipped while compiling or capturing a
-    CUDA graph."""
+    CUDA graph, and inside :func:`token_ids_checked`."""
     if input_ids.is_floating_point() or input_ids.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {input_ids.dtype}")
     if input_ids.numel() == 0 or torch.compiler.is_compiling() or input_ids.is_meta:
+        return
+    if _TOKEN_IDS_CHECKED.get():
         return
     if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
         return
@@ -166,6 +190,18 @@ def check_token_ids(
             f"{name} must be token ids in [0, vocab_size={vocab_size}){also}, got values from "
             f"{lo} to {hi} (a tokenizer or task with a larger vocabulary than the model's?)"
         )
+
+
+def check_batch_token_ids(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> bool:
+    """What ``model``'s forward would check of ``input_ids`` and ``labels`` (its embedding rows;
+    the vocabulary, -100 aside), checked here on CPU tensors (no GPU sync). Returns whether it
+    checked: True for a DeltaFlowForCausalLM and CPU tensors, which the caller can then run
+    inside :func:`token_ids_checked`; False (nothing checked) otherwise."""
+    if not isinstance(model, DeltaFlowForCausalLM) or input_ids.is_cuda or labels.is_cuda:
+        return False
+    check_token_ids(input_ids, model.get_input_embeddings().num_embeddings)
+    check_token_ids(labels, model.config.vocab_size, name="labels", ignore=IGNORE_INDEX)
+    return True
 
 
 class DeltaFlowModel(DeltaFlowPreTrainedModel):
@@ -421,7 +457,10 @@ class DeltaFlowForCausalLM(DeltaFlowPreTrainedModel, GenerationMixin):
         targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
         if cu_seqlens is not None:
             T = labels.shape[1]
-            ends = cu_seqlens[1:-1].to(device=labels.device, dtype=torch.long) - 1  # last tokens
+            # last tokens (offsets on the CPU: copied without waiting for the GPU)
+            ends = (
+                cu_seqlens[1:-1].to(device=labels.device, dtype=torch.long, non_blocking=True) - 1
+            )
             # A boolean [T + 1] marker (index T catches empty documents at the end, -1 at the
             # start) instead of indexing with a data-dependent mask, which would sync.
             last = torch.zeros(T + 1, dtype=torch.bool, device=labels.device)

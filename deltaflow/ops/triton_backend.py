@@ -21,6 +21,7 @@ settings.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -44,7 +45,7 @@ try:
         states,  # launch settings read at call time (sweepable)
     )
     from deltaflow.ops.triton import rules as rule_table
-    from deltaflow.ops.triton.common import CHUNK, ChunkTables, chunk_tables
+    from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables
     from deltaflow.ops.triton.decode import launch_decode
     from deltaflow.ops.triton.gradients import launch_gradients
     from deltaflow.ops.triton.outputs import launch_outputs
@@ -145,8 +146,22 @@ def _use_two_pass(N: int, H: int, Dv: int, device: torch.device) -> bool:
         return FORWARD_MODE == "two_pass"
     if interpreting():
         return False
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return N * H * triton.cdiv(Dv, states.FUSED_BV) < sms
+    return N * H * cdiv(Dv, states.FUSED_BV) < _multiprocessors(device)
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessor count, asked once per device (a few µs a call otherwise).
+    Not cached off the GPU: benchmarks/_launches.py answers for a CPU device while it traces
+    launches, with the count of the GPU it stands in for."""
+    if device.type != "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_multiprocessors(index)
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _prepare(
@@ -199,15 +214,18 @@ def _state_pass(
     block_v: int,
     h_dtype: torch.dtype | None = None,
     rows: int | None = None,
+    final_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(4), (6): the state entering every chunk (h, in ``h_dtype``, default the dot dtype; ``rows``
-    chunk rows, default the chunk count), U (v_new) and the final state."""
+    chunk rows, default the chunk count), U (v_new) and the final state (into ``final_state``
+    when given)."""
     B, T, H, Dk = k.shape
     Dv = u.shape[-1]
     N = tables.cu_seqlens.numel() - 1
     h = _output(rows or max(tables.n_chunks, 1), H, Dk, Dv, like=k, dtype=h_dtype or k.dtype)
     v_new = _output(B, T, H, Dv, like=k, dtype=k.dtype)
-    final_state = _output(N, H, Dk, Dv, like=k, dtype=torch.float32)
+    if final_state is None:
+        final_state = _output(N, H, Dk, Dv, like=k, dtype=torch.float32)
     launch_states(
         k,
         w=w,
@@ -325,7 +343,7 @@ def _backward(
     initial_state: Tensor | None,
     cu_seqlens: Tensor | None,
     grad_o: Tensor,
-    grad_state: Tensor,
+    grad_state: Tensor | None,
     kernel_id: int,
     negative_eigenvalues: bool,
     eps: float,
@@ -334,17 +352,21 @@ def _backward(
 ) -> list[Tensor | None]:
     """The fused backward: prepare (W, Ũ, T) and the state pass (h, U) recomputed from the
     inputs unless the forward ``kept`` them, then the reverse state-gradient pass and the
-    per-chunk gradients. Three to five launches."""
+    per-chunk gradients. Three to five launches. ``grad_state`` None: the final state was not
+    used (a zero gradient, never materialized)."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     kept = kept or {}
     dtypes = [None if x is None else x.dtype for x in (q, k, v, beta, log_decay, initial_state)]
     q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
     do = grad_o.to(q.dtype).contiguous()
-    dsT = grad_state.to(torch.float32).contiguous()
+    dsT = None if grad_state is None else grad_state.to(torch.float32).contiguous()
     tables = chunk_tables(cu_seqlens, B, T, q.device)
     N = tables.cu_seqlens.numel() - 1
     n = max(tables.n_chunks, 1)
+    # The recomputed state pass's final state is not needed, nor, without an initial state, its
+    # gradient: one buffer takes both (the reverse pass writes it after the state pass).
+    ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
         w, u, t, first_bad = (kept.get(name) for name in ("w", "u", "t", "first_bad"))
     else:
@@ -372,11 +394,11 @@ def _backward(
             tables=tables,
             block_v=states.BWD_STATES_BV,
             h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
+            final_state=None if initial_state is not None else ds0,
         )
     # dh in h's dtype: float32 with BACKWARD_STATES_FP32 (or fp32 inputs), else the dot dtype
     dh = _output(n, H, Dk, Dv, like=q, dtype=h.dtype)
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
-    ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     launch_dstates(
         q,
         k,

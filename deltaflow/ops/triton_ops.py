@@ -4,9 +4,9 @@ breaks. Optional tensors travel as ``Tensor?``, the rule as its kernel id; ``chu
 the schema so that a caller cannot ask for another chunk length and be ignored.
 
 The bodies run ``_forward``, ``_backward`` and ``_decode`` of ``deltaflow/ops/triton_backend.py``,
-looked up there at each call (imported inside each body: triton_backend imports this module when
-it loads, never the reverse): the backend's switches live beside the code that reads them, and a
-checking script may swap those functions (``benchmarks/half_grad_draws.py``).
+looked up there at each call (the module imported on the first call: triton_backend imports this
+module when it loads, never the reverse): the backend's switches live beside the code that reads
+them, and a checking script may swap those functions (``benchmarks/half_grad_draws.py``).
 
 What the forward keeps for the backward (``save``, from ``triton_backend.SAVE_FOR_BACKWARD``) is
 returned as six extra outputs, in :data:`KEPT`'s order, marked non-differentiable; autograd
@@ -23,6 +23,8 @@ Every slot is returned whatever the mode (an empty tensor where it keeps nothing
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import Tensor
 
@@ -35,6 +37,21 @@ SAVE_MODES = {
     "states": ("w", "t", "h", "v_new"),
     "states_fp32": ("w", "t", "h", "v_new"),
 }
+
+
+def _backend() -> ModuleType:
+    """deltaflow/ops/triton_backend.py, imported on first use (it imports this module as it
+    loads) and kept: a ``from ... import`` inside every op call costs a few µs of import
+    machinery (benchmarks/host_overhead.py)."""
+    global _BACKEND
+    if _BACKEND is None:
+        from deltaflow.ops import triton_backend
+
+        _BACKEND = triton_backend
+    return _BACKEND
+
+
+_BACKEND: ModuleType | None = None
 
 
 def dot_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -96,8 +113,7 @@ def chunk_fwd_op(
     save: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, final_state, *the six kept slots)."""
-    from deltaflow.ops import triton_backend as backend
-
+    backend = _backend()
     backend._check_chunk_size(chunk_size)
     if save not in SAVE_MODES:
         raise ValueError(f"save must be one of {sorted(SAVE_MODES)}, got {save!r}")
@@ -145,7 +161,7 @@ def chunk_bwd_op(
     initial_state: Tensor | None,
     cu_seqlens: Tensor | None,
     grad_o: Tensor,
-    grad_state: Tensor,
+    grad_state: Tensor | None,
     w: Tensor | None,
     u: Tensor | None,
     t: Tensor | None,
@@ -159,9 +175,9 @@ def chunk_bwd_op(
     chunk_size: int,
 ) -> list[Tensor]:
     """The gradients of q, k, v, β, log α and the initial state (empty where absent); the kept
-    tensors that are given (None: recomputed) are the forward's, as chunk_fwd returned them."""
-    from deltaflow.ops import triton_backend as backend
-
+    tensors that are given (None: recomputed) are the forward's, as chunk_fwd returned them.
+    ``grad_state`` None: the final state was not used (its gradient is zero)."""
+    backend = _backend()
     backend._check_chunk_size(chunk_size)
     slots = (w, u, t, first_bad, h, v_new)
     grads = backend._backward(
@@ -210,10 +226,8 @@ def _chunk_fwd_backward(ctx, grad_o, grad_state, *_kept_grads):
     kept = [x if name in ctx.kept else None for name, x in zip(KEPT, slots)]
     if grad_o is None:
         grad_o = torch.zeros_like(v)
-    if grad_state is None:
-        B, _, H, Dk = q.shape
-        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        grad_state = q.new_zeros(N, H, Dk, v.shape[-1], dtype=torch.float32)
+    # grad_state stays None when the final state was not used (training): the reverse pass then
+    # starts from zero without reading a tensor of zeros (no allocation, no fill each layer)
     grads = chunk_bwd_op(
         q,
         k,
@@ -249,9 +263,7 @@ def decode_step_op(
     eps: float,
     scale: float,
 ) -> Tensor:
-    from deltaflow.ops import triton_backend as backend
-
-    return backend._decode(
+    return _backend()._decode(
         q,
         k,
         v,

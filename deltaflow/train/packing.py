@@ -67,7 +67,8 @@ def packed_forward(
             f"{tuple(input_ids.shape)}"
         )
     B, T = input_ids.shape
-    cu_seqlens = cu_seqlens_from_starts(doc_starts).to(input_ids.device)
+    # Left on the CPU: the model checks the offsets there (no GPU sync) and moves them itself.
+    cu_seqlens = cu_seqlens_from_starts(doc_starts)
     if kwargs.get("labels") is not None:  # the labels run laid end to end, like the ids
         kwargs["labels"] = kwargs["labels"].reshape(1, B * T)
     out = model(input_ids=input_ids.reshape(1, B * T), cu_seqlens=cu_seqlens, **kwargs)

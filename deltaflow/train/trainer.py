@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
+from deltaflow.models.modeling import check_batch_token_ids, token_ids_checked
 from deltaflow.parallel.data_layout import DataLayout
 from deltaflow.train.build import (
     IGNORE_INDEX,
@@ -278,6 +279,11 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
                 "pack=false (the rows then run as plain sequences)"
             )
         n_scored = max(1, int((labels != IGNORE_INDEX).sum()))  # over the GLOBAL batch
+        # The token ids checked here on the CPU batch (free) instead of by the model on the GPU
+        # (a host sync each for ids and labels, which would keep the host from queuing this
+        # step while the GPU still runs the last one)
+        checked = check_batch_token_ids(self.raw_model, ids, labels)
+        ids_context = token_ids_checked if checked else contextlib.nullcontext
         lr = lr_at(
             step,
             base_lr=cfg.lr,
@@ -305,7 +311,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
             )
             starts = None if doc_starts is None else doc_starts[lo : lo + self.micro_batch]
             sync = micro == cfg.grad_accum - 1 or self.dist.world_size == 1
-            with self._grad_sync(sync):
+            with self._grad_sync(sync), ids_context():
                 part = self._loss_sum(x, y, starts)
                 # DDP and FSDP average gradients over ranks: scale by world_size to get the sum.
                 (part * (self.dist.world_size / n_scored)).backward()

@@ -3,6 +3,10 @@ and the small loads and products the kernels are written with. Equations: docs/d
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -20,10 +24,24 @@ CHUNK = tl.constexpr(TRITON_CHUNK_SIZE)  # the number lives in ops/chunk.py
 SUB = tl.constexpr(16)  # tokens per sub-block of the prepare kernel (CHUNK = 4 · SUB)
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for launch grids. Not ``triton.cdiv``: in recent Triton (3.9 measured here; the
+    wrapper came with ``constexpr_function``, Triton 3.5) that is a ``constexpr_function`` whose
+    host calls unwrap every argument, ~4 µs a call on this CPU, a dozen calls per forward +
+    backward (benchmarks/host_overhead.py)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0, as Triton's): ``triton.next_power_of_2``
+    without its constexpr_function wrapper (see :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def head_block(n: int) -> int:
     """Register block covering a head dim of ``n`` columns: a power of two, at least 16
     (the smallest tl.dot operand)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def dot_precision(dot_dtype: torch.dtype) -> str:
@@ -41,21 +59,27 @@ class ChunkTables(NamedTuple):
     chunk_offsets: Tensor  # int32 [N + 1]: first chunk of each sequence
     chunk_indices: Tensor  # int32 [n_chunks, 2]: (sequence, chunk in sequence) of every chunk
     n_chunks: int
+    # fp32 [1], never read: what a launcher passes for an absent fp32 pointer (the forward's T),
+    # so that one compiled kernel serves both (a pointer's dtype is part of Triton's key)
+    placeholder: Tensor
 
 
-def chunk_tables(cu_seqlens: Tensor | None, B: int, T: int, device: torch.device) -> ChunkTables:
-    """The chunk tables of ``B`` sequences of ``T`` tokens, or of the packed ``cu_seqlens``."""
+def build_chunk_tables(
+    cu_seqlens: Tensor | None, B: int, T: int, device: torch.device
+) -> ChunkTables:
+    """The chunk tables of ``B`` sequences of ``T`` tokens, or of the packed ``cu_seqlens``
+    (whose chunk count is read on the host: a GPU sync). Uncached: see :func:`chunk_tables`."""
     C = CHUNK.value
     if cu_seqlens is None:
         cu = torch.arange(B + 1, device=device, dtype=torch.int32) * T
-        per_seq = torch.full((B,), triton.cdiv(T, C), device=device, dtype=torch.int32)
+        per_seq = torch.full((B,), cdiv(T, C), device=device, dtype=torch.int32)
     else:
         cu = cu_seqlens.to(device=device, dtype=torch.int32)
         per_seq = (cu[1:] - cu[:-1] + C - 1) // C
     chunk_offsets = torch.zeros(per_seq.numel() + 1, device=device, dtype=torch.int32)
     chunk_offsets[1:] = per_seq.cumsum(0)
     # (sequence, chunk-in-sequence) for every chunk: the grid of the per-chunk kernels
-    n_chunks = B * triton.cdiv(T, C) if cu_seqlens is None else int(chunk_offsets[-1])
+    n_chunks = B * cdiv(T, C) if cu_seqlens is None else int(chunk_offsets[-1])
     seq_of_chunk = torch.repeat_interleave(
         torch.arange(per_seq.numel(), device=device, dtype=torch.int32),
         per_seq.long(),
@@ -65,7 +89,80 @@ def chunk_tables(cu_seqlens: Tensor | None, B: int, T: int, device: torch.device
         :-1
     ].long()[seq_of_chunk.long()].to(torch.int32)
     chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1).contiguous()
-    return ChunkTables(cu, chunk_offsets, chunk_indices, n_chunks)
+    placeholder = torch.empty(1, device=device, dtype=torch.float32)
+    return ChunkTables(cu, chunk_offsets, chunk_indices, n_chunks, placeholder)
+
+
+# The tables of the last few batch layouts. Every layer's forward and backward of a step asks
+# for the same ones (48 calls a step in the 400M model): built each time they cost ~15 small
+# tensor ops, each a GPU kernel launch, and for packed sequences a host sync each
+# (benchmarks/NOTES.md, "Issue 31, session 16: the op's host time"). Keys: (B, T, device); for
+# packed sequences also the offsets tensor itself, by identity, version and address (a tensor
+# changed in place, or a new one, is a miss; a weak reference tells a reused id apart).
+TABLES_CACHE_SIZE = 16
+_tables: OrderedDict[tuple, tuple[weakref.ref | None, ChunkTables]] = OrderedDict()
+
+
+def chunk_tables(cu_seqlens: Tensor | None, B: int, T: int, device: torch.device) -> ChunkTables:
+    """The chunk tables of ``B`` sequences of ``T`` tokens, or of the packed ``cu_seqlens``,
+    from a small LRU cache (:data:`TABLES_CACHE_SIZE` entries) when possible."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph capture: the graph's memory pool owns what is allocated now, and a
+        # cached entry could be freed (evicted) while the graph still reads it. Replays run no
+        # Python, so a cache would save nothing there.
+        return build_chunk_tables(cu_seqlens, B, T, device)
+    ref = None
+    if cu_seqlens is None:
+        key: tuple = (B, T, device)
+    elif cu_seqlens.is_inference():  # no version counter to tell an in-place change
+        return build_chunk_tables(cu_seqlens, B, T, device)
+    else:
+        key = (id(cu_seqlens), cu_seqlens._version, cu_seqlens.data_ptr(), B, T, device)
+        ref = weakref.ref(cu_seqlens)
+    hit = _tables.get(key)
+    if hit is not None and (hit[0] is None or hit[0]() is cu_seqlens):
+        _tables.move_to_end(key)
+        return hit[1]
+    tables = _outside_graph_pools(lambda: build_chunk_tables(cu_seqlens, B, T, device), device)
+    _tables[key] = (ref, tables)
+    while len(_tables) > TABLES_CACHE_SIZE:
+        _release(_tables.popitem(last=False)[1][1])
+    return tables
+
+
+def _outside_graph_pools(build: Callable[[], ChunkTables], device: torch.device) -> ChunkTables:
+    """``build()``, on a GPU from a thread of its own (on the caller's stream, which waits for
+    it): cudagraph trees (torch.compile's "reduce-overhead") warm a graph up with every
+    allocation *of the warming thread* sent to the graph's memory pool, and refuse tensors there
+    that outlive the graph (``check_memory_pool``): a cached table built on the warming thread
+    would be one. Once per cache miss; the caller waits for the thread, not for the GPU."""
+    if device.type != "cuda":
+        return build()
+    stream = torch.cuda.current_stream(device)
+    done: list = []
+
+    def target() -> None:
+        try:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                done.append(build())
+        except BaseException as error:  # noqa: BLE001 - re-raised on the caller's thread
+            done.append(error)
+
+    thread = threading.Thread(target=target, name="deltaflow-chunk-tables")
+    thread.start()
+    thread.join()
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
+
+
+def _release(tables: ChunkTables) -> None:
+    """Forget an evicted entry. Its GPU memory returns to the pool of the stream it was built
+    on; kernels of the current stream may still be queued to read it, so its reuse waits for
+    them (``record_stream``)."""
+    for t in (tables.cu_seqlens, tables.chunk_offsets, tables.chunk_indices, tables.placeholder):
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import triton.language as tl
 from torch import Tensor
 
 from deltaflow.ops.triton import rules as rule_table
-from deltaflow.ops.triton.common import head_block
+from deltaflow.ops.triton.common import cdiv, head_block
 
 # Launch settings.
 DECODE_BV = 32
@@ -90,7 +90,7 @@ def launch_decode(
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     BV = min(head_block(Dv), DECODE_BV)
-    decode_kernel[(triton.cdiv(Dv, BV), B * H)](
+    decode_kernel[(cdiv(Dv, BV), B * H)](
         q_ptr=q,
         k_ptr=k,
         v_ptr=v,

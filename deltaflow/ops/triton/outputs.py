@@ -12,6 +12,7 @@ from torch import Tensor
 from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
+    cdiv,
     chunk_bounds,
     chunk_gamma,
     decay_matrix,
@@ -98,7 +99,7 @@ def launch_outputs(
         return
     H, Dk, Dv = q.shape[2], q.shape[3], v_new.shape[3]
     BV = min(head_block(Dv), OUTPUT_BV)
-    chunk_output_kernel[(triton.cdiv(Dv, BV), tables.n_chunks, H)](
+    chunk_output_kernel[(cdiv(Dv, BV), tables.n_chunks, H)](
         q_ptr=q,
         k_ptr=k,
         h_ptr=h,

@@ -263,7 +263,7 @@ def launch_prepare(
         g_ptr=k if log_decay is None else log_decay,
         w_ptr=w,
         u_ptr=u,
-        t_ptr=k.new_empty(1, dtype=torch.float32) if t is None else t,  # one dtype: one kernel
+        t_ptr=tables.placeholder if t is None else t,  # fp32 either way: one kernel
         first_bad_ptr=first_bad,
         cu_seqlens_ptr=tables.cu_seqlens,
         chunk_indices_ptr=tables.chunk_indices,

@@ -24,6 +24,7 @@ from torch import Tensor
 from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
+    cdiv,
     chunk_gamma,
     decay_matrix,
     dot_precision,
@@ -151,7 +152,7 @@ def launch_forward(
     H, Dk, Dv = q.shape[2], q.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv), FUSED_BV_FP32 if q.dtype == torch.float32 else FUSED_BV)
-    chunk_forward_kernel[(triton.cdiv(Dv, BV), N * H)](
+    chunk_forward_kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
         w_ptr=w,
@@ -267,7 +268,7 @@ def launch_states(
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv), block_v)
-    chunk_states_kernel[(triton.cdiv(Dv, BV), N * H)](
+    chunk_states_kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,
         u_ptr=u,
@@ -383,7 +384,7 @@ def launch_dstates(
     w: Tensor,
     log_decay: Tensor | None,
     grad_o: Tensor,
-    grad_final_state: Tensor,
+    grad_final_state: Tensor | None,
     tables: ChunkTables,
     scale: float,
     dh: Tensor,
@@ -391,17 +392,18 @@ def launch_dstates(
     d_initial_state: Tensor,
 ) -> None:
     """(7)–(8) from each sequence's end: ``dh`` (the state's gradient leaving every chunk),
-    ``du`` (dU, like v) and ``d_initial_state`` ([N, H, Dk, Dv] fp32)."""
+    ``du`` (dU, like v) and ``d_initial_state`` ([N, H, Dk, Dv] fp32). ``grad_final_state``
+    None: the final state was not used (its gradient is zero, and no zeros are read)."""
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv), DSTATES_BV)
-    chunk_dstates_kernel[(triton.cdiv(Dv, BV), N * H)](
+    chunk_dstates_kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
         w_ptr=w,
         g_ptr=q if log_decay is None else log_decay,
         do_ptr=grad_o,
-        dsT_ptr=grad_final_state,
+        dsT_ptr=tables.placeholder if grad_final_state is None else grad_final_state,
         dh_ptr=dh,
         du_ptr=du,
         ds0_ptr=d_initial_state,
@@ -414,7 +416,7 @@ def launch_dstates(
         BK=head_block(Dk),
         BV=BV,
         HAS_DECAY=log_decay is not None,
-        HAS_DST=True,
+        HAS_DST=grad_final_state is not None,
         PREC=dot_precision(q.dtype),
         num_warps=DSTATES_WARPS,
         num_stages=DSTATES_STAGES,

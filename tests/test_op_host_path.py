@@ -1,0 +1,146 @@
+"""The op's host path after issue 31's host-time cuts (benchmarks/host_overhead.py; NOTES.md,
+"Issue 31, session 16: the op's host time"): the chunk tables cache, the backward without a
+final-state gradient, the shared final-state buffer, and the launch arithmetic that replaced
+Triton's host helpers. Each gives exactly (bit for bit) what it replaced; on the CPU interpreter
+here, on the GPU where there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _inputs import make_inputs
+
+from deltaflow import delta_rule
+
+triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
+if not triton_backend.available():
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+import triton  # noqa: E402
+
+from deltaflow.ops.triton import common  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
+
+
+def test_launch_arithmetic_is_tritons():
+    for n in range(0, 1100):
+        assert common.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 3, 16, 64):
+            assert common.cdiv(n, b) == triton.cdiv(n, b), (n, b)
+
+
+def _same_tables(a: common.ChunkTables, b: common.ChunkTables) -> None:
+    assert a.n_chunks == b.n_chunks
+    for x, y in zip(a[:3], b[:3]):
+        assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y)
+    assert a.placeholder.dtype == torch.float32 and a.placeholder.numel() == 1
+
+
+def test_chunk_tables_are_cached_and_equal_built_ones(monkeypatch):
+    monkeypatch.setattr(common, "_tables", type(common._tables)())
+    for B, T in ((2, 130), (1, 64), (3, 1)):
+        tables = common.chunk_tables(None, B, T, DEVICE)
+        assert common.chunk_tables(None, B, T, DEVICE) is tables  # a hit: nothing rebuilt
+        _same_tables(tables, common.build_chunk_tables(None, B, T, DEVICE))
+
+    # Packed sequences: cached per offsets tensor, rebuilt when it changes in place or when
+    # another tensor (same values or not) comes.
+    cu = torch.tensor([0, 5, 69, 69, 70], device=DEVICE)
+    tables = common.chunk_tables(cu, 1, 70, DEVICE)
+    assert common.chunk_tables(cu, 1, 70, DEVICE) is tables
+    _same_tables(tables, common.build_chunk_tables(cu, 1, 70, DEVICE))
+    cu[2] = 64  # in place: the version counter moves
+    changed = common.chunk_tables(cu, 1, 70, DEVICE)
+    assert changed is not tables and changed.n_chunks == 4  # lengths 5, 59, 5, 1
+    _same_tables(changed, common.build_chunk_tables(cu, 1, 70, DEVICE))
+    other = cu.clone()
+    assert common.chunk_tables(other, 1, 70, DEVICE) is not changed
+
+    # An LRU of TABLES_CACHE_SIZE entries: the oldest go, the recent ones stay.
+    monkeypatch.setattr(common, "TABLES_CACHE_SIZE", 3)
+    for T in range(1, 6):
+        common.chunk_tables(None, 1, T, DEVICE)
+    assert len(common._tables) == 3
+    assert list(common._tables)[-1] == (1, 5, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("initial_state", [False, True])
+def test_unused_final_state_gives_the_zero_gradient_bit_for_bit(dtype, initial_state):
+    # A final state that is not used reaches the backward as None (no zeros allocated, the
+    # reverse pass starts from zero: HAS_DST off); used with a zero gradient it is the tensor of
+    # zeros the backward read before. The gradients are the same to the last bit, with and
+    # without an initial state (without one, the state pass's discarded final state and the
+    # discarded initial-state gradient share one buffer).
+    inputs = make_inputs(1, 70, 2, 16, 16, rule="delta", dtype=torch.float32, seed=3)
+    inputs["initial_state"] = inputs["initial_state"] if initial_state else None
+    grads = []
+    for use_state in (False, True):
+        leaves = {
+            n: None if x is None else x.to(DEVICE, dtype).requires_grad_()
+            for n, x in inputs.items()
+        }
+        leaves["beta"] = leaves["beta"].detach().float().requires_grad_()
+        leaves["log_decay"] = leaves["log_decay"].detach().float().requires_grad_()
+        o, s = delta_rule(**leaves, output_final_state=use_state, backend="triton")
+        loss = o.float().sin().sum() + (0.0 * s.sum() if use_state else 0.0)
+        loss.backward()
+        grads.append([leaves[n].grad for n in NAMES if leaves[n] is not None])
+    for g_none, g_zero in zip(*grads):
+        assert g_none.dtype == g_zero.dtype and torch.equal(g_none, g_zero)
+
+
+def test_poisoned_outputs_are_all_written(monkeypatch):
+    # POISON_OUTPUTS fills every buffer with NaN before its launch: a forward + backward with it
+    # on gives what it gives with it off (every element written), on the cached tables path.
+    inputs = make_inputs(1, 130, 2, 16, 16, rule="delta", dtype=torch.float32, seed=4)
+    results = []
+    for poison in (False, True):
+        monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", poison)
+        leaves = {
+            n: None if x is None else x.to(DEVICE).requires_grad_() for n, x in inputs.items()
+        }
+        o, s = delta_rule(**leaves, output_final_state=True, backend="triton")
+        (o.sin().sum() + s.pow(2).sum()).backward()
+        results.append([o, s, *(leaves[n].grad for n in NAMES)])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cudagraph trees need a GPU")
+def test_reduce_overhead_compile_keeps_the_cached_tables_out_of_the_graph_pool(monkeypatch):
+    # torch.compile(mode="reduce-overhead") warms a graph up with the warming thread's
+    # allocations sent to the graph's memory pool, and its checks refuse a tensor there that
+    # outlives the graph: the tables cache builds its entries on a thread of its own. An empty
+    # cache, so the first (warm-up) call builds them. Gradients: eager's (inductor may round the
+    # loss's own backward differently, so to bf16's tolerance, not bit for bit).
+    monkeypatch.setattr(common, "_tables", type(common._tables)())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T, H, D = 2, 130, 2, 64
+    q, k = (
+        torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", generator=g), dim=-1)
+        for _ in range(2)
+    )
+    v = torch.randn(B, T, H, D, device="cuda", generator=g)
+    beta = torch.rand(B, T, H, device="cuda", generator=g)
+    log_decay = -torch.rand(B, T, H, device="cuda", generator=g)
+    inputs = [x.bfloat16() for x in (q, k, v)] + [beta, log_decay]
+
+    def loss(q, k, v, beta, log_decay):
+        o, _ = delta_rule(q, k, v, beta, log_decay=log_decay, backend="triton", check_values=False)
+        return o.float().square().sum()
+
+    def grads(fn):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        fn(*leaves).backward()
+        return [x.grad for x in leaves]
+
+    compiled = torch.compile(loss, mode="reduce-overhead")
+    for _ in range(4):  # warm-up, recording, replays
+        torch.compiler.cudagraph_mark_step_begin()
+        got = grads(compiled)
+    common._tables.clear()  # nothing cached for the eager reference either
+    for g_compiled, g_eager in zip(got, grads(loss)):
+        torch.testing.assert_close(g_compiled, g_eager, rtol=2e-2, atol=1e-3)
