@@ -96,7 +96,7 @@ if [ -n "$SMOKE" ]; then  # toy sizes; check_training's smoke makes its own corp
   TRAIN_ARGS=(--smoke --steps 1 --warmup 1 --top 0)
 else
   L_INSTALL=60 L_FLA=${L_FLA:-270} L_CHECK=270 L_TRAIN=${L_TRAIN:-150}
-  L_FLA_TIMED=${L_FLA_TIMED:-60}
+  L_FLA_TIMED=${L_FLA_TIMED:-150}  # session 17: 60 s cut fla off with its autotune restored
   DEADLINE=${DEADLINE:-570}
   CHECK_ARGS=(--jobs 10 ${LM[@]+"${LM[@]}"})
   [ ${#LM[@]} -eq 0 ] && echo "issue31_call: no shared/corpus: gradients only" | tee -a "$SUMMARY"

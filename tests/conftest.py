@@ -13,6 +13,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _conv_norm_op_off_on_the_interpreter(monkeypatch):
+    """conv.TRITON_CONV_NORM is on wherever its kernels run, which the interpreter (on above,
+    without a GPU) makes the CPU too: every model test would run the conv interpreted. Off here
+    on the CPU; the tests of the op turn it on themselves (tests/test_conv_norm_triton.py)."""
+    if not torch.cuda.is_available():
+        from deltaflow.layers import conv
+
+        monkeypatch.setattr(conv, "TRITON_CONV_NORM", False)
+
+
 @pytest.fixture
 def seed_and_one_thread():
     """Seed 0 and one torch thread for the test (tiny tensors: one thread is faster, and

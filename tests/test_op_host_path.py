@@ -144,3 +144,76 @@ def test_reduce_overhead_compile_keeps_the_cached_tables_out_of_the_graph_pool(m
     common._tables.clear()  # nothing cached for the eager reference either
     for g_compiled, g_eager in zip(got, grads(loss)):
         torch.testing.assert_close(g_compiled, g_eager, rtol=2e-2, atol=1e-3)
+
+
+def _packed_inputs(lengths: list[int], seed: int, dtype: torch.dtype) -> list:
+    """q, k, v, β, log α of sequences of ``lengths`` packed into one row, and their offsets."""
+    T, H, D = sum(lengths), 2, 16
+    inputs = make_inputs(1, T, H, D, D, rule="delta", dtype=torch.float32, seed=seed)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tensors = [inputs[n].to(DEVICE) for n in ("q", "k", "v", "beta", "log_decay")]
+    return [x.to(dtype) for x in tensors[:3]] + tensors[3:] + [cu.to(DEVICE)]
+
+
+def _packed_loss(q, k, v, beta, log_decay, cu_seqlens):
+    o, _ = delta_rule(
+        q, k, v, beta, log_decay=log_decay, cu_seqlens=cu_seqlens, backend="triton",
+        check_values=False,
+    )  # fmt: skip
+    return o.float().square().sum()
+
+
+def test_packed_sequences_run_ops_marked_unsafe_for_cuda_graphs():
+    # Packed sequences read their chunk count on the host and launch a grid of that size: no
+    # CUDA graph can capture or replay that. Their ops carry the cudagraph_unsafe tag, which
+    # inductor's cudagraph trees read to run such a graph without CUDA graphs; dense batches
+    # keep ops without it (compile.CUDA_GRAPHS replays them).
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    dense = make_inputs(1, 70, 2, 16, 16, rule="delta", dtype=torch.float32, initial_state=False)
+    cases = {
+        "dense": [dense[n].to(DEVICE) for n in ("q", "k", "v", "beta", "log_decay")] + [None],
+        "packed": _packed_inputs([30, 70, 1], seed=1, dtype=torch.float32),
+    }
+    for name, args in cases.items():
+        torch._dynamo.reset()
+        graphs.clear()
+        leaves = [x if x is None or x.dtype == torch.int32 else x.requires_grad_() for x in args]
+        torch.compile(_packed_loss, backend=backend, fullgraph=True)(*leaves).backward()
+        fwd, bwd = graphs
+        ops = {n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+        unsafe = [get_first_incompatible_cudagraph_node(gm) for gm in graphs]
+        deltaflow_ops = {str(op) for op in ops if "deltaflow" in str(op)}
+        if name == "dense":
+            assert deltaflow_ops == {"deltaflow.chunk_fwd.default", "deltaflow.chunk_bwd.default"}
+            assert unsafe == [None, None]
+        else:
+            assert deltaflow_ops == {
+                "deltaflow.chunk_fwd_varlen.default",
+                "deltaflow.chunk_bwd_varlen.default",
+            }
+            assert [str(n.target) for n in unsafe] == [
+                "deltaflow.chunk_fwd_varlen.default",
+                "deltaflow.chunk_bwd_varlen.default",
+            ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cudagraph trees need a GPU")
+def test_reduce_overhead_compile_of_packed_sequences_follows_each_batch_layout():
+    # Under mode="reduce-overhead" a graph with packed sequences runs without CUDA graphs (its
+    # ops are cudagraph_unsafe): each batch's own layout, never the first one's replayed.
+    compiled = torch.compile(_packed_loss, mode="reduce-overhead")
+    for step, lengths in enumerate(([30, 70, 1], [64, 37], [101], [3, 98])):
+        args = _packed_inputs(lengths, seed=step, dtype=torch.bfloat16)
+        torch.compiler.cudagraph_mark_step_begin()
+        got = compiled(*args)
+        torch.testing.assert_close(got, _packed_loss(*args), rtol=2e-2, atol=1e-3)

@@ -22,8 +22,8 @@ dx[t] = sum_s w[W-1-s] dz[t+s] within t's sequence. (The first form did both in 
 recomputing z at each of the W shifts dx needs: 10x its bytes floor on the H100.) No initial
 conv state: decoding keeps the op-by-op path.
 
-The switch that routes the layer here is ``deltaflow.layers.conv.TRITON_CONV_NORM`` (off);
-the torch reference is :func:`reference`. Prediction: benchmarks/NOTES.md, "Issue 31,
+The switch that routes the layer here is ``deltaflow.layers.conv.TRITON_CONV_NORM`` (on since
+session 17); the torch reference is :func:`reference`. Prediction: benchmarks/NOTES.md, "Issue 31,
 session 15: conv + SiLU + L2 norm in one kernel".
 """
 

@@ -125,7 +125,7 @@ def _saved_ops() -> frozenset:
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
     # the Triton ops (registered on import)
-    for name in ("chunk_fwd", "short_conv_fwd", "conv_silu_l2_fwd"):
+    for name in ("chunk_fwd", "chunk_fwd_varlen", "short_conv_fwd", "conv_silu_l2_fwd"):
         if hasattr(torch.ops, "deltaflow") and hasattr(torch.ops.deltaflow, name):
             ops.add(getattr(torch.ops.deltaflow, name).default)
     # The marker of keep_for_backward: in the graph only with the 'mixer_inputs' part on.

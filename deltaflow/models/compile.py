@@ -32,12 +32,15 @@ WARMUP_SECONDS = {"cuda": 40, "cpu": 90}
 
 # Blocks compiled with mode="reduce-overhead": inductor replays each block's forward and
 # backward from CUDA graphs (cudagraph trees), so the host launches one graph per block instead
-# of its ~70 kernels and the custom ops' Python. Off: untimed. Why it may pay: the H100 step of
-# the 400M model is host-bound (session 16, benchmarks/NOTES.md: its kernels sum to 133-149 ms
-# of a ~165 ms step; the op's host time alone ~50 ms a profiled step). The trainer marks each
-# step's start (torch.compiler.cudagraph_mark_step_begin) so a replay never overwrites outputs
-# still in use. CUDA and inductor only (elsewhere compile_blocks leaves the mode unset).
-CUDA_GRAPHS = False
+# of its ~70 kernels and the custom ops' Python. Why: the H100 step of the 400M model was
+# host-bound (session 16: its kernels sum to 133-149 ms of a ~165 ms step). Measured session 17
+# (H100, B=8 T=2048, conv norm op on): pure bf16 109.1k -> 126.6k tok/s, the trainer's step
+# 101.6k -> 115.7k (benchmarks/NOTES.md, "Issue 31, session 17"). Packed sequences run their
+# graphs without CUDA graphs (their ops are cudagraph_unsafe: ops/triton_ops.py). The trainer
+# marks each step's start (torch.compiler.cudagraph_mark_step_begin) so a replay never
+# overwrites outputs still in use. CUDA and inductor only (elsewhere compile_blocks leaves the
+# mode unset).
+CUDA_GRAPHS = True
 
 
 def resolve_compile(mode: str, device: torch.device) -> bool:

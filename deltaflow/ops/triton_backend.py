@@ -30,7 +30,10 @@ from torch import Tensor
 from deltaflow.ops.triton_ops import (  # noqa: F401  (the ops re-exported, registered here)
     SAVE_MODES,
     chunk_bwd_op,
+    chunk_bwd_varlen_op,
+    chunk_fwd_for,
     chunk_fwd_op,
+    chunk_fwd_varlen_op,
     chunk_rows,
     decode_step_op,
     dot_dtype,
@@ -502,7 +505,8 @@ def delta_rule(
 ) -> tuple[Tensor, Tensor | None]:
     """``chunk_size``: None or CHUNK (64); anything else is refused, not ignored."""
     _check_chunk_size(chunk_size)
-    o, state, *_kept = chunk_fwd_op(  # what the forward keeps lives on in autograd's graph
+    # the packed sequences' op is marked unsafe for CUDA graphs (triton_ops.chunk_fwd_for)
+    o, state, *_kept = chunk_fwd_for(cu_seqlens)(  # the kept tensors live on in autograd
         q,
         k,
         v,

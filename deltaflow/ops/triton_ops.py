@@ -96,8 +96,7 @@ def _slots(kept: dict[str, Tensor], like: Tensor) -> tuple[Tensor, ...]:
     return tuple(kept[name] if name in kept else like.new_empty(0) for name in KEPT)
 
 
-@torch.library.custom_op("deltaflow::chunk_fwd", mutates_args=())
-def chunk_fwd_op(
+def _chunk_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -134,8 +133,7 @@ def chunk_fwd_op(
     return (o, final_state, *_slots(kept, q))
 
 
-@chunk_fwd_op.register_fake
-def _(q, k, v, beta, log_decay, initial_state, cu_seqlens, *options):
+def _chunk_fwd_fake(q, k, v, beta, log_decay, initial_state, cu_seqlens, *options):
     save = options[-1]
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
@@ -151,8 +149,7 @@ def _(q, k, v, beta, log_decay, initial_state, cu_seqlens, *options):
     )
 
 
-@torch.library.custom_op("deltaflow::chunk_bwd", mutates_args=())
-def chunk_bwd_op(
+def _chunk_bwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -199,8 +196,7 @@ def chunk_bwd_op(
     return [q.new_empty(0) if g is None else g for g in grads]
 
 
-@chunk_bwd_op.register_fake
-def _(q, k, v, beta, log_decay, initial_state, *rest):
+def _chunk_bwd_fake(q, k, v, beta, log_decay, initial_state, *rest):
     # Contiguous, as the kernels write them: empty_like would copy a permuted input's strides,
     # and torch.compile would then read the real (contiguous) gradients through wrong strides.
     return [
@@ -228,7 +224,7 @@ def _chunk_fwd_backward(ctx, grad_o, grad_state, *_kept_grads):
         grad_o = torch.zeros_like(v)
     # grad_state stays None when the final state was not used (training): the reverse pass then
     # starts from zero without reading a tensor of zeros (no allocation, no fill each layer)
-    grads = chunk_bwd_op(
+    grads = (chunk_bwd_op if cu_seqlens is None else chunk_bwd_varlen_op)(
         q,
         k,
         v,
@@ -247,7 +243,30 @@ def _chunk_fwd_backward(ctx, grad_o, grad_state, *_kept_grads):
     return (*grads, None, None, None, None, None, None, None)
 
 
-chunk_fwd_op.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
+# Two pairs of ops, one implementation. Packed sequences (cu_seqlens) read their chunk count
+# on the host (a sync) and launch a grid of that size: a CUDA graph can neither capture the sync
+# nor replay another batch's chunk count. Their ops carry the cudagraph_unsafe tag, so that
+# inductor runs a compiled graph holding them without CUDA graphs (compile.CUDA_GRAPHS: dense
+# batches replay graphs, packed documents run as plain compiled code) instead of failing at
+# capture or replaying the first batch's layout.
+_UNSAFE = (torch.Tag.cudagraph_unsafe,)
+chunk_fwd_op = torch.library.custom_op("deltaflow::chunk_fwd", _chunk_fwd, mutates_args=())
+chunk_bwd_op = torch.library.custom_op("deltaflow::chunk_bwd", _chunk_bwd, mutates_args=())
+chunk_fwd_varlen_op = torch.library.custom_op(
+    "deltaflow::chunk_fwd_varlen", _chunk_fwd, mutates_args=(), tags=_UNSAFE
+)
+chunk_bwd_varlen_op = torch.library.custom_op(
+    "deltaflow::chunk_bwd_varlen", _chunk_bwd, mutates_args=(), tags=_UNSAFE
+)
+for _fwd, _bwd in ((chunk_fwd_op, chunk_bwd_op), (chunk_fwd_varlen_op, chunk_bwd_varlen_op)):
+    _fwd.register_fake(_chunk_fwd_fake)
+    _bwd.register_fake(_chunk_bwd_fake)
+    _fwd.register_autograd(_chunk_fwd_backward, setup_context=_setup_context)
+
+
+def chunk_fwd_for(cu_seqlens: Tensor | None):  # noqa: ANN201 - a CustomOpDef
+    """The forward op for dense (None) or packed sequences."""
+    return chunk_fwd_op if cu_seqlens is None else chunk_fwd_varlen_op
 
 
 @torch.library.custom_op("deltaflow::decode_step", mutates_args=("state",))
