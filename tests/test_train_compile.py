@@ -230,6 +230,33 @@ def test_cuda_graphs_switch_reaches_the_blocks_and_marks_each_step(tmp_path, mon
     marks: list[int] = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     trainer, _ = _train(tmp_path, "blocks", "graphs")
-    assert trainer.cuda_graphs and len(marks) == 2  # one per step
+    # one per step (the trainer), one for the final evaluation's batch (the model, without grad)
+    assert trainer.cuda_graphs and len(marks) == 3
     start = next(r for r in read_log(tmp_path / "graphs") if r.get("event") == "start")
     assert start["cuda_graphs"] is True
+
+
+def test_graphed_blocks_mark_a_step_at_each_forward_without_grad(monkeypatch):
+    """Blocks replayed from CUDA graphs: a forward without grad (evaluation) starts a
+    cudagraph-trees step of its own (session 17's GPU check: the second evaluation batch failed
+    on the first's overwritten outputs); a forward with grad leaves it to the trainer;
+    uncompiling forgets it."""
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: setattr(self, "_compiled_call_impl", None)
+    )
+    monkeypatch.setattr(compile_mod, "cuda_graphs_on", lambda model, backend="inductor": True)
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    model = _model()
+    compile_mod.compile_blocks(model)
+    ids = torch.randint(0, 16, (1, 8))
+    model(input_ids=ids)
+    assert marks == []
+    with torch.no_grad():
+        model(input_ids=ids)
+        model(input_ids=ids)
+    assert marks == [1, 1]
+    compile_mod.uncompile_blocks(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert marks == [1, 1]

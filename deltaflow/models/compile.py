@@ -90,6 +90,15 @@ def uncompile_blocks(model: nn.Module) -> None:
         block._compiled_call_impl = None  # what nn.Module.compile set
         if hasattr(block, "selective_checkpointing"):
             block.selective_checkpointing = ()
+    _set_graphed(model, False)
+
+
+def _set_graphed(model: nn.Module, on: bool) -> None:
+    """Tell the module holding the blocks whether they replay CUDA graphs: its forward then
+    starts a new cudagraph-trees step when it runs without grad (DeltaFlowModel.forward)."""
+    owner = getattr(model, "model", model)
+    if on or hasattr(owner, "cuda_graph_blocks"):
+        owner.cuda_graph_blocks = on
 
 
 def compile_blocks(
@@ -130,6 +139,7 @@ def compile_blocks(
         if hasattr(block, "selective_checkpointing"):
             block.selective_checkpointing = tuple(parts)
         block.compile(fullgraph=fullgraph, dynamic=dynamic, backend=backend, **mode)
+    _set_graphed(model, bool(mode))
     return len(layers)
 
 

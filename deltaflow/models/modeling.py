@@ -235,6 +235,12 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
                     "a cache"
                 )
 
+        if getattr(self, "cuda_graph_blocks", False) and not torch.is_grad_enabled():
+            # Blocks replayed from CUDA graphs (compile.CUDA_GRAPHS): a forward without grad
+            # (evaluation) leaves no backward pending, so it starts a cudagraph-trees step of
+            # its own; without it a second evaluation batch fails on the first's outputs. The
+            # trainer marks its training steps itself.
+            torch.compiler.cudagraph_mark_step_begin()
         h = inputs_embeds
         all_hidden: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
