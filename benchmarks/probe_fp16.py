@@ -408,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"probe_fp16: done, {len(results)} runs, {bad} not ok, {time.perf_counter() - START:.0f} s"
     )
+    if pool is not None:  # no wait at exit for the pool's manager thread and terminated workers
+        sys.stdout.flush()
+        os._exit(1 if bad else 0)
     return 1 if bad else 0
 
 

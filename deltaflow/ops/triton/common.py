@@ -45,7 +45,7 @@ def next_power_of_2(n: int) -> int:
 # the other value blocks are 64; a head narrower than 64 columns still gets a block of its own
 # width. 64 pads such heads to the 64-column kernels (masked: the same sums) that
 # check_triton validates on the GPU: issue 31's suspected cause of float16 NaNs at D = 16
-# (benchmarks/probe_fp16.py tries it as its "wide" variant; NOTES.md, session 17, h17).
+# (benchmarks/probe_fp16.py tries it as its "wide" variant; benchmarks/NOTES.md, h17).
 HALF_MIN_BLOCK = 16
 
 
