@@ -141,6 +141,10 @@ SCRIPTS = [
     ),
     Script("benchmarks/convert_fla_check.py", ("--smoke",), "fla", True),
     Script("benchmarks/smoke_triton.py", ("--smoke",), "smoke_triton: ok", True),
+    # issue 31's float16 probe: fp16 and fp32 at the failing test's shape, the wide variant
+    Script(
+        "benchmarks/probe_fp16.py", ("--smoke",), "probe_fp16: done", True, expect=("verdict: ",)
+    ),
     Script("benchmarks/profile_forward.py", ("--smoke",), "profile_forward: done", True),
     Script(
         "benchmarks/tune_backward.py", ("--smoke", "--profile", "--out", "{tmp}"), "wrote", True

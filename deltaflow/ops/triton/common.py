@@ -38,10 +38,23 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def head_block(n: int) -> int:
+# The narrowest head block (key or value columns a program holds) launched with bf16/fp16
+# operands. 16, head_block's own floor, is what every launch has used. Triton 3.6 on Hopper
+# miscompiled the half-precision state pass at 16 and 32 value columns (benchmarks/NOTES.md:
+# v2's "Invalid __shared__ read", issue 30's illegal address at 32), which is why FUSED_BV and
+# the other value blocks are 64; a head narrower than 64 columns still gets a block of its own
+# width. 64 pads such heads to the 64-column kernels (masked: the same sums) that
+# check_triton validates on the GPU: issue 31's suspected cause of float16 NaNs at D = 16
+# (benchmarks/probe_fp16.py tries it as its "wide" variant; benchmarks/NOTES.md, h17).
+HALF_MIN_BLOCK = 16
+
+
+def head_block(n: int, dtype: torch.dtype | None = None) -> int:
     """Register block covering a head dim of ``n`` columns: a power of two, at least 16
-    (the smallest tl.dot operand)."""
-    return max(16, next_power_of_2(n))
+    (the smallest tl.dot operand), and at least :data:`HALF_MIN_BLOCK` for bf16/fp16
+    operands (``dtype``: the dot dtype of the launch)."""
+    floor = HALF_MIN_BLOCK if dtype in (torch.bfloat16, torch.float16) else 16
+    return max(floor, next_power_of_2(n))
 
 
 def dot_precision(dot_dtype: torch.dtype) -> str:

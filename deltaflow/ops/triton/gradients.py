@@ -337,8 +337,8 @@ def launch_gradients(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk),
-        BV=min(head_block(Dv), GRADS_BV_FP32 if fp32 else GRADS_BV),
+        BK=head_block(Dk, q.dtype),
+        BV=min(head_block(Dv, q.dtype), GRADS_BV_FP32 if fp32 else GRADS_BV),
         rule=kernel_id,
         neg=int(negative_eigenvalues),
         HAS_BETA=beta is not None,
@@ -365,7 +365,7 @@ def launch_gradients(
         **({} if GRADS_V_MAXNREG is None else {"maxnreg": GRADS_V_MAXNREG}),
     )
     if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
-        key_side["BV"] = min(head_block(Dv), GRADS_BV_FP32)
+        key_side["BV"] = min(head_block(Dv, q.dtype), GRADS_BV_FP32)
     chunk_grads_k_kernel[grid](
         q_ptr=q,
         k_ptr=k,

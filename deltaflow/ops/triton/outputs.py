@@ -98,7 +98,7 @@ def launch_outputs(
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = q.shape[2], q.shape[3], v_new.shape[3]
-    BV = min(head_block(Dv), OUTPUT_BV)
+    BV = min(head_block(Dv, q.dtype), OUTPUT_BV)
     chunk_output_kernel[(cdiv(Dv, BV), tables.n_chunks, H)](
         q_ptr=q,
         k_ptr=k,
@@ -113,7 +113,7 @@ def launch_outputs(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk),
+        BK=head_block(Dk, q.dtype),
         BV=BV,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(q.dtype),

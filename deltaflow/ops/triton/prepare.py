@@ -272,7 +272,7 @@ def launch_prepare(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        TILE=min(PREPARE_TILE, head_block(max(Dk, Dv))),
+        TILE=min(PREPARE_TILE, head_block(max(Dk, Dv), k.dtype)),
         rule=kernel_id,
         neg=int(negative_eigenvalues),
         HAS_BETA=beta is not None,

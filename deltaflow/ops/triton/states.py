@@ -151,7 +151,7 @@ def launch_forward(
     """The fused forward: ``o`` (like v) and ``final_state`` ([N, H, Dk, Dv] fp32)."""
     H, Dk, Dv = q.shape[2], q.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
-    BV = min(head_block(Dv), FUSED_BV_FP32 if q.dtype == torch.float32 else FUSED_BV)
+    BV = min(head_block(Dv, q.dtype), FUSED_BV_FP32 if q.dtype == torch.float32 else FUSED_BV)
     chunk_forward_kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
@@ -168,7 +168,7 @@ def launch_forward(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk),
+        BK=head_block(Dk, q.dtype),
         BV=BV,
         HAS_DECAY=log_decay is not None,
         HAS_S0=initial_state is not None,
@@ -267,7 +267,7 @@ def launch_states(
     ``v_new`` (U, like v) and ``final_state``, in value blocks of ``block_v`` columns."""
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
-    BV = min(head_block(Dv), block_v)
+    BV = min(head_block(Dv, k.dtype), block_v)
     chunk_states_kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,
@@ -283,7 +283,7 @@ def launch_states(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk),
+        BK=head_block(Dk, k.dtype),
         BV=BV,
         HAS_DECAY=log_decay is not None,
         HAS_S0=initial_state is not None,
@@ -396,7 +396,7 @@ def launch_dstates(
     None: the final state was not used (its gradient is zero, and no zeros are read)."""
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
-    BV = min(head_block(Dv), DSTATES_BV)
+    BV = min(head_block(Dv, q.dtype), DSTATES_BV)
     chunk_dstates_kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
@@ -413,7 +413,7 @@ def launch_dstates(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk),
+        BK=head_block(Dk, q.dtype),
         BV=BV,
         HAS_DECAY=log_decay is not None,
         HAS_DST=grad_final_state is not None,
