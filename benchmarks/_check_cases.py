@@ -22,7 +22,9 @@ NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
 H = 2  # one head count everywhere: H is a compile-time constant of every kernel
 
 # (label, B, T, Dk, Dv, varlen lengths): every chunk boundary case, head sizes not a power of
-# two, Dk != Dv both ways, D = 256, a long sequence, and varlen with empty and 1-token sequences.
+# two, Dk != Dv both ways, D = 256, a long sequence, varlen with empty and 1-token sequences,
+# and heads of 16 columns (half-precision launches pad them to 64-column blocks: 16-column ones
+# were wrong on the H100, common.HALF_MIN_BLOCK).
 SHAPES = [
     ("T=1", 2, 1, 64, 64, None),
     ("T=63", 2, 63, 64, 64, None),
@@ -32,6 +34,9 @@ SHAPES = [
     ("T=4096", 1, 4096, 128, 128, None),
     ("varlen", 1, None, 64, 128, [0, 1, 63, 64, 65, 1000, 0, 300]),
     ("T=200 Dk=Dv=256", 1, 200, 256, 256, None),
+    ("T=130 Dk=Dv=16", 1, 130, 16, 16, None),
+    ("T=70 Dk=16 Dv=64", 1, 70, 16, 64, None),
+    ("T=70 Dk=64 Dv=16", 1, 70, 64, 16, None),
 ]
 SMOKE_SHAPES = [("T=65", 1, 65, 32, 16, None)]
 SMOKE_RULES = [

@@ -53,8 +53,11 @@ def test_plan_flag_prints_each_cases_specializations_on_a_cpu() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     blocks = re.split(r"^case \d+: ", proc.stdout, flags=re.M)[1:]
     names = [b.splitlines()[0] for b in blocks]
-    for name in ("compile", "op T=65 delta ne=True fp32", "decode kaczmarz", "decode_graph"):
+    for name in ("compile", "decode kaczmarz", "decode_graph"):
         assert name in names, names
+    # negative eigenvalues alternate with the head sizes: which one T=65's fp32 case gets moves
+    # as shapes are added
+    assert any(re.fullmatch(r"op T=65 delta ne=(True|False) fp32", n) for n in names), names
     for block in blocks:  # every case launches kernels, first listed where first launched
         assert re.search(r"^  [+=] \w+_kernel\[", block, flags=re.M), block
     out = proc.stdout

@@ -44,9 +44,12 @@ def next_power_of_2(n: int) -> int:
 # v2's "Invalid __shared__ read", issue 30's illegal address at 32), which is why FUSED_BV and
 # the other value blocks are 64; a head narrower than 64 columns still gets a block of its own
 # width. 64 pads such heads to the 64-column kernels (masked: the same sums) that
-# check_triton validates on the GPU: issue 31's suspected cause of float16 NaNs at D = 16
-# (benchmarks/probe_fp16.py tries it as its "wide" variant; benchmarks/NOTES.md, h17).
-HALF_MIN_BLOCK = 16
+# check_triton validates on the GPU. Measured (H100, Triton 3.6, session 17,
+# benchmarks/probe_fp16.py, results/issue31/s17call3): with 16-column blocks, heads of 16
+# columns gave NaN from the prepare kernel on in bf16 and fp16, and Dk or Dv = 16 wrong
+# gradients (5e-2 to 0.26 relative); with 64, every probed shape right. Heads of 32 columns
+# were right with 32-column blocks, but 64 is the width the GPU checks validate.
+HALF_MIN_BLOCK = 64
 
 
 def head_block(n: int, dtype: torch.dtype | None = None) -> int:
