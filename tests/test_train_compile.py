@@ -47,7 +47,7 @@ def _model() -> DeltaFlowForCausalLM:
     return DeltaFlowForCausalLM(cfg)
 
 
-def _train(tmp_path, compile: str, name: str) -> tuple[Trainer, dict]:
+def _train(tmp_path, compile: str, name: str, **overrides) -> tuple[Trainer, dict]:
     cfg = TrainConfig(
         task="copy",
         steps=2,
@@ -58,6 +58,7 @@ def _train(tmp_path, compile: str, name: str) -> tuple[Trainer, dict]:
         compile=compile,
         progress=False,
         out_dir=str(tmp_path / name),
+        **overrides,
     )
     trainer = Trainer(cfg, model=_model(), task=Copy(), verbose=True, export_final=False)
     summary = trainer.train()
@@ -234,6 +235,19 @@ def test_cuda_graphs_switch_reaches_the_blocks_and_marks_each_step(tmp_path, mon
     assert trainer.cuda_graphs and len(marks) == 3
     start = next(r for r in read_log(tmp_path / "graphs") if r.get("event") == "start")
     assert start["cuda_graphs"] is True
+    # gradient accumulation: each micro-batch starts after the last one's backward, so each
+    # marks a step of its own
+    marks.clear()
+    trainer, _ = _train(tmp_path, "blocks", "graphs_accum", grad_accum=2)
+    assert trainer.cuda_graphs and len(marks) == 2 * 2 + 1
+
+
+def test_cuda_graphs_asked_where_they_cannot_run_is_refused():
+    with pytest.raises(ValueError, match="cuda_graphs=True needs"):
+        compile_mod.compile_blocks(_model(), backend="aot_eager", cuda_graphs=True)
+    model = _model()
+    compile_mod.compile_blocks(model, backend="aot_eager", cuda_graphs=False)
+    assert not getattr(model.model, "cuda_graph_blocks", False)
 
 
 def test_graphed_blocks_mark_a_step_at_each_forward_without_grad(monkeypatch):

@@ -108,6 +108,7 @@ def compile_blocks(
     fullgraph: bool = True,
     dynamic: bool | None = None,
     backend: str = "inductor",
+    cuda_graphs: bool | None = None,
 ) -> int:
     """Compile every block of a DeltaFlow model in place (``nn.Module.compile``: parameter
     names and ``state_dict`` keys are unchanged). Returns the number of blocks compiled.
@@ -122,7 +123,11 @@ def compile_blocks(
 
     ``backend``: torch.compile's; ``"aot_eager"`` traces the same graphs (fullgraph, the
     checkpointing policy, AOTAutograd) without generating code, for CPU smoke runs of the GPU
-    checks (inductor's C++ compile takes minutes on a small CPU)."""
+    checks (inductor's C++ compile takes minutes on a small CPU).
+
+    ``cuda_graphs``: replay the blocks from CUDA graphs (``mode="reduce-overhead"``); None =
+    :func:`cuda_graphs_on` (the switch, inductor, CUDA present); True where that is False is
+    refused, not ignored."""
     layers = _blocks(model)
     if layers is None:
         raise TypeError(f"compile_blocks: {type(model).__name__} has no .layers to compile")
@@ -134,7 +139,15 @@ def compile_blocks(
             torch._dynamo.config.accumulated_cache_size_limit, 4 * limit
         )
     parts = selective_parts(selective_checkpointing)  # before compiling: a typo fails now
-    mode = {"mode": "reduce-overhead"} if cuda_graphs_on(model, backend) else {}
+    possible = cuda_graphs_on(model, backend)
+    if cuda_graphs and not possible:
+        raise ValueError(
+            "cuda_graphs=True needs compile.CUDA_GRAPHS on, backend='inductor' and CUDA, "
+            f"got CUDA_GRAPHS={CUDA_GRAPHS}, backend={backend!r}, "
+            f"CUDA available: {torch.cuda.is_available()}"
+        )
+    graphs = possible if cuda_graphs is None else cuda_graphs
+    mode = {"mode": "reduce-overhead"} if graphs else {}
     for block in layers:
         if hasattr(block, "selective_checkpointing"):
             block.selective_checkpointing = tuple(parts)

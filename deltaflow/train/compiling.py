@@ -89,8 +89,12 @@ class CompileMixin:
 
     def _compile_model(self) -> None:
         if self.compiled:
-            compile_blocks(self.raw_model)  # in place: parameter names are unchanged
-            self.cuda_graphs = cuda_graphs_on(self.raw_model)
+            # No CUDA graphs under FSDP: its hooks all-gather each block's weights into fresh
+            # buffers around the block (none of it measured under graphs; DDP's reduction runs
+            # on the gradients after the graphs and keeps them).
+            graphs = cuda_graphs_on(self.raw_model) and not getattr(self, "sharded", False)
+            compile_blocks(self.raw_model, cuda_graphs=graphs)  # in place: names unchanged
+            self.cuda_graphs = graphs
 
     def _compile_record(self) -> dict[str, Any]:
         """The start event's fields: what the run compiles (and why not, where it fell back)."""

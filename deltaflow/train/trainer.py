@@ -296,8 +296,6 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        if self.cuda_graphs:  # a new step: the graphs' outputs from the last one are done with
-            torch.compiler.cudagraph_mark_step_begin()
         loss_sum = torch.zeros((), device=self.device)
         rank_rows = cfg.batch_size // self.layout.dp_size
         start = self.layout.dp_rank * rank_rows
@@ -311,6 +309,8 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
             )
             starts = None if doc_starts is None else doc_starts[lo : lo + self.micro_batch]
             sync = micro == cfg.grad_accum - 1 or self.dist.world_size == 1
+            if self.cuda_graphs:  # each micro-batch: the last one's graph outputs are done with
+                torch.compiler.cudagraph_mark_step_begin()
             with self._grad_sync(sync), ids_context():
                 part = self._loss_sum(x, y, starts)
                 # DDP and FSDP average gradients over ranks: scale by world_size to get the sum.
