@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 
 # The stages in launch order: the order in which pin_cache_keys hashes their kernels.
-STAGES = ("prepare", "states", "outputs", "gradients", "decode")
+STAGES = ("prepare", "states", "segment_states", "outputs", "gradients", "decode")
 
 
 def pin_cache_keys() -> None:
