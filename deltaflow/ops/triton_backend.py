@@ -186,6 +186,8 @@ def _segments(
     chunks = SEGMENT_CHUNKS or max(
         SEGMENT_MIN_CHUNKS, cdiv(tables.n_chunks * blocks, SEGMENT_WAVES * sms)
     )
+    if not SEGMENT_CHUNKS and not packed:  # equal segments: 64 chunks in 2 x 32, not 63 + 1
+        chunks = cdiv(cdiv(T, CHUNK.value), cdiv(cdiv(T, CHUNK.value), chunks))
     segments = segment_tables(tables, B, T, packed, chunks)
     return segments if segments.slots > 0 else None
 
