@@ -231,7 +231,7 @@ def segment_states_kernel(
 ):
     """Step 1 forward: ``[P | S_loc]`` of one segment, head and BV columns, stored at the
     segment's end (fp32; NaN after a chunk with a non-finite input, as the state pass's states)."""
-    i_v, i_sh = tl.program_id(0), tl.program_id(1)
+    i_sh, i_v = tl.program_id(0), tl.program_id(1)  # rows first: grid dim 0 has no 65535 cap
     i_n, i_h, start, end, c_first, is_value, col, mask_col, outer = _slot(
         bounds_ptr, i_v, i_sh, N, H, Dk, Dv, BV, NKB
     )
@@ -288,7 +288,7 @@ def segment_dstates_kernel(
     """Step 1 reverse: ``[Pᵀ | G_loc]`` of one segment, head and BV columns, from its last chunk
     to its first (the reverse pass's chunk step, (7)–(8); the transition columns have dO = 0,
     so they skip the products with Q and dO), stored at the segment's start in fp32."""
-    i_v, i_sh = tl.program_id(0), tl.program_id(1)
+    i_sh, i_v = tl.program_id(0), tl.program_id(1)  # rows first: grid dim 0 has no 65535 cap
     i_n, i_h, start, end, c_first, is_value, col, mask_col, outer = _slot(
         bounds_ptr, i_v, i_sh, N, H, Dk, Dv, BV, NKB
     )
@@ -375,7 +375,7 @@ def launch_segmented_states(
         return
     BV, NKB, NVB = _block(Dk, Dv, block_v)
     trans = output(segments.slots, N, H, Dk, Dk + Dv, like=k, dtype=torch.float32)
-    segment_states_kernel[(NKB + NVB, segments.slots * N * H)](
+    segment_states_kernel[(segments.slots * N * H, NKB + NVB)](
         k_ptr=k,
         w_ptr=w,
         u_ptr=u,
@@ -445,7 +445,7 @@ def launch_segmented_dstates(
         return
     BV, NKB, NVB = _block(Dk, Dv, states.DSTATES_BV)
     trans = output(segments.slots, N, H, Dk, Dk + Dv, like=q, dtype=torch.float32)
-    segment_dstates_kernel[(NKB + NVB, segments.slots * N * H)](
+    segment_dstates_kernel[(segments.slots * N * H, NKB + NVB)](
         q_ptr=q,
         k_ptr=k,
         w_ptr=w,
