@@ -126,8 +126,10 @@ def build_segment_tables(
 
 
 # Segment tables per chunk-table object and segment length: chunk_tables caches its tables per
-# batch layout, so the same object comes back every layer and step; building reads the offsets
-# on the host (a sync for packed sequences, as build_chunk_tables' chunk count already is).
+# batch layout, so the same object comes back every layer and step. Building waits for the GPU
+# once per layout: packed offsets are read on the host (as build_chunk_tables' chunk count
+# already is) and the tables are copied from host lists. Not under CUDA-graph capture (there
+# chunk_tables builds new tables, so this misses and copies): a switch-on limitation for now.
 SEGMENT_CACHE_SIZE = 16
 _segment_cache: OrderedDict[tuple[int, int], tuple[ChunkTables, SegmentTables]] = OrderedDict()
 
