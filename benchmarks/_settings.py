@@ -37,6 +37,7 @@ MODULES = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "triton_backend.SAVE_FOR_BACKWARD": ("none", "prepare", "states"),
     "triton_backend.FORWARD_MODE": ("auto", "fused", "two_pass"),
+    "triton_backend.SEQUENCE_PARALLEL_STATES": ("off", "on", "auto"),
     "loss.FUSED_CE_BACKEND": ("auto", "torch", "liger"),
 }
 # Modules of which only some constants are read at call time: the others are bound at import

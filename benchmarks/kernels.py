@@ -4,13 +4,17 @@ backend, same run, same GPU, medians of ``triton.testing.do_bench``.
     python benchmarks/kernels.py [--out benchmarks/results] [--skip-torch] [--rounds 2]
     python benchmarks/kernels.py --smoke     # CPU, Triton interpreter, tiny shapes, no fla (CI)
     python benchmarks/kernels.py --save-for-backward [--rounds 3]   # what the forward keeps
+    python benchmarks/kernels.py --sequence-parallel [--rounds 3]   # segmented state passes
 
 ``--save-for-backward``: instead of the table below, delta with decay's forward and forward +
 backward at ``SAVE_SHAPES`` under each ``triton_backend.SAVE_FOR_BACKWARD`` value ("none",
 "prepare", "states"), interleaved in one process, with the bytes autograd keeps from the forward
 beyond the inputs, the peak memory of a forward + backward, and the gradients' largest relative
 difference from "none" (benchmarks/NOTES.md, "Issue 31/32, session 16"). Writes
-``kernels_save_<device>.json`` and ``.md``.
+``kernels_save_<device>.json`` and ``.md``. ``--sequence-parallel``: the same table for
+``triton_backend.SEQUENCE_PARALLEL_STATES`` "off" and "on" at ``SEQUENCE_PARALLEL_SHAPES``
+(benchmarks/NOTES.md, "Issue 32, session 17"; gradients vs "off": rounding, not 0), written to
+``kernels_seqpar_<device>.json`` and ``.md``.
 
 Every Triton rule's forward at the shapes of ``RULE_SHAPES``, delta with decay against fla at
 every shape (forward, forward + backward), and decode. ``--rounds`` interleaves the whole list
@@ -50,6 +54,7 @@ import sys
 import time
 from pathlib import Path
 
+import _settings
 from _common import copy_bandwidth, git_commit, load_fla, smoke_env, smoke_requested
 
 # --warm-only traces launches (Triton's JIT intercepted, no GPU needed): the interpreter would
@@ -76,6 +81,11 @@ DECODE_BATCHES = [1, 64, 256]
 SAVE_SHAPES = [(8, 2048, 8, 128), (2, 8192, 8, 128), (8, 4096, 16, 128)]
 SMOKE_SAVE_SHAPES = [(1, 65, 2, 32)]
 SAVE_MODES = ("none", "prepare", "states")
+# --sequence-parallel: the state passes split across segments (issue 32) at the two shapes whose
+# passes leave the H100 idle (32 programs on 132 SMs) and one that fills it (256 programs).
+SEQUENCE_PARALLEL_SHAPES = [(2, 8192, 8, 128), (1, 32768, 16, 128), (8, 4096, 16, 128)]
+SMOKE_SEQUENCE_PARALLEL_SHAPES = [(1, 200, 2, 32)]
+SEQUENCE_PARALLEL_MODES = ("off", "on")
 SMOKE_SHAPES = [(1, 65, 2, 32)]
 SMOKE_DECODE_BATCHES = [1]
 DECODE_HEADS = (16, 128)  # decode's (H, D); smoke: SMOKE_DECODE_HEADS
@@ -244,12 +254,14 @@ def _memory_and_grads(xs, do, fwd) -> tuple[int, int | None, list]:
     return kept, peak, [x.grad.float() for x in xs]
 
 
-def save_for_backward(shapes, rounds: int) -> list[dict]:
-    """Per shape and SAVE_FOR_BACKWARD mode: forward and forward + backward ms (medians of the
-    rounds, the modes interleaved in each), kept and peak bytes, and the gradients' largest
-    relative max-abs difference from mode "none"'s (the same kernels on the same values: 0)."""
+def compare_modes(setting: str, modes: tuple[str, ...], shapes, rounds: int) -> list[dict]:
+    """Per shape and value of ``triton_backend.<setting>`` (``modes``, the first the reference):
+    forward and forward + backward ms (medians of the rounds, the modes interleaved in each),
+    kept and peak bytes, and the gradients' largest relative max-abs difference from the first
+    mode's (SAVE_FOR_BACKWARD: the same kernels on the same values, 0)."""
     from deltaflow.ops import triton_backend
 
+    default = getattr(triton_backend, setting)
     times: dict[tuple, list[float]] = {}
     records: dict[tuple, dict] = {}
     try:
@@ -257,9 +269,9 @@ def save_for_backward(shapes, rounds: int) -> list[dict]:
             for shape in shapes:
                 xs = inputs(*shape, grad=True)
                 do = torch.randn_like(xs[2])
-                ref = None  # mode "none"'s gradients (SAVE_MODES starts with it)
-                for mode in SAVE_MODES:
-                    triton_backend.SAVE_FOR_BACKWARD = mode
+                ref = None  # the first mode's gradients
+                for mode in modes:
+                    setattr(triton_backend, setting, mode)
 
                     def fwd(xs=xs):
                         return delta_rule(*xs[:4], log_decay=xs[4], backend="triton")[0]
@@ -271,7 +283,7 @@ def save_for_backward(shapes, rounds: int) -> list[dict]:
                     for kind, fn in (("forward", fwd), ("fwd_bwd", fwd_bwd)):
                         times.setdefault((*key, kind), []).append(bench(fn))
                     print(
-                        f"round {r}: save {mode} {tuple(shape)} forward "
+                        f"round {r}: {setting} {mode} {tuple(shape)} forward "
                         f"{times[(*key, 'forward')][-1]:.3f} ms, forward+backward "
                         f"{times[(*key, 'fwd_bwd')][-1]:.3f} ms",
                         flush=True,
@@ -286,10 +298,10 @@ def save_for_backward(shapes, rounds: int) -> list[dict]:
                         records[key] = {
                             "kept_bytes": kept,
                             "peak_bytes": peak,
-                            "grad_diff_vs_none": diff,
+                            "grad_diff_vs_first": diff,
                         }
     finally:
-        triton_backend.SAVE_FOR_BACKWARD = "none"
+        setattr(triton_backend, setting, default)
     out = []
     for (shape, mode), rec in records.items():
         B, T, H, _ = shape
@@ -309,14 +321,16 @@ def save_for_backward(shapes, rounds: int) -> list[dict]:
     return out
 
 
-def save_report(records: list[dict], device: str, commit: str, rounds: int) -> list[str]:
+def save_report(
+    records: list[dict], device: str, commit: str, rounds: int, setting: str
+) -> list[str]:
     lines = [
-        f"# SAVE_FOR_BACKWARD: {device}, bf16, delta with decay, commit {commit}",
+        f"# {setting}: {device}, bf16, delta with decay, commit {commit}",
         f"median of {rounds} interleaved rounds of do_bench medians; kept = bytes autograd saves "
         "beyond the inputs; peak = a forward + backward's peak above what was allocated before",
         "",
-        "| (B, T, H, D) | save | forward ms | fwd+bwd ms | rounds (ms) | kept MB "
-        "| kept B/token/head | peak MB | grads vs none |",
+        "| (B, T, H, D) | mode | forward ms | fwd+bwd ms | rounds (ms) | kept MB "
+        "| kept B/token/head | peak MB | grads vs the first mode |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
@@ -325,7 +339,7 @@ def save_report(records: list[dict], device: str, commit: str, rounds: int) -> l
         lines.append(
             f"| {tuple(r['shape'])} | {r['mode']} | {r['forward_ms']:.3f} | {r['fwd_bwd_ms']:.3f} "
             f"| {spread} | {r['kept_bytes'] / 1e6:.1f} | {r['kept_bytes_per_token_head']:.0f} "
-            f"| {peak} | {r['grad_diff_vs_none']:.1e} |"
+            f"| {peak} | {r['grad_diff_vs_first']:.1e} |"
         )
     return lines
 
@@ -439,9 +453,28 @@ def main(argv: list[str] | None = None) -> int:
         help="time forward and forward + backward under each triton_backend.SAVE_FOR_BACKWARD "
         "value in one process, with kept and peak memory (and nothing else)",
     )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="the same with triton_backend.SEQUENCE_PARALLEL_STATES off and on (issue 32)",
+    )
+    _settings.add_settings_arg(parser)
     args = parser.parse_args(argv)
-    if args.save_for_backward and (args.warm_only or args.warm_fla):
-        parser.error("--save-for-backward times; --warm-only / --warm-fla only compile")
+    try:
+        settings = _settings.parse(args.set)
+    except _settings.SettingError as e:  # one line, not argparse's usage block
+        parser.error(str(e))
+    if args.smoke and args.sequence_parallel:  # several segments at the smoke's T = 200
+        settings = {"triton_backend.SEGMENT_CHUNKS": 1, **settings}
+    _settings.apply(settings)
+    if settings:
+        print(f"settings: {json.dumps(settings)}")
+    if args.save_for_backward and args.sequence_parallel:
+        parser.error("--save-for-backward and --sequence-parallel are separate runs: give one")
+    compare = args.save_for_backward or args.sequence_parallel
+    if compare and (args.warm_only or args.warm_fla):
+        parser.error(f"{'--save-for-backward' if args.save_for_backward else '--sequence-parallel'}"
+                     " times; --warm-only / --warm-fla only compile")  # fmt: skip
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warm_only < 0:
@@ -469,22 +502,39 @@ def main(argv: list[str] | None = None) -> int:
         return warm_fla(fla)
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     commit = git_commit()
-    if args.save_for_backward:
+    if compare:
         rounds = 1 if args.smoke else args.rounds
-        records = save_for_backward(SMOKE_SAVE_SHAPES if args.smoke else SAVE_SHAPES, rounds)
-        lines = save_report(records, device, commit, rounds)
+        if args.save_for_backward:
+            setting, modes, name, file = (
+                "SAVE_FOR_BACKWARD",
+                SAVE_MODES,
+                "save-for-backward",
+                "save",
+            )
+            shapes = SMOKE_SAVE_SHAPES if args.smoke else SAVE_SHAPES
+        else:
+            setting, modes, name = (
+                "SEQUENCE_PARALLEL_STATES",
+                SEQUENCE_PARALLEL_MODES,
+                "sequence-parallel",
+            )
+            file = "seqpar"
+            shapes = SMOKE_SEQUENCE_PARALLEL_SHAPES if args.smoke else SEQUENCE_PARALLEL_SHAPES
+        records = compare_modes(setting, modes, shapes, rounds)
+        lines = save_report(records, device, commit, rounds, setting)
         print("\n".join(lines))
         if args.smoke:
-            print(f"smoke ok: {len(records)} save-for-backward measurements ran")
+            print(f"smoke ok: {len(records)} {name} measurements ran")
             return 0
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         tag = device.replace(" ", "_")
         meta = {"device": device, "commit": commit, "torch": torch.__version__, "rounds": rounds}
-        (out / f"kernels_save_{tag}.json").write_text(
+        meta["settings"] = settings
+        (out / f"kernels_{file}_{tag}.json").write_text(
             json.dumps({"meta": meta, "records": records}, indent=1)
         )
-        (out / f"kernels_save_{tag}.md").write_text("\n".join(lines) + "\n")
+        (out / f"kernels_{file}_{tag}.md").write_text("\n".join(lines) + "\n")
         return 0
     bw = copy_bandwidth(DEVICE)
     print(f"{device}: copy bandwidth {bw / 1e12:.2f} TB/s, commit {commit}")
@@ -545,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "rounds": rounds,
+        "settings": settings,  # --set's items
     }
     (out / f"kernels_{tag}.json").write_text(
         json.dumps({"meta": meta, "records": records}, indent=1)

@@ -58,6 +58,14 @@ SCRIPTS = [
         True,
         name="kernels_save",
     ),
+    # the op with triton_backend.SEQUENCE_PARALLEL_STATES off and on (issue 32)
+    Script(
+        "benchmarks/kernels.py",
+        ("--smoke", "--sequence-parallel"),
+        "smoke ok: 2 sequence-parallel measurements ran",
+        True,
+        name="kernels_seqpar",
+    ),
     # the warm-ups trace real launches (no interpreter): what they would compile on a GPU
     Script("benchmarks/kernels.py", ("--smoke", "--warm-only", "2"), "smoke ok", True, name="kw"),
     Script("benchmarks/generation.py", ("--smoke", "--warm-only", "2"), "done", True, name="gw"),

@@ -48,11 +48,17 @@ try:
         states,  # launch settings read at call time (sweepable)
     )
     from deltaflow.ops.triton import rules as rule_table
-    from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables
+    from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables, head_block
     from deltaflow.ops.triton.decode import launch_decode
     from deltaflow.ops.triton.gradients import launch_gradients
     from deltaflow.ops.triton.outputs import launch_outputs
     from deltaflow.ops.triton.prepare import launch_prepare
+    from deltaflow.ops.triton.segment_states import (
+        SegmentTables,
+        launch_segmented_dstates,
+        launch_segmented_states,
+        segment_tables,
+    )
     from deltaflow.ops.triton.states import launch_dstates, launch_forward, launch_states
 
     pin_cache_keys()  # one cache key per kernel in every process (pin_cache_keys says why)
@@ -82,6 +88,18 @@ BACKWARD_STATES_FP32 = False
 # gradients are the same as with "none"; bf16/fp16 outputs round like the backward's prepare.
 # Off: untimed on the GPU (benchmarks/kernels.py --save-for-backward times all three).
 SAVE_FOR_BACKWARD = "none"
+# The state passes split across segments of each sequence (triton/segment_states.py), so that few
+# sequences x heads still fill the GPU (issue 32; benchmarks/NOTES.md, "Issue 32, session 17"):
+# "off"; "on" wherever a sequence has more than one segment (the forward then takes its two-pass
+# form); "auto" where the pass's programs, sequences x heads x value blocks, are fewer than the
+# GPU's multiprocessors. Off: untimed on the GPU (benchmarks/kernels.py --sequence-parallel).
+SEQUENCE_PARALLEL_STATES = "off"
+# Chunks a segment; 0: from the load, SEGMENT_WAVES waves of the multiprocessors for the
+# per-segment state pass, at least SEGMENT_MIN_CHUNKS (the cross-segment chain is a launch a
+# segment). Tests set small values to get several segments at tiny T.
+SEGMENT_CHUNKS = 0
+SEGMENT_WAVES = 2
+SEGMENT_MIN_CHUNKS = 4
 
 
 def _output(*shape: int, like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -152,6 +170,31 @@ def _use_two_pass(N: int, H: int, Dv: int, device: torch.device) -> bool:
     return N * H * cdiv(Dv, states.FUSED_BV) < _multiprocessors(device)
 
 
+def _segments(
+    tables: ChunkTables, B: int, T: int, packed: bool, H: int, Dv: int, block_v: int
+) -> SegmentTables | None:
+    """The segments a state pass of ``block_v`` value columns runs in, or None: sequential."""
+    if SEQUENCE_PARALLEL_STATES not in ("off", "on", "auto"):
+        raise ValueError(
+            "triton_backend.SEQUENCE_PARALLEL_STATES must be 'off', 'on' or 'auto', got "
+            f"{SEQUENCE_PARALLEL_STATES!r}"
+        )
+    if SEQUENCE_PARALLEL_STATES == "off" or tables.n_chunks == 0:
+        return None
+    blocks = H * cdiv(Dv, min(block_v, head_block(Dv)))  # programs per sequence
+    sms = 132 if interpreting() else _multiprocessors(tables.cu_seqlens.device)
+    N = tables.cu_seqlens.numel() - 1
+    if SEQUENCE_PARALLEL_STATES == "auto" and N * blocks >= sms:
+        return None
+    chunks = SEGMENT_CHUNKS or max(
+        SEGMENT_MIN_CHUNKS, cdiv(tables.n_chunks * blocks, SEGMENT_WAVES * sms)
+    )
+    if not SEGMENT_CHUNKS and not packed:  # equal segments: 64 chunks in 2 x 32, not 63 + 1
+        chunks = cdiv(cdiv(T, CHUNK.value), cdiv(cdiv(T, CHUNK.value), chunks))
+    segments = segment_tables(tables, B, T, packed, chunks)
+    return segments if segments.slots > 0 else None
+
+
 def _multiprocessors(device: torch.device) -> int:
     """The GPU's multiprocessor count, asked once per device (a few µs a call otherwise).
     Not cached off the GPU: benchmarks/_launches.py answers for a CPU device while it traces
@@ -218,10 +261,11 @@ def _state_pass(
     h_dtype: torch.dtype | None = None,
     rows: int | None = None,
     final_state: Tensor | None = None,
+    segments: SegmentTables | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(4), (6): the state entering every chunk (h, in ``h_dtype``, default the dot dtype; ``rows``
     chunk rows, default the chunk count), U (v_new) and the final state (into ``final_state``
-    when given)."""
+    when given); across ``segments`` (``_segments``) when given."""
     B, T, H, Dk = k.shape
     Dv = u.shape[-1]
     N = tables.cu_seqlens.numel() - 1
@@ -229,19 +273,12 @@ def _state_pass(
     v_new = _output(B, T, H, Dv, like=k, dtype=k.dtype)
     if final_state is None:
         final_state = _output(N, H, Dk, Dv, like=k, dtype=torch.float32)
-    launch_states(
-        k,
-        w=w,
-        u=u,
-        log_decay=log_decay,
-        initial_state=initial_state,
-        first_bad=first_bad,
-        tables=tables,
-        block_v=block_v,
-        h=h,
-        v_new=v_new,
-        final_state=final_state,
-    )
+    kwargs = dict(w=w, u=u, log_decay=log_decay, initial_state=initial_state, h=h, v_new=v_new)
+    kwargs.update(first_bad=first_bad, tables=tables, block_v=block_v, final_state=final_state)
+    if segments is None:
+        launch_states(k, **kwargs)
+    else:
+        launch_segmented_states(k, segments=segments, output=_output, **kwargs)
     return h, v_new, final_state
 
 
@@ -287,8 +324,10 @@ def _forward(
     )
     found = {"w": w, "u": u, "t": t, "first_bad": first_bad}
     o = _output(B, T, H, Dv, like=q, dtype=v_dtype)
-    # Keeping h takes the two-pass form whatever its size: only its state pass stores h and U.
-    if "h" in keep or _use_two_pass(N, H, Dv, q.device):
+    segments = _segments(tables, B, T, cu_seqlens is not None, H, Dv, states.TWO_PASS_BV)
+    # Keeping h takes the two-pass form whatever its size: only its state pass stores h and U;
+    # so does the sequence-parallel state pass (the fused forward is one pass a sequence).
+    if "h" in keep or segments is not None or _use_two_pass(N, H, Dv, q.device):
         h, v_new, final_state = _state_pass(
             k,
             w=w,
@@ -300,6 +339,7 @@ def _forward(
             block_v=states.TWO_PASS_BV,
             h_dtype=torch.float32 if save == "states_fp32" else None,
             rows=rows,
+            segments=segments,
         )
         launch_outputs(
             q,
@@ -367,6 +407,7 @@ def _backward(
     tables = chunk_tables(cu_seqlens, B, T, q.device)
     N = tables.cu_seqlens.numel() - 1
     n = max(tables.n_chunks, 1)
+    packed = cu_seqlens is not None
     # The recomputed state pass's final state is not needed, nor, without an initial state, its
     # gradient: one buffer takes both (the reverse pass writes it after the state pass).
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
@@ -398,23 +439,18 @@ def _backward(
             block_v=states.BWD_STATES_BV,
             h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
             final_state=None if initial_state is not None else ds0,
+            segments=_segments(tables, B, T, packed, H, Dv, states.BWD_STATES_BV),
         )
     # dh in h's dtype: float32 with BACKWARD_STATES_FP32 (or fp32 inputs), else the dot dtype
     dh = _output(n, H, Dk, Dv, like=q, dtype=h.dtype)
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
-    launch_dstates(
-        q,
-        k,
-        w=w,
-        log_decay=log_decay,
-        grad_o=do,
-        grad_final_state=dsT,
-        tables=tables,
-        scale=scale,
-        dh=dh,
-        du=du,
-        d_initial_state=ds0,
-    )
+    kwargs = dict(w=w, log_decay=log_decay, grad_o=do, grad_final_state=dsT, tables=tables)
+    kwargs.update(scale=scale, dh=dh, du=du, d_initial_state=ds0)
+    segments = _segments(tables, B, T, packed, H, Dv, states.DSTATES_BV)
+    if segments is None:
+        launch_dstates(q, k, **kwargs)
+    else:
+        launch_segmented_dstates(q, k, segments=segments, output=_output, **kwargs)
     dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)
     dk = _output(B, T, H, Dk, like=q, dtype=q.dtype)
     dv = _output(B, T, H, Dv, like=q, dtype=q.dtype)

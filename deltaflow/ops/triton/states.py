@@ -9,6 +9,9 @@ the chunks in order (the only sequential work), with the state in registers.
 - ``chunk_dstates_kernel``: the backward's reverse pass, (7)–(8) of docs/design.md §7: the
   state's gradient from the last chunk to the first, storing it leaving every chunk, and dU.
 
+The chunk steps of the last two are jit helpers, shared with ``segment_states.py`` (the same
+passes split across segments of a sequence when sequences × heads leave the GPU idle).
+
 From a chunk's first non-finite token on (``first_bad``, from the prepare kernel), outputs and
 states are NaN: a poison added to the row scale Γ_i and to stored states, never a product with
 a masked future (docs/design.md §8).
@@ -179,6 +182,22 @@ def launch_forward(
 
 
 @triton.jit
+def chunk_u(b_u, b_w, S, DT: tl.constexpr, PREC: tl.constexpr):
+    """(4) U = Ũ − W S_0 (Ũ as loaded, fp32; W in DT; S_0 rounded to DT as the dot operand)."""
+    return b_u - tl.dot(b_w, S.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def chunk_state_update(S, U, b_k, gamma, gamma_last, DT: tl.constexpr, PREC: tl.constexpr):
+    """(6) S_C = Γ_C S_0 + Kᵀ (diag(e^{γ_C − γ_j}) U): the decay scales U's rows before its one
+    rounding to DT, so the keys enter as loaded (exact) instead of rounded once more as K̃
+    (benchmarks/bf16_floor.py, knob fwd_K; issue 30). Shared by the state pass and the segments'
+    pass (segment_states.py), whose transition columns are this map applied to the identity."""
+    u_to_end = (U * tl.exp(gamma_last - gamma)[:, None]).to(DT)
+    return tl.exp(gamma_last) * S + tl.dot(tl.trans(b_k), u_to_end, input_precision=PREC)
+
+
+@triton.jit
 def chunk_states_kernel(
     k_ptr,
     w_ptr,
@@ -234,15 +253,10 @@ def chunk_states_kernel(
         b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
         gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
-        # (4) U = Ũ − W S_0
-        U = b_u - tl.dot(b_w, S.to(DT), input_precision=PREC)
+        U = chunk_u(b_u, b_w, S, DT, PREC)  # (4)
         v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
         tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
-        # (6) S_C = Γ_C S_0 + Kᵀ (diag(e^{γ_C − γ_j}) U): the decay scales U's rows before its
-        # one rounding to DT, so the keys enter as loaded (exact) instead of rounded once more
-        # as K̃ (benchmarks/bf16_floor.py, knob fwd_K; issue 30)
-        u_to_end = (U * tl.exp(gamma_last - gamma)[:, None]).to(DT)
-        S = tl.exp(gamma_last) * S + tl.dot(tl.trans(b_k), u_to_end, input_precision=PREC)
+        S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)  # (6)
         first_bad = tl.load(first_bad_ptr + c * H + i_h)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
 
@@ -291,6 +305,37 @@ def launch_states(
         num_warps=STATES_WARPS,
         num_stages=STATES_STAGES,
     )
+
+
+# The reverse pass's chunk step in four parts: the segments' reverse pass (segment_states.py)
+# runs the two that see dO only on its value columns (its transition columns have dO = 0).
+@triton.jit
+def du_from_state(G, b_k, gamma, gamma_last, DT: tl.constexpr, PREC: tl.constexpr):
+    """(8)'s K̃ G = diag(e^{γ_C − γ}) (K G): the row scale after the product, so the keys enter
+    it exact rather than rounded to DT as K̃ (benchmarks/bf16_floor.py, knob rev_K: with fwd_K,
+    the D=256 dβ tail; issue 30)."""
+    return tl.exp(gamma_last - gamma)[:, None] * tl.dot(b_k, G.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def du_add_outputs(dU, b_q, b_k, b_do, gamma, scale, DT: tl.constexpr, PREC: tl.constexpr):
+    """dU + scale·Pᵀ dO of (8), P = (Q Kᵀ) ⊙ D, accumulated into dU (one accumulator live)."""
+    P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay_matrix(gamma)
+    return tl.dot(tl.trans((scale * P).to(DT)), b_do, acc=dU, input_precision=PREC)
+
+
+@triton.jit
+def dstate_add_outputs(G_carry, b_q, b_do, gamma, scale, DT: tl.constexpr, PREC: tl.constexpr):
+    """G_carry + scale·(diag(Γ) Q)ᵀ dO of (7), with Γq not rounded to DT (fla keeps it fp32: the
+    rounding it added was noise the bf16 floor does not have; issue 30 item 4)."""
+    q_gamma = b_q.to(tl.float32) * (scale * tl.exp(gamma))[:, None]
+    return dot_split(tl.trans(q_gamma), b_do, G_carry, DT, PREC)
+
+
+@triton.jit
+def dstate_finish(G_carry, b_w, dU, DT: tl.constexpr, PREC: tl.constexpr):
+    """(7)'s last term: the gradient of S_0, G_carry − Wᵀ dU (G_carry: Γ_C G + the outputs')."""
+    return G_carry - tl.dot(tl.trans(b_w), dU.to(DT), input_precision=PREC)
 
 
 @triton.jit
@@ -356,23 +401,17 @@ def chunk_dstates_kernel(
         b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
         gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
-        P = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay_matrix(gamma)
-        # (8) dU = K̃ G + scale·Pᵀ dO, with K̃ G = diag(e^{γ_C − γ}) (K G): the row scale after
-        # the product, so the keys enter it exact rather than rounded to DT as K̃
-        # (benchmarks/bf16_floor.py, knob rev_K: with fwd_K, the D=256 dβ tail; issue 30);
-        # then Pᵀ dO accumulates into it (one accumulator live)
-        dU = tl.exp(gamma_last - gamma)[:, None] * tl.dot(b_k, G.to(DT), input_precision=PREC)
-        dU = tl.dot(tl.trans((scale * P).to(DT)), b_do, acc=dU, input_precision=PREC)
+        # (8) dU = K̃ G + scale·Pᵀ dO
+        dU = du_from_state(G, b_k, gamma, gamma_last, DT, PREC)
+        dU = du_add_outputs(dU, b_q, b_k, b_do, gamma, scale, DT, PREC)
         tl.store(
             du_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
             dU.to(DT),
             mask=mask_t[:, None] & mask_v[None, :],
         )
-        # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU, with Γq not rounded to DT (fla keeps it
-        # fp32: the rounding it added was noise the bf16 floor does not have; issue 30 item 4)
-        q_gamma = b_q.to(tl.float32) * (scale * tl.exp(gamma))[:, None]
-        G = dot_split(tl.trans(q_gamma), b_do, tl.exp(gamma_last) * G, DT, PREC)
-        G -= tl.dot(tl.trans(b_w), dU.to(DT), input_precision=PREC)
+        # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU
+        G_carry = dstate_add_outputs(tl.exp(gamma_last) * G, b_q, b_do, gamma, scale, DT, PREC)
+        G = dstate_finish(G_carry, b_w, dU, DT, PREC)
 
     tl.store(ds0_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, G, mask=state_mask)
 
