@@ -55,8 +55,14 @@ BWD_TILES = 1
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# triton.jit reads TRITON_INTERPRET when it decorates a kernel, so whether this module's (and
+# conv_norm_triton's) kernels are interpreted is fixed at import: a script that sets the variable
+# later (benchmarks' smoke modes) still has compiled kernels, which cannot run on the CPU.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRETED
 
 
 def usable(x: Tensor) -> bool:
