@@ -233,6 +233,7 @@ def case_op(label, B, T, Dk, Dv, lengths, rule, ne, dt, seed, device):
                 output_grads(o_ref, s_ref, DTYPES[dt]),
                 TOL[dt],
                 low=DTYPES[dt],
+                refs={"o": o_ref, "state": s_ref},
                 **kw,
             )
     return [(label, rule, ne, dt, errs, ok, "")]
@@ -245,20 +246,39 @@ FLOOR_MARGIN = 1.1
 
 
 def bf16_floor(
-    x, errs, g_ref, grads, tol, *, rule, negative_eigenvalues, cu_seqlens, low=torch.bfloat16
+    x,
+    errs,
+    g_ref,
+    grads,
+    tol,
+    *,
+    rule,
+    negative_eigenvalues,
+    cu_seqlens,
+    low=torch.bfloat16,
+    refs=None,
 ):
     """(the floor's error of the worst entry of ``errs`` over ``tol``, whether every entry over
-    it is a gradient within its floor): the float64 gradients for the output gradients
+    it is within FLOOR_MARGIN of its floor): the float64 gradients for the output gradients
     ``grads`` recomputed with ``bf16_floor.FLOOR``'s roundings, to ``low`` (bf16, or fp16 for
-    the fp16 cases: the same rounding points, fp16's storage; the output and the state have no
-    floor: over tolerance, they fail)."""
+    the fp16 cases: the same rounding points, fp16's storage); with ``refs`` (the float64 "o"
+    and "state"), the output and the final state likewise (forward_floor.py: fla's forward
+    roundings); without, those have no floor: over tolerance, they fail."""
     from bf16_floor import FLOOR, emulate
+    from forward_floor import emulate_forward
 
     floor = emulate(
         x, rule, negative_eigenvalues, *grads, cu_seqlens=cu_seqlens, knobs=FLOOR, low=low
     )
     over = [n for n, e in errs.items() if not e <= tol]  # NaN is over
     floors = {n: rel(floor[n[1:]], g_ref[n[1:]]) if n[1:] in floor else float("nan") for n in over}
+    forward = {"o": "o", "o fused": "o", "state": "state"}
+    if refs is not None and any(n in forward for n in over):
+        fwd = emulate_forward(x, rule, negative_eigenvalues, cu_seqlens=cu_seqlens, low=low)
+        for n in over:
+            if n in forward:
+                ref = refs[forward[n]]
+                floors[n] = rel(fwd[forward[n]].to(ref.device), ref)
     worst_over = max(over, key=lambda n: float("inf") if errs[n] != errs[n] else errs[n])
     return floors[worst_over], all(errs[n] <= FLOOR_MARGIN * floors[n] for n in over)
 

@@ -24,9 +24,10 @@ a compiled kernel. Each case's log line says where its time went. The cases them
 references, comparisons) are in _check_cases.py.
 Where a bf16 case is over tolerance, its gradients are recomputed in float64 with the roundings
 any bf16 implementation does (``benchmarks/bf16_floor.py``'s FLOOR: bf16 storage of what fla
-stores in bf16 too) on the same inputs: the ``bf16 floor`` column, that recompute's error of the
-worst gradient over tolerance. Such a case passes only where every entry over tolerance is a
-gradient within FLOOR_MARGIN (1.1) times its floor: bf16 itself reaches that error there.
+stores in bf16 too) on the same inputs, and its output and final state likewise
+(``benchmarks/forward_floor.py``): the ``bf16 floor`` column, that recompute's error of the
+worst entry over tolerance. Such a case passes only where every entry over tolerance is within
+FLOOR_MARGIN (1.1) times its floor: bf16 itself reaches that error there.
 """
 
 from __future__ import annotations
@@ -211,11 +212,12 @@ def report(rows, device_name, wall, waited, workers, smoke) -> tuple[str, bool]:
         + (f"; not counted: {waited:.0f} s waiting for the GPU, --run-after)" if waited else ")"),
         "",
         "‖Δ‖/‖ref‖ vs float64; tolerance bf16 5e-3, fp16 1e-3, fp32 1e-4; outputs poisoned "
-        "before every launch. bf16 floor (cases over tolerance): the float64 gradient recomputed "
-        "with bf16 storage (fp16 storage for fp16 cases; benchmarks/bf16_floor.py), its error of "
-        "the worst gradient over tolerance; "
-        f"such a case passes where every gradient over tolerance is within {FLOOR_MARGIN}x its "
-        "floor.",
+        "before every launch. bf16 floor (cases over tolerance): the float64 result recomputed "
+        "with bf16 storage (fp16 storage for fp16 cases; gradients benchmarks/bf16_floor.py, "
+        "output and final state benchmarks/forward_floor.py), its error of the worst entry over "
+        "tolerance; "
+        f"such a case passes where every entry over tolerance (output, state or gradient) is "
+        f"within {FLOOR_MARGIN}x its floor.",
         "",
         "| case | rule | neg. eig. | dtype | " + " | ".join(cols) + " | ok | note |",
         "|" + " --- |" * (len(cols) + 6),

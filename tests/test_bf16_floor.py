@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _inputs import rel_err
 from _scripts import load_script
 
 floor = load_script("benchmarks/bf16_floor.py")
 check = load_script("benchmarks/_check_cases.py")
+forward_floor = load_script("benchmarks/forward_floor.py")
 
 # (rule, negative eigenvalues, B, T, Dk, Dv, varlen lengths): unit and raw keys, a rule without
 # beta, a chunk boundary, Dk != Dv, packed sequences with empty and 1-token ones
@@ -70,7 +72,44 @@ def test_check_triton_floor_verdict():
     over = {"dbeta": 1.2 * f, "dq": 0.0}  # past the margin: the kernels' own error
     assert check.bf16_floor(x, over, g_ref, (do, ds), 1e-6, **kw) == (f, False)
     f_o, ok = check.bf16_floor(x, {"o": 1e-2, "dbeta": f}, g_ref, (do, ds), 1e-6, **kw)
-    assert f_o != f_o and not ok  # NaN: no floor for the output
+    assert f_o != f_o and not ok  # NaN: no floor for the output without its reference
+    # with the float64 output and state, those are judged against their own floor
+    from deltaflow import delta_rule
+
+    with torch.no_grad():
+        o_ref, s_ref = delta_rule(
+            **{n: t.double() for n, t in x.items()}, output_final_state=True, **kw
+        )
+    refs = {"o": o_ref, "state": s_ref}
+    f_o, ok = check.bf16_floor(x, {"o": 1.0, "dq": 0.0}, g_ref, (do, ds), 1e-6, refs=refs, **kw)
+    assert 1e-4 < f_o < 3e-2 and not ok
+    for name in ("o", "o fused"):
+        errs = {name: f_o, "state": 0.0, "dbeta": f}
+        assert check.bf16_floor(x, errs, g_ref, (do, ds), 1e-6, refs=refs, **kw) == (f, True)
+    f_s, _ = check.bf16_floor(x, {"state": 1.0}, g_ref, (do, ds), 1e-6, refs=refs, **kw)
+    assert 1e-4 < f_s < 3e-2
+    over = {"state": 1.2 * f_s}
+    assert check.bf16_floor(x, over, g_ref, (do, ds), 1e-6, refs=refs, **kw) == (f_s, False)
+
+
+def test_forward_floor_without_knobs_is_the_float64_forward():
+    rule, ne, *shape = CASES[1]
+    x, cu, *_ = _case(rule, ne, *shape)
+    from deltaflow import delta_rule
+
+    with torch.no_grad():
+        o, s = delta_rule(
+            **{n: t.double() for n, t in x.items()},
+            rule=rule,
+            negative_eigenvalues=ne,
+            cu_seqlens=cu,
+            output_final_state=True,
+            backend="reference",
+        )
+    exact = forward_floor.emulate_forward(x, rule, ne, cu_seqlens=cu, knobs=())
+    assert rel_err(exact["o"], o) < 1e-10 and rel_err(exact["state"], s) < 1e-10
+    floor = forward_floor.emulate_forward(x, rule, ne, cu_seqlens=cu, low=torch.float16)
+    assert 1e-5 < rel_err(floor["o"], o) < 1e-2
 
 
 def test_floor_is_knobs_with_reasons_and_the_kernels_round_there():

@@ -97,10 +97,11 @@ def test_narrow_half_precision_heads_run_64_column_blocks_and_match_the_referenc
     (o.sin().sum() + s.pow(2).sum()).backward()
     ref = [o, o, s, *(leaves[n].grad for n in NAMES)]
     for name, a, b in zip(["o", "o two-pass", "state", *NAMES], got, ref):
+        b = b.to(a.device)  # the float64 reference ran on the CPU
         assert torch.isfinite(a).all() and rel_err(a, b) < 2e-3, (name, rel_err(a, b))
     seen.clear()
-    _run(torch.float32, Dk, Dv, seen)  # fp32 launches keep their blocks
-    assert min(_widths(seen)) == 16
+    _run(torch.float32, Dk, Dv, seen)  # fp32 launches keep their blocks (at Dk < Dv: 64 keys)
+    assert min(_widths(seen)) == (16 if Dk == Dv or Dv == 16 else 32)
 
 
 @pytest.mark.skipif(
@@ -121,5 +122,5 @@ def test_half_min_block_pads_narrow_heads_bit_for_bit(monkeypatch, Dk, Dv):
     for a, b in zip(narrow, wide):
         assert a.dtype == b.dtype and torch.equal(a, b)
     seen.clear()
-    _run(torch.float32, Dk, Dv, seen)  # fp32 launches keep their blocks
-    assert min(_widths(seen)) == 16
+    _run(torch.float32, Dk, Dv, seen)  # fp32 launches keep their blocks (at Dk < Dv: 64 keys)
+    assert min(_widths(seen)) == (16 if Dk == Dv else 32)

@@ -60,6 +60,30 @@ def head_block(n: int, dtype: torch.dtype | None = None) -> int:
     return max(floor, next_power_of_2(n))
 
 
+# The narrowest key block of an fp32 launch whose value head is wider than its key head. With a
+# key block under 64 columns the state passes' key-side products (Kᵀ U, Wᵀ dU, [BK, 64] @
+# [64, BV]) are too short for Hopper's wgmma (64 rows a warp group): Triton 3.6 puts them on
+# mma.sync beside the kernel's wgmma products, with its 4 warps side by side along the value
+# block when that is the wider (warpsPerCTA [1, 4]; TTGIR for sm_90, compiled on the CPU). The
+# H100 gave an illegal memory access on the one such fp32 launch checked (session 17, call 4:
+# check_triton, Dk=16 Dv=64; the interpreter finds no access outside any tensor there,
+# tests/test_narrow_heads.py), while fp32 at Dk=Dv=16 (mma.sync, warps [4, 1]) and Dk=64 Dv=16
+# (wgmma only) were right. 64 runs such heads on the all-wgmma kernels of the 64-column key
+# blocks that check_triton validates in fp32, the extra columns masked (the same sums).
+FP32_WIDE_VALUE_MIN_KEY_BLOCK = 64
+
+
+def key_block(Dk: int, Dv: int, dtype: torch.dtype | None = None) -> int:
+    """The key block of a launch over heads of ``Dk`` key and ``Dv`` value columns:
+    :func:`head_block` of ``Dk``, and for an fp32 launch (``dtype``: its dot dtype) at least
+    :data:`FP32_WIDE_VALUE_MIN_KEY_BLOCK` where the value head takes a wider block (half-precision
+    launches: :data:`HALF_MIN_BLOCK`'s floor alone)."""
+    block = head_block(Dk, dtype)
+    if dtype not in (torch.bfloat16, torch.float16) and head_block(Dv, dtype) > block:
+        return max(block, FP32_WIDE_VALUE_MIN_KEY_BLOCK)
+    return block
+
+
 def dot_precision(dot_dtype: torch.dtype) -> str:
     """fp32 operands on the tensor cores as "tf32x3" (three tf32 products: within ~1e-6 of exact
     fp32, benchmarks/tf32x3_error.py); bf16/fp16 ones as they are. Not "ieee": exact fp32 dots

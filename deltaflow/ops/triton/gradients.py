@@ -24,6 +24,7 @@ from deltaflow.ops.triton.common import (
     dot_precision,
     dot_split,
     head_block,
+    key_block,
     load_gates,
     load_rows,
 )
@@ -337,7 +338,7 @@ def launch_gradients(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk, q.dtype),
+        BK=key_block(Dk, Dv, q.dtype),
         BV=min(head_block(Dv, q.dtype), GRADS_BV_FP32 if fp32 else GRADS_BV),
         rule=kernel_id,
         neg=int(negative_eigenvalues),

@@ -18,6 +18,7 @@ from deltaflow.ops.triton.common import (
     decay_matrix,
     dot_precision,
     head_block,
+    key_block,
     load_rows,
 )
 
@@ -113,7 +114,7 @@ def launch_outputs(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk, q.dtype),
+        BK=key_block(Dk, Dv, q.dtype),
         BV=BV,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(q.dtype),
