@@ -49,6 +49,8 @@ class StepRule:
             ``linear``) expect unit keys; the others keep ``‖k‖`` (docs/design.md §4).
         kernel_id: the id of the rule's in-kernel form in the Triton rule table
             (``deltaflow/ops/triton/rules.py``); ``None`` for rules that run in PyTorch only.
+            The table's entry reads the decay exactly where the rule does (its ``DECAY_MAPS``;
+            a mismatch is refused at launch).
         decay_coefficients: for rules whose strengths read the decay (``gated_efla``):
             ``(beta, lam, log_decay, eps) -> (a, b, op_log_decay)``, where ``log_decay`` is the
             layer's gate and ``op_log_decay`` the ``log α`` of the op's recurrence (1). Used
@@ -68,15 +70,6 @@ class StepRule:
     source: str = ""
     decay_coefficients: DecayCoefficientFn | None = None
     negative_mu: bool = False
-
-    def __post_init__(self) -> None:
-        # The Triton table computes (a, b) from (β, λ) alone: a rule whose strengths read the
-        # decay would run other maths there than in PyTorch, silently. Refuse the pair.
-        if self.kernel_id is not None and self.decay_coefficients is not None:
-            raise ValueError(
-                f"rule {self.name!r}: kernel_id and decay_coefficients together are not supported"
-                " (the Triton rule table does not read the decay); give one of them"
-            )
 
     def check_decay(self, has_decay: bool, fix: str) -> None:
         """The one answer, for the op and the layer alike, to a rule that reads the decay
@@ -140,6 +133,13 @@ def _efla(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Tensor, Tensor]
     return a, a
 
 
+def gated_efla_op_log_decay(log_decay: Tensor) -> Tensor:
+    """Gated EFLA's decay in the one recurrence (1): ``log α_op = −(1 − α) = expm1(log α)`` of
+    the layer's ``log α``. The Triton backend applies it on the host (the rule table's entry
+    reads its result: deltaflow/ops/triton/rules.py, ``DECAY_MAPS``)."""
+    return torch.expm1(log_decay)
+
+
 def _gated_efla(
     beta: Tensor | None, lam: Tensor, log_decay: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -150,11 +150,12 @@ def _gated_efla(
     # η = (1 − α) + αβλ. In the one recurrence (1): the op's decay is e^{−(1−α)}, the erase
     # strength is EFLA's at step αβ, the write strength β·φ(η) (docs/design.md §2).
     alpha = torch.exp(log_decay)
-    leak = -torch.expm1(log_decay)  # 1 − α, exact for α near 1
+    op_log_decay = gated_efla_op_log_decay(log_decay)
+    leak = -op_log_decay  # 1 − α, exact for α near 1
     step = alpha * beta
     a = step * efla_phi(step * lam)
     b = beta * efla_phi(leak + step * lam)
-    return a, b, -leak
+    return a, b, op_log_decay
 
 
 def _longhorn(beta: Tensor | None, lam: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -214,7 +215,7 @@ RULES: dict[str, StepRule] = {
             "gated_efla",
             _efla,  # at α = 1 (no decay) it is EFLA
             qk_norm=RAW_KEYS,
-            kernel_id=None,  # no Triton entry yet: 'auto' runs it on the torch backend
+            kernel_id=7,  # its entry reads the op's decay (the table's DECAY_MAPS)
             description=(
                 "gated EFLA, paper form: decay e^{−(1−α)}, a = (1 − e^{−αh})/λ, "
                 "b = β(1 − e^{−η})/η, η = 1 − α + αh"

@@ -104,13 +104,28 @@ def test_op_step_and_layer_give_a_rule_that_reads_the_decay_one_answer_without_i
     torch.testing.assert_close(o, o_efla, rtol=1e-12, atol=1e-12)
 
 
-def test_a_rule_with_a_kernel_id_cannot_also_read_the_decay():
-    """The Triton table computes (a, b) from (β, λ) alone: such a rule would run other maths
-    on the two backends, silently (28% apart for gated_efla with efla's kernel id)."""
-    gated = RULES["gated_efla"]
-    with pytest.raises(ValueError, match="kernel_id and decay_coefficients together"):
-        dataclasses.replace(gated, kernel_id=RULES["efla"].kernel_id)
-    assert not gated.has_triton and "gated_efla" not in triton_rules()
+def test_a_rules_kernel_id_reads_the_decay_exactly_where_the_rule_does():
+    """The Triton table's entry reads the decay where the rule does (gated_efla) and nowhere
+    else: a rule given another kind's id would run other maths on the two backends, silently
+    (28% apart for gated_efla with efla's kernel id), so the launch refuses it."""
+    triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
+    from deltaflow.ops.triton import rules as rule_table
+
+    gated, efla = RULES["gated_efla"], RULES["efla"]
+    assert gated.has_triton and "gated_efla" in triton_rules()
+    assert set(rule_table.DECAY_MAPS) == {
+        r.kernel_id for r in RULES.values() if reads_decay(r.name)
+    }
+    with pytest.raises(ValueError, match="reads the decay, but the Triton rule table's entry"):
+        triton_backend.kernel_id_of(dataclasses.replace(gated, kernel_id=efla.kernel_id))
+    with pytest.raises(ValueError, match="does not read the decay, but the Triton rule table"):
+        triton_backend.kernel_id_of(dataclasses.replace(efla, kernel_id=gated.kernel_id))
+    # the op's log α the host hands the kernels is the rule's own (step_inputs' third value)
+    ld = torch.tensor([0.0, -1e-9, -0.3, -40.0], dtype=torch.float64)
+    one = torch.ones_like(ld)
+    _, _, op_log_decay = gated.decay_coefficients(one, one, ld, 1e-6)
+    torch.testing.assert_close(rule_table.op_log_decay(gated.kernel_id, ld), op_log_decay)
+    assert rule_table.op_log_decay(efla.kernel_id, ld) is ld
 
 
 # ---------------------------------------------------------------------------- one name per thing

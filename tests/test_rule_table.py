@@ -2,8 +2,9 @@
 
 Every entry's strengths and derivatives are checked against deltaflow/rules.py and its autograd,
 in float64, on a grid of β and λ from h = βλ = 0 to h = 8·10⁵ (both sides of EFLA's series
-cut-off). A kernel id without an entry fails loudly. And a new built-in rule is added the way
-the table's docstring says, touching only RULES, the table and this file, and runs everywhere.
+cut-off), and of the op's log α (read by gated_efla's entry, ignored by the others). A kernel
+id without an entry fails loudly. And a new built-in rule is added the way the table's
+docstring says, touching only RULES, the table and this file, and runs everywhere.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from deltaflow.rules import (
     RAW_KEYS,
     RULES,
     StepRule,
-    step_coefficients,
+    step_inputs,
     triton_rules,
 )
 
@@ -34,78 +35,92 @@ from deltaflow.ops.triton import rules as rule_table  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
-N = 128  # grid points, padded (a power of two for tl.arange)
+N = 512  # grid points, padded (a power of two for tl.arange)
 
 
 @triton.jit(do_not_specialize=["rule"])
-def _table_kernel(beta_ptr, lam_ptr, out_ptr, eps, rule, N: tl.constexpr):
-    """The rule table's six values at N (β, λ) points: a, b and the four derivatives, with the
-    kernel id a runtime argument as the op's kernels pass it."""
+def _table_kernel(beta_ptr, lam_ptr, g_ptr, out_ptr, eps, rule, N: tl.constexpr):
+    """The rule table's eight values at N (β, λ, g) points: a, b and the six derivatives, with
+    the kernel id a runtime argument as the op's kernels pass it (g: the op's log α)."""
     offs = tl.arange(0, N)
     beta = tl.load(beta_ptr + offs)
     lam = tl.load(lam_ptr + offs)
-    a, b = rule_table.strengths(beta, lam, eps, rule, 0)
-    da_dbeta, da_dlam, db_dbeta, db_dlam = rule_table.derivatives(beta, lam, eps, rule, 0)
+    g = tl.load(g_ptr + offs)
+    a, b = rule_table.strengths(beta, lam, g, eps, rule, 0)
+    derivatives = rule_table.derivatives(beta, lam, g, eps, rule, 0)
     tl.store(out_ptr + offs, a)
     tl.store(out_ptr + N + offs, b)
-    tl.store(out_ptr + 2 * N + offs, da_dbeta)
-    tl.store(out_ptr + 3 * N + offs, da_dlam)
-    tl.store(out_ptr + 4 * N + offs, db_dbeta)
-    tl.store(out_ptr + 5 * N + offs, db_dlam)
+    for i in tl.static_range(6):
+        tl.store(out_ptr + (2 + i) * N + offs, derivatives[i])
 
 
-def grid() -> tuple[torch.Tensor, torch.Tensor]:
+def grid() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """β powers of two, so h = βλ is exact in float32 and only the table's arithmetic is
-    measured; λ from 0 to 10⁵, with points just below and above EFLA's cut-off h = 1."""
+    measured; λ from 0 to 10⁵, with points just below and above EFLA's cut-off h = 1; the op's
+    log α g = α − 1 (gated_efla's expm1 of the layer's) with α a power of two (exact steps αβ)
+    or just below 1."""
     betas = torch.tensor([2.0**-10, 0.125, 0.5, 1.0, 2.0, 8.0])
     lams = torch.tensor([0.0, 1e-7, 3e-4, 0.02, 0.3, 0.999, 1.0, 1.001, 3.7, 50.0, 1e3, 1e5])
+    gs = torch.tensor([0.0, -(2.0**-12), -0.5, -0.75, -1 + 2.0**-10])
     assert EFLA_SERIES_CUTOFF == 1.0  # the points around 1 straddle the cut-off
-    beta, lam = torch.cartesian_prod(betas, lams).unbind(-1)
+    beta, lam, g = torch.cartesian_prod(betas, lams, gs).unbind(-1)
     pad = N - beta.numel()
-    return torch.cat([beta, torch.ones(pad)]), torch.cat([lam, torch.ones(pad)])
+    return tuple(
+        torch.cat([x, torch.full((pad,), fill)]) for x, fill in ((beta, 1), (lam, 1), (g, 0))
+    )
 
 
 def table_values(kernel_id: int) -> torch.Tensor:
-    """[6, N]: a, b, ∂a/∂β, ∂a/∂λ, ∂b/∂β, ∂b/∂λ from the rule table (float32)."""
-    beta, lam = (x.to(DEVICE) for x in grid())
-    out = torch.empty(6 * N, device=DEVICE)
-    _table_kernel[(1,)](beta_ptr=beta, lam_ptr=lam, out_ptr=out, eps=EPS, rule=kernel_id, N=N)
-    return out.view(6, N).cpu().double()
+    """[8, N]: a, b, ∂a/∂β, ∂a/∂λ, ∂b/∂β, ∂b/∂λ, ∂a/∂g, ∂b/∂g from the rule table (float32)."""
+    beta, lam, g = (x.to(DEVICE) for x in grid())
+    out = torch.empty(8 * N, device=DEVICE)
+    _table_kernel[(1,)](
+        beta_ptr=beta, lam_ptr=lam, g_ptr=g, out_ptr=out, eps=EPS, rule=kernel_id, N=N
+    )
+    return out.view(8, N).cpu().double()
 
 
 def definition_values(rule: StepRule) -> torch.Tensor:
-    """[6, N]: the same from the rule's PyTorch definition and autograd, in float64."""
-    beta, lam = (x.double().requires_grad_(True) for x in grid())
-    a, b = step_coefficients(rule, beta, lam, eps=EPS)
+    """[8, N]: the same from the rule's PyTorch definition and autograd, in float64: the
+    strengths step_inputs gives for the layer's log α = log1p(g), so that a rule reading the
+    decay is differentiated with respect to the op's log α g, as its entry is (and its op
+    log α checked to be g again)."""
+    beta, lam, g = (x.double().requires_grad_(True) for x in grid())
+    a, b, op_g = step_inputs(rule, beta, lam, torch.log1p(g), eps=EPS)
+    torch.testing.assert_close(op_g, g if rule.decay_coefficients else torch.log1p(g))
 
-    def grads(y: torch.Tensor) -> list[torch.Tensor]:  # elementwise: each y_i of (β_i, λ_i)
+    def grads(y: torch.Tensor) -> list[torch.Tensor]:  # elementwise: each y_i of (β_i, λ_i, g_i)
         if not y.requires_grad:  # a constant (linear's a = 0)
-            return [torch.zeros_like(beta), torch.zeros_like(lam)]
-        dy = torch.autograd.grad(y.sum(), (beta, lam), allow_unused=True, retain_graph=True)
-        return [torch.zeros_like(beta) if g is None else g for g in dy]
+            return [torch.zeros_like(beta) for _ in range(3)]
+        dy = torch.autograd.grad(y.sum(), (beta, lam, g), allow_unused=True, retain_graph=True)
+        return [torch.zeros_like(beta) if d is None else d for d in dy]
 
-    return torch.stack([a.detach(), b.detach(), *grads(a), *grads(b)])
+    (da_dbeta, da_dlam, da_dg), (db_dbeta, db_dlam, db_dg) = grads(a), grads(b)
+    return torch.stack([a.detach(), b.detach(), da_dbeta, da_dlam, db_dbeta, db_dlam, da_dg, db_dg])
 
 
 def assert_table_matches_definition(rule: StepRule) -> None:
     got, want = table_values(rule.kernel_id), definition_values(rule)
-    beta, lam = (x.double() for x in grid())
+    beta, lam, g = (x.double() for x in grid())
     a, b = want[0].abs(), want[1].abs()
     # A few float32 ulp of each value (the grid's exact h leaves only the table's rounding; an
     # exp on the GPU, ex2.approx, needs somewhat more), plus float64's own rounding of the
     # definition: its autograd sums terms of size a/β (β-derivatives) and a/(λ + ε) or aβ
-    # (λ-derivatives) that cancel where h is large (EFLA's ∂a/∂β = e^{−h}); and values under
-    # float32's smallest normal number (1.2e-38) may flush to 0.
+    # (λ-derivatives) that cancel where h is large (EFLA's ∂a/∂β = e^{−h}), and a/(1 + g),
+    # b(1 + βλ) (g-derivatives, through log1p); and values under float32's smallest normal
+    # number (1.2e-38) may flush to 0.
     rtol = 4e-6 if DEVICE == "cpu" else 3e-5
     lam_scale = beta + 1 / (lam + EPS)
+    g_scale = 1 / (1 + g) + 1 + beta * lam
     floors = [0 * a, 0 * b, a / beta, a * lam_scale, b / beta, b * lam_scale]
-    names = ["a", "b", "da/dbeta", "da/dlam", "db/dbeta", "db/dlam"]
-    for name, g, w, floor in zip(names, got, want, floors):
-        err = (g - w).abs() / (rtol * w.abs() + 1e-14 * floor + 1.2e-38)
+    floors += [(a + b) * g_scale, (a + b) * g_scale]
+    names = ["a", "b", "da/dbeta", "da/dlam", "db/dbeta", "db/dlam", "da/dg", "db/dg"]
+    for name, got_x, w, floor in zip(names, got, want, floors):
+        err = (got_x - w).abs() / (rtol * w.abs() + 1e-14 * floor + 1.2e-38)
         worst = int(err.argmax())
         assert err.max() <= 1, (
-            f"{rule.name} {name}: table {g[worst]:.9g} vs definition {w[worst]:.9g} at "
-            f"beta={beta[worst]:g}, lam={lam[worst]:g}"
+            f"{rule.name} {name}: table {got_x[worst]:.9g} vs definition {w[worst]:.9g} at "
+            f"beta={beta[worst]:g}, lam={lam[worst]:g}, g={g[worst]:g}"
         )
 
 
@@ -157,12 +172,16 @@ def _damped_delta(beta, lam, eps):
 
 
 @triton.jit
-def _table_with_damped_delta(beta, lam, eps, rule):
+def _table_with_damped_delta(beta, lam, g, eps, rule):
+    zero = lam * 0.0
     if rule == DAMPED_ID:
         a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _damped_delta(beta, lam, eps)
+        da_dg, db_dg = zero, zero
     else:
-        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam = _builtin_table(beta, lam, eps, rule)
-    return a, b, da_dbeta, da_dlam, db_dbeta, db_dlam
+        a, b, da_dbeta, da_dlam, db_dbeta, db_dlam, da_dg, db_dg = _builtin_table(
+            beta, lam, g, eps, rule
+        )
+    return a, b, da_dbeta, da_dlam, db_dbeta, db_dlam, da_dg, db_dg
 
 
 @pytest.fixture

@@ -9,7 +9,14 @@ import torch
 from _inputs import make_inputs
 
 from deltaflow import delta_rule
-from deltaflow.rules import RULES, eigenvalue, get_rule, register_rule, step_coefficients
+from deltaflow.rules import (
+    RULES,
+    eigenvalue,
+    get_rule,
+    register_rule,
+    step_coefficients,
+    triton_rules,
+)
 
 EPS = 1e-6
 
@@ -188,16 +195,13 @@ def test_gated_efla_maps_onto_the_one_recurrence():
     assert torch.isfinite(ld.grad).all() and (ld.grad != 0).all()
 
 
-def test_gated_efla_runs_on_torch_where_triton_has_no_form():
+def test_gated_efla_has_a_triton_form_and_auto_takes_it_on_cuda():
     from deltaflow.ops.delta_rule import resolve_backend
 
     rule = get_rule("gated_efla")
-    assert not rule.has_triton and rule.kernel_id is None
-    q = torch.zeros(1, 1, 1, 4, device="meta")
+    assert rule.has_triton and "gated_efla" in triton_rules()
+    q = torch.zeros(1, 1, 1, 4, device="meta")  # not CUDA: the torch backend
     assert resolve_backend("auto", q, rule) == "torch"
-    x = make_inputs(1, 5, 1, 4, 4, rule="gated_efla")
-    with pytest.raises(ValueError, match="rule 'gated_efla' has no kernel_id"):
-        delta_rule(**x, rule="gated_efla", backend="triton")
     with pytest.raises(ValueError, match="built-in"):
         register_rule("gated_efla", lambda beta, lam, eps: (beta, beta))
 

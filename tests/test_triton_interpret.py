@@ -11,7 +11,8 @@ from deltaflow import delta_rule, delta_rule_step
 from deltaflow.ops.triton_ops import KEPT
 from deltaflow.rules import RULES, triton_rules
 
-# The rules with a Triton form; the others (gated_efla) run on the torch backend only.
+# The rules with a Triton form (every built-in rule, gated_efla included); user rules run on the
+# torch backend only.
 TRITON_RULES = triton_rules()
 
 triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
@@ -165,6 +166,35 @@ def test_fused_backward_varlen_empty_sequences_and_t1():
     assert_fused_backward_matches(inputs, rule="longhorn")
 
 
+@pytest.mark.parametrize("case", ["T1", "T65-strong-decay-neg", "varlen", "half"])
+def test_gated_efla_against_the_reference(case):
+    # The rule whose strengths read the decay: its entry reads the op's log α = expm1(the
+    # layer's), mapped on the host, and d log α collects the recurrence's part and the
+    # strengths' (∂a/∂g, ∂b/∂g, then the chain rule through expm1). T = 1 (one ragged chunk),
+    # α down to e^{−6} (the op's decay near its floor e^{−1}) with negative eigenvalues, packed
+    # sequences (empty ones too) with initial states, half-precision operands.
+    rule, kw = "gated_efla", {}
+    if case == "T1":
+        inputs = make_inputs(2, 1, 2, 16, 16, rule=rule, dtype=torch.float32, seed=11)
+    elif case == "T65-strong-decay-neg":
+        inputs = make_inputs(1, 65, 2, 16, 24, rule=rule, dtype=torch.float32, seed=12)
+        g = torch.Generator().manual_seed(12)
+        inputs["log_decay"] = -6.0 * torch.rand(inputs["beta"].shape, generator=g)
+        kw = {"negative_eigenvalues": True}
+    elif case == "varlen":
+        lengths = [0, 5, 64, 0, 70, 1]
+        inputs = make_inputs(1, 140, 2, 16, 16, rule=rule, dtype=torch.float32, n_states=6)
+        kw = {"cu_seqlens": torch.tensor([0, *lengths], device=DEVICE).cumsum(0)}
+    else:
+        _, inputs = _half_inputs(70, 16, 32, rule, seed=13)
+        ref = _fwd_bwd({n: t.double() for n, t in inputs.items()}, "reference", rule=rule)
+        got = _fwd_bwd(inputs, "triton", rule=rule)
+        for name, x, x_ref in zip(["o", "state", *NAMES], got, ref):
+            assert rel_err(x, x_ref) <= 1e-2, name
+        return
+    assert_fused_backward_matches(on_device(inputs), rule=rule, **kw)
+
+
 def test_two_pass_forward(monkeypatch):
     # The forward for few sequences × heads: state pass with narrow value blocks, then outputs.
     monkeypatch.setattr(triton_backend, "FORWARD_MODE", "two_pass")
@@ -172,7 +202,7 @@ def test_two_pass_forward(monkeypatch):
     assert_fused_backward_matches(inputs, rule="delta", negative_eigenvalues=True)
 
 
-@pytest.mark.parametrize("rule", ["efla", "linear"])
+@pytest.mark.parametrize("rule", ["efla", "linear", "gated_efla"])
 def test_decode_kernel(rule):
     inputs = on_device(make_inputs(3, 4, 2, 16, 24, rule=rule, dtype=torch.float32, seed=2))
     o_ref, s_ref = delta_rule(**inputs, rule=rule, output_final_state=True, backend="reference")
@@ -298,6 +328,7 @@ REUSE_CASES = {
     ),
     "kaczmarz-T65-nobeta": (dict(B=1, T=65, Dk=20, Dv=12, rule="kaczmarz", seed=3), {}),
     "efla-varlen": (dict(B=1, T=140, Dk=16, Dv=16, rule="efla", n_states=6, seed=5), {}),
+    "gated_efla-T65": (dict(B=1, T=65, Dk=16, Dv=16, rule="gated_efla", seed=7), {}),
 }
 REUSE_LENGTHS = [0, 5, 64, 0, 70, 1]  # efla-varlen's sequences (140 tokens)
 STAGES = ("prepare", "states", "forward", "outputs", "dstates", "gradients")

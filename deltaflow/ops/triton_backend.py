@@ -122,7 +122,9 @@ def available() -> bool:
 def kernel_id_of(rule: str | StepRule) -> int:
     """The Triton rule table's id for ``rule``, or a ValueError naming the rule."""
     step_rule = get_rule(rule)
-    return rule_table.check_kernel_id(step_rule.kernel_id, step_rule.name)
+    return rule_table.check_kernel_id(
+        step_rule.kernel_id, step_rule.name, reads_decay=step_rule.decay_coefficients is not None
+    )
 
 
 def _check_chunk_size(chunk_size: int | None) -> None:
@@ -303,6 +305,7 @@ def _forward(
     Dv = v.shape[-1]
     v_dtype = v.dtype
     q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
+    log_decay = rule_table.op_log_decay(kernel_id, log_decay)
     tables = chunk_tables(cu_seqlens, B, T, q.device)
     N = tables.cu_seqlens.numel() - 1
     keep = SAVE_MODES[save]
@@ -401,7 +404,8 @@ def _backward(
     Dv = v.shape[-1]
     kept = kept or {}
     dtypes = [None if x is None else x.dtype for x in (q, k, v, beta, log_decay, initial_state)]
-    q, k, v, beta, log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
+    q, k, v, beta, layer_log_decay, s0 = _inputs(q, k, v, beta, log_decay, initial_state)
+    log_decay = rule_table.op_log_decay(kernel_id, layer_log_decay)
     do = grad_o.to(q.dtype).contiguous()
     dsT = None if grad_state is None else grad_state.to(torch.float32).contiguous()
     tables = chunk_tables(cu_seqlens, B, T, q.device)
@@ -483,6 +487,7 @@ def _backward(
         dbeta=dbeta,
         dlog_decay=dg,
     )
+    dg = rule_table.layer_log_decay_grad(kernel_id, dg, layer_log_decay)
     grads = [dq, dk, dv, dbeta, dg, ds0 if initial_state is not None else None]
     return [None if g is None else g.to(d) for g, d in zip(grads, dtypes)]
 
@@ -508,7 +513,9 @@ def _decode(
         k.contiguous(),
         v.contiguous(),
         beta=None if beta is None else beta.contiguous(),
-        log_decay=None if log_decay is None else log_decay.contiguous(),
+        log_decay=rule_table.op_log_decay(
+            kernel_id, None if log_decay is None else log_decay.contiguous()
+        ),
         state=state,
         kernel_id=kernel_id,
         negative_eigenvalues=negative_eigenvalues,

@@ -58,13 +58,17 @@ def decode_kernel(
             b_beta = tl.load(beta_ptr + tok * H + i_h).to(tl.float32)
         else:
             b_beta = 1.0
+        if HAS_DECAY:
+            b_g = tl.load(g_ptr + tok * H + i_h).to(tl.float32)
+        else:
+            b_g = 0.0
         lam = tl.sum(b_k * b_k, axis=0)
-        a, b = rule_table.strengths(b_beta, lam, eps, rule, neg)
+        a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
         kS = tl.sum(b_k[:, None] * S, axis=0)  # prediction kᵀS
         # (1) S_t = α_t (S − a k (kᵀS)) + b k vᵀ
         S = S - a * b_k[:, None] * kS[None, :]
         if HAS_DECAY:
-            S = tl.exp(tl.load(g_ptr + tok * H + i_h).to(tl.float32)) * S
+            S = tl.exp(b_g) * S
         S = S + b * b_k[:, None] * b_v[None, :]
         b_o = scale * tl.sum(b_q[:, None] * S, axis=0)  # (2) o_t = scale·S_tᵀq_t
         tl.store(o_ptr + (tok * H + i_h) * Dv + offs_v, b_o.to(o_ptr.dtype.element_ty), mask=mask_v)

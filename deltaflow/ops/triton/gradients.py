@@ -5,7 +5,8 @@ reverse pass (G, dU) stored.
 Two kernels rather than one (one spilled registers): ``chunk_grads_v_kernel``, the value side
 (dv, and two C×C matrices and three row vectors for the key side), then
 ``chunk_grads_k_kernel``: dq, dk, dβ and dλ through the rule table's derivatives, and d log α
-by a reverse cumulative sum in the chunk.
+by a reverse cumulative sum in the chunk (plus, for a rule whose strengths read the decay, its
+part through a and b).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _load_t_transposed(t_ptr, c, i_h, H):
 def _chunk_keys(
     q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
 ):
-    """What both gradient kernels load for a chunk: q, k, β, λ = ‖k‖², a, b (0 past eos), γ."""
+    """What both gradient kernels load for a chunk: q, k, β, λ = ‖k‖², a, b (0 past eos), γ,
+    log α."""
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
     mask_t = offs_t < eos
@@ -69,10 +71,10 @@ def _chunk_keys(
     b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
     k32 = b_k.to(tl.float32)
     lam = tl.sum(k32 * k32, axis=1)
-    a, b = rule_table.strengths(b_beta, lam, eps, rule, neg)
+    a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
     a = tl.where(mask_t, a, 0.0)
     b = tl.where(mask_t, b, 0.0)
-    return b_q, b_k, b_beta, lam, a, b, tl.cumsum(b_g, axis=0)
+    return b_q, b_k, b_beta, lam, a, b, tl.cumsum(b_g, axis=0), b_g
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -117,7 +119,7 @@ def chunk_grads_v_kernel(
     mask_t = offs_t < eos
     # The write strength b first; q, k and the rest are loaded again after the loop (from L2)
     # rather than kept in registers across it.
-    _, _, _, _, _, b, _ = _chunk_keys(
+    _, _, _, _, _, b, _, _ = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
     T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
@@ -146,7 +148,7 @@ def chunk_grads_v_kernel(
     # 30 item 4): dU Uᵀ enters as a hi + lo pair, two C³ dots once rather than two per value
     # block (and no split dY live in the loop: 128 registers, not 181, at D = 64)
     dYU = dot_split(T_t, dUU, tl.zeros([CHUNK, CHUNK], dtype=tl.float32), DT, PREC)
-    b_q, b_k, _, _, a, _, gamma = _chunk_keys(
+    b_q, b_k, _, _, a, _, gamma, _ = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
     decay = decay_matrix(gamma)
@@ -248,11 +250,13 @@ def chunk_grads_k_kernel(
         T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
         dX = -dot_split(T_t, dUS, tl.zeros([CHUNK, BK], dtype=tl.float32), DT, PREC)
 
-    b_q, b_k, b_beta, lam, a, b, gamma = _chunk_keys(
+    b_q, b_k, b_beta, lam, a, b, gamma, b_g = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
     # the rule's derivatives while few registers are live (the rule is a runtime branch)
-    da_dbeta, da_dlam, db_dbeta, db_dlam = rule_table.derivatives(b_beta, lam, eps, rule, neg)
+    da_dbeta, da_dlam, db_dbeta, db_dlam, da_dg, db_dg = rule_table.derivatives(
+        b_beta, lam, b_g, eps, rule, neg
+    )
     Gamma = tl.exp(gamma)
     gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
     to_end = tl.exp(gamma_last - gamma)
@@ -280,6 +284,8 @@ def chunk_grads_k_kernel(
     d_gamma_last = tl.sum(t, axis=0) + tl.exp(gamma_last) * tl.sum(tl.sum(gs, axis=1), axis=0)
     d_gamma += tl.where(rows == CHUNK - 1, d_gamma_last, 0.0)
     d_log_alpha = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
+    if rule_table.reads_decay(rule):  # gated_efla: log α also enters its strengths a and b
+        d_log_alpha += da * da_dg + db * db_dg
 
     # The rule: a(β, λ), b(β, λ) with λ = ‖k‖², so dk += 2 dλ k
     dk += (2.0 * (da * da_dlam + db * db_dlam))[:, None] * k32

@@ -177,7 +177,7 @@ def chunk_prepare_kernel(
         kk += tl.dot(b_k.to(DT), tl.trans(b_k.to(DT)), input_precision=PREC)
 
     b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
-    a, b = rule_table.strengths(b_beta, lam, eps, rule, neg)
+    a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
     # Non-finite inputs (docs/design.md §8): a token whose key, β, strengths or log α is not
     # finite (x·0 is NaN unless x is finite) takes no part in any product; the later stages
     # make the outputs NaN from the chunk's first such token on.
