@@ -43,7 +43,8 @@ SMOKE_RULES = [
     "delta",
     "efla",
     "kaczmarz",
-]  # unit keys, raw keys, a rule without beta  # one chunk boundary, Dk != Dv
+    "gated_efla",
+]  # unit keys, raw keys, a rule without beta, the rule whose strengths read the decay
 
 
 def make(B, T, Dk, Dv, rule, dtype, device, n_states=None, seed=0):

@@ -31,7 +31,7 @@ def _triton_backend():
 def resolve_backend(backend: str, q: Tensor, rule: StepRule, chunk_size: int | None = None) -> str:
     """'auto' picks the fastest correct backend for the device: Triton on CUDA for rules with a
     Triton form (``kernel_id``), unless ``chunk_size`` asks for a chunk length its kernels do
-    not have. Rules without one (user rules, ``gated_efla``) run on the torch backend."""
+    not have. Rules without one (user rules) run on the torch backend."""
     if backend != "auto":
         return backend
     triton_chunk = chunk_size is None or chunk_size == TRITON_CHUNK_SIZE
