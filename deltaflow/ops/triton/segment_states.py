@@ -40,6 +40,7 @@ from deltaflow.ops.triton.common import (
     chunk_gamma,
     dot_precision,
     head_block,
+    key_block,
     load_rows,
 )
 from deltaflow.ops.triton.states import (
@@ -324,9 +325,10 @@ def segment_dstates_kernel(
 
 
 # ---------------------------------------------------------------------------- the launchers
-def _block(Dk: int, Dv: int, block_v: int) -> tuple[int, int, int]:
-    """(BV, transition blocks, value blocks): one width for both kinds of columns."""
-    BV = min(block_v, head_block(Dk), head_block(Dv))
+def _block(Dk: int, Dv: int, block_v: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BV, transition blocks, value blocks): one width for both kinds of columns, with the
+    floors every launcher's blocks take for ``dtype`` (common.head_block)."""
+    BV = min(block_v, head_block(Dk, dtype), head_block(Dv, dtype))
     return BV, cdiv(Dk, BV), cdiv(Dv, BV)
 
 
@@ -375,7 +377,7 @@ def launch_segmented_states(
             **common,
         )
         return
-    BV, NKB, NVB = _block(Dk, Dv, block_v)
+    BV, NKB, NVB = _block(Dk, Dv, block_v, k.dtype)
     trans = output(segments.slots, N, H, Dk, Dk + Dv, like=k, dtype=torch.float32)
     segment_states_kernel[(segments.slots * N * H, NKB + NVB)](
         k_ptr=k,
@@ -390,7 +392,7 @@ def launch_segmented_states(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk),
+        BK=key_block(Dk, Dv, k.dtype),
         BV=BV,
         NKB=NKB,
         HAS_DECAY=log_decay is not None,
@@ -445,7 +447,7 @@ def launch_segmented_dstates(
             **common,
         )
         return
-    BV, NKB, NVB = _block(Dk, Dv, states.DSTATES_BV)
+    BV, NKB, NVB = _block(Dk, Dv, states.DSTATES_BV, q.dtype)
     trans = output(segments.slots, N, H, Dk, Dk + Dv, like=q, dtype=torch.float32)
     segment_dstates_kernel[(segments.slots * N * H, NKB + NVB)](
         q_ptr=q,
@@ -461,7 +463,7 @@ def launch_segmented_dstates(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=head_block(Dk),
+        BK=key_block(Dk, Dv, q.dtype),
         BV=BV,
         NKB=NKB,
         HAS_DECAY=log_decay is not None,
