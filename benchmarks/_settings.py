@@ -15,8 +15,9 @@ the start of the run rather than minutes into it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -126,3 +127,18 @@ def apply(settings: dict[str, Any]) -> None:
     for key, value in settings.items():
         module_name, name = key.split(".", 1)
         setattr(importlib.import_module(MODULES[module_name]), name, value)
+
+
+@contextlib.contextmanager
+def applied(settings: dict[str, Any]) -> Iterator[None]:
+    """:func:`apply` for the ``with`` block only: the previous values come back after it (a
+    benchmark timing several variants in one process, interleaved)."""
+    before = {}
+    for key in settings:
+        module_name, name = key.split(".", 1)
+        before[key] = getattr(importlib.import_module(MODULES[module_name]), name)
+    apply(settings)
+    try:
+        yield
+    finally:
+        apply(before)

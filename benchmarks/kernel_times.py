@@ -4,6 +4,7 @@ PYTHONPATH) and tells which kernel a change made slower.
 
     python benchmarks/kernel_times.py [--shapes 8x4096x16x128,16x2048x32x64] [--rule delta]
     python benchmarks/kernel_times.py --smoke     # CPU: runs the calls, times nothing (CI)
+    python benchmarks/kernel_times.py --set triton_backend.SAVE_FOR_BACKWARD=prepare   # a switch
 
 Per kernel name: mean time per call over ``--iters`` profiled calls (torch.profiler, CUDA
 activity), after a warm-up; plus the median wall time per call of the whole op (do_bench).
@@ -16,6 +17,7 @@ import inspect
 import json
 from collections import defaultdict
 
+import _settings
 from _common import git_commit, smoke_env, smoke_requested
 
 if smoke_requested():
@@ -72,7 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--label", default="", help="a name for this tree in the output")
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
+    _settings.add_settings_arg(parser)
     args = parser.parse_args(argv)
+    try:
+        settings = _settings.parse(args.set)  # old trees (bisection) may lack a setting: refused
+    except _settings.SettingError as e:
+        parser.error(str(e))
+    _settings.apply(settings)
     device = "cpu" if args.smoke else "cuda"
     shapes = [(1, 65, 2, 32)] if args.smoke else parse_shapes(args.shapes)
     label = args.label or git_commit()
@@ -82,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         if "check_values" in inspect.signature(deltaflow.delta_rule).parameters
         else {}
     )
-    print(f"# kernel times: {label}, deltaflow at {deltaflow.__file__}, rule {args.rule}")
+    print(
+        f"# kernel times: {label}, deltaflow at {deltaflow.__file__}, rule {args.rule}"
+        + (f", settings {json.dumps(settings)}" if settings else "")
+    )
     results = []
     for B, T, H, D in shapes:
         for mode in ("forward", "forward+backward"):

@@ -5,6 +5,14 @@ backend, same run, same GPU, medians of ``triton.testing.do_bench``.
     python benchmarks/kernels.py --smoke     # CPU, Triton interpreter, tiny shapes, no fla (CI)
     python benchmarks/kernels.py --save-for-backward [--rounds 3]   # what the forward keeps
     python benchmarks/kernels.py --sequence-parallel [--rounds 3]   # segmented state passes
+    python benchmarks/kernels.py --variant sp:triton_backend.SEQUENCE_PARALLEL_STATES=auto \
+        --variant prep:triton_backend.SAVE_FOR_BACKWARD=prepare     # settings beside fla
+
+``--variant NAME:ITEMS`` (repeatable; ITEMS as ``--set``'s) times delta's forward and forward +
+backward at every shape again under those settings, interleaved with the default and fla in the
+same rounds, as impl ``deltaflow-triton+NAME`` with its own ratio to fla. Forward + backward
+returns the gradients (``torch.autograd.grad``) instead of adding them into the leaves' ``.grad``,
+for every implementation.
 
 ``--save-for-backward``: instead of the table below, delta with decay's forward and forward +
 backward at ``SAVE_SHAPES`` under each ``triton_backend.SAVE_FOR_BACKWARD`` value ("none",
@@ -96,6 +104,7 @@ SMOKE_DECODE_HEADS = (2, 32)
 # (tests/test_gpu_scripts.py checks the same at small shapes).
 WARM_T = 128
 DEVICE = "cuda"
+FLA_BACKWARD_MAX_D = 128  # --fla-backward-256: 256
 
 
 def inputs(B, T, H, D, dtype=torch.bfloat16, grad=False):
@@ -120,12 +129,32 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def with_settings(settings: dict, fn):
+    """``fn`` run under ``settings`` (``--variant``'s), the previous values back after each
+    call: variants interleave with the default in one process."""
+
+    def run():
+        with _settings.applied(settings):
+            return fn()
+
+    return run
+
+
 def measurements(
-    fla, skip_torch: bool, shapes, decode_batches, decode_heads=DECODE_HEADS, all_rules=False
+    fla,
+    skip_torch: bool,
+    shapes,
+    decode_batches,
+    decode_heads=DECODE_HEADS,
+    all_rules=False,
+    variants: dict[str, dict] | None = None,
 ):
     """(kind, shape, impl, rule, bytes or None, the function to time), in the order they run.
     Every Triton rule's forward where (B, H, D) is a RULE_SHAPES one (``all_rules``: at every
-    shape, as the smoke run does), delta's elsewhere."""
+    shape, as the smoke run does), delta's elsewhere; each of ``variants`` (name -> ``--set``
+    items) times delta's forward and forward + backward again under its settings, as impl
+    ``deltaflow-triton+NAME``."""
+    variants = variants or {}
     for B, T, H, D in shapes:
         shape = [B, T, H, D]
         q, k, v, beta, ld = inputs(B, T, H, D)
@@ -172,20 +201,46 @@ def measurements(
                     )
                 ),
             )
-        qg, kg, vg, bg, lg = inputs(B, T, H, D, grad=True)
-        do = torch.randn_like(vg)
+        xg = inputs(B, T, H, D, grad=True)
+        do = torch.randn_like(xg[2])
 
-        def fwd_bwd_ours(qg=qg, kg=kg, vg=vg, bg=bg, lg=lg, do=do):
-            o, _ = delta_rule(qg, kg, vg, bg, log_decay=lg, backend="triton")
-            o.backward(do)
+        # torch.autograd.grad, not .backward(): the gradients are returned, not added into the
+        # leaves' .grad (a training step's gradients flow on to the projections; accumulating
+        # into .grad cost both implementations the same ~0.4 ms at (8, 4096, 16, 128))
+        def fwd_bwd_ours(xg=xg, do=do):
+            o, _ = delta_rule(*xg[:4], log_decay=xg[4], backend="triton")
+            torch.autograd.grad(o, xg, do)
 
         yield "forward+backward", shape, "deltaflow-triton", "delta", None, fwd_bwd_ours
-        # fla's D=256 backward autotunes for minutes (longer than a device call): not timed
-        if fla is not None and D <= 128:
+        for name, settings in variants.items():
+            yield (
+                "forward",
+                shape,
+                f"deltaflow-triton+{name}",
+                "delta",
+                nbytes,
+                with_settings(
+                    settings,
+                    lambda q=q, k=k, v=v, beta=beta, ld=ld: delta_rule(
+                        q, k, v, beta, log_decay=ld, backend="triton"
+                    ),
+                ),
+            )
+            yield (
+                "forward+backward",
+                shape,
+                f"deltaflow-triton+{name}",
+                "delta",
+                None,
+                with_settings(settings, fwd_bwd_ours),
+            )
+        # fla's D=256 backward autotunes for minutes: timed only with --fla-backward-256 (its
+        # tunings warmed by an earlier --warm-fla --fla-backward-256 into Triton's cache)
+        if fla is not None and D <= FLA_BACKWARD_MAX_D:
 
-            def fwd_bwd_fla(qg=qg, kg=kg, vg=vg, bg=bg, lg=lg, do=do):
-                o, _ = fla[0](qg, kg, vg, lg, bg)
-                o.backward(do)
+            def fwd_bwd_fla(xg=xg, do=do):
+                o, _ = fla[0](*xg[:3], xg[4], xg[3])
+                torch.autograd.grad(o, xg, do)
 
             yield "forward+backward", shape, "fla", "delta", None, fwd_bwd_fla
 
@@ -458,10 +513,36 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the same with triton_backend.SEQUENCE_PARALLEL_STATES off and on (issue 32)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:MODULE.NAME=VALUE[,...]",
+        help="also time delta's forward and forward + backward at every shape under these "
+        "settings (as --set's items), interleaved with the rest, as impl deltaflow-triton+NAME "
+        "(repeatable)",
+    )
+    parser.add_argument(
+        "--fla-backward-256",
+        action="store_true",
+        help="time (or with --warm-fla, tune) fla's forward + backward at D = 256 too: its "
+        "autotuning takes minutes, so warm it in a process of its own first",
+    )
     _settings.add_settings_arg(parser)
     args = parser.parse_args(argv)
+    global FLA_BACKWARD_MAX_D
+    if args.fla_backward_256:
+        FLA_BACKWARD_MAX_D = 256
     try:
         settings = _settings.parse(args.set)
+        variants = {}
+        for text in args.variant:
+            name, colon, items = text.partition(":")
+            if not colon or not name or name in variants:
+                raise _settings.SettingError(
+                    f"--variant {text!r}: expected NAME:MODULE.NAME=VALUE[,...] with a new NAME"
+                )
+            variants[name] = _settings.parse([items])
     except _settings.SettingError as e:  # one line, not argparse's usage block
         parser.error(str(e))
     if args.smoke and args.sequence_parallel:  # several segments at the smoke's T = 200
@@ -472,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_for_backward and args.sequence_parallel:
         parser.error("--save-for-backward and --sequence-parallel are separate runs: give one")
     compare = args.save_for_backward or args.sequence_parallel
+    if compare and variants:
+        parser.error("--variant belongs to the main table, not --save-for-backward / "
+                     "--sequence-parallel")  # fmt: skip
     if compare and (args.warm_only or args.warm_fla):
         parser.error(f"{'--save-for-backward' if args.save_for_backward else '--sequence-parallel'}"
                      " times; --warm-only / --warm-fla only compile")  # fmt: skip
@@ -543,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(rounds):
         round_start, timed = time.perf_counter(), 0
         for kind, shape, impl, rule, nbytes, fn in measurements(
-            fla, args.skip_torch or args.smoke, shapes, batches, decode_heads, args.smoke
+            fla, args.skip_torch or args.smoke, shapes, batches, decode_heads, args.smoke, variants
         ):
             timed += 1
             key = (kind, tuple(shape), impl, rule)
@@ -596,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "rounds": rounds,
         "settings": settings,  # --set's items
+        "variants": variants,  # --variant's: impl deltaflow-triton+NAME
     }
     (out / f"kernels_{tag}.json").write_text(
         json.dumps({"meta": meta, "records": records}, indent=1)

@@ -231,3 +231,23 @@ def test_model_training_applies_and_records_set(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert "--set 'conv_norm_triton.BWD_BT=abc': BWD_BT is an int (now 16)" in err
+
+
+def test_applied_settings_last_for_the_block_only():
+    """_settings.applied (kernels.py --variant): the settings hold inside the block and the
+    previous values come back after it, also when the block raises."""
+    import pytest
+
+    from deltaflow.ops import triton_backend
+
+    settings = load_script("benchmarks/_settings.py")
+    before = (triton_backend.SAVE_FOR_BACKWARD, triton_backend.SEGMENT_WAVES)
+    items = settings.parse(
+        ["triton_backend.SAVE_FOR_BACKWARD=states,triton_backend.SEGMENT_WAVES=5"]
+    )
+    with settings.applied(items):
+        assert (triton_backend.SAVE_FOR_BACKWARD, triton_backend.SEGMENT_WAVES) == ("states", 5)
+    assert (triton_backend.SAVE_FOR_BACKWARD, triton_backend.SEGMENT_WAVES) == before
+    with pytest.raises(RuntimeError), settings.applied(items):
+        raise RuntimeError
+    assert (triton_backend.SAVE_FOR_BACKWARD, triton_backend.SEGMENT_WAVES) == before

@@ -49,7 +49,13 @@ SCRIPTS = [
     Script(
         "benchmarks/bf16_floor.py", ("--smoke", "--out", "{tmp}/floor.md"), "bf16_floor: done", True
     ),
-    Script("benchmarks/kernels.py", ("--smoke",), "smoke ok", True),
+    # one --variant (its settings applied around its own measurements): 10 rows + 2 of it
+    Script(
+        "benchmarks/kernels.py",
+        ("--smoke", "--variant", "prep:triton_backend.SAVE_FOR_BACKWARD=prepare"),
+        "smoke ok: 12 measurements ran",
+        True,
+    ),
     # the op with triton_backend.SAVE_FOR_BACKWARD at each value, one process
     Script(
         "benchmarks/kernels.py",
@@ -109,6 +115,15 @@ SCRIPTS = [
                 "train_B1_T128",
             )
         ),
+    ),
+    # issue 32's GPU call at toy size: the warm-up beside, then the timed kernels and times
+    Script(
+        "benchmarks/issue32_call.sh",
+        ("--smoke", "{tmp}/out"),
+        "0 step(s) failed",
+        True,
+        runner=("bash",),
+        expect=("kernels_warm: exit 0 in ", "kernels: exit 0 in ", "kernel_times: exit 0 in "),
     ),
     Script("benchmarks/kernel_times.py", ("--smoke",), "smoke ok", True),
     # the op's host time with no-op launches (no interpreter), its syncs, the model step's
