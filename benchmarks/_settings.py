@@ -29,6 +29,11 @@ MODULES = {
         "deltaflow.layers.short_conv_triton",
         "deltaflow.layers.conv_norm_triton",
         "deltaflow.ops.triton_backend",
+        "deltaflow.ops.triton.prepare",  # the kernels' launch settings (issue 32's variants)
+        "deltaflow.ops.triton.states",
+        "deltaflow.ops.triton.segment_states",
+        "deltaflow.ops.triton.outputs",
+        "deltaflow.ops.triton.gradients",
         "deltaflow.models.compile",
         "deltaflow.models.loss",
     )
