@@ -35,8 +35,11 @@ C = CHUNK.value
 @pytest.fixture
 def launches(monkeypatch) -> list[str]:
     """The switch on, segments of one chunk (tests may change SEGMENT_CHUNKS), and the names of
-    the state-pass launchers the backend calls, in order."""
+    the state-pass launchers the backend calls, in order. The forward pinned to its fused form
+    where it runs no segments: on a GPU "auto" takes the two-pass form at these few programs
+    (a second launch_states), on the interpreter the fused one (session 18, call 1)."""
     monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "on")
+    monkeypatch.setattr(triton_backend, "FORWARD_MODE", "fused")
     monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 1)
     calls: list[str] = []
     for name in LAUNCHERS:
@@ -168,7 +171,7 @@ def test_lengths_and_segment_sizes(T, segment_chunks, segmented, state, launches
     assert_matches_reference(
         on_device({n: None if t is None else t.float() for n, t in x.items()}), rule="longhorn"
     )
-    plain = ["launch_states", "launch_dstates"]  # the fused forward (interpreter), its backward
+    plain = ["launch_states", "launch_dstates"]  # the fused forward (pinned), its backward
     assert launches == (SEGMENTED if segmented else plain)
 
 
