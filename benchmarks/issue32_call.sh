@@ -10,8 +10,8 @@
 # Environment (defaults in brackets):
 #   CHECK [1]          check_triton.py --dtype all, whole (its cases wait for fla's tuning)
 #   PYTEST [""]        test files run on the GPU beside the check's cases ("" = none)
-#   FLA_AUTOTUNE [""]  a .tgz of fla's autotune results from an earlier call (this call writes
-#                      its own, also from a cut warm-up, as fla_autotune.tgz)
+#   FLA_AUTOTUNE [""]  .tgz files (space-separated) of fla's autotune results from earlier calls
+#                      (this call writes its own, also from a cut warm-up, as fla_autotune.tgz)
 #   FLA_WARM [1]       kernels.py --warm-fla (fla tunes at the timed shapes, alone on the GPU)
 #   FLA_256 [0]        then fla's D = 256 backward tuned too, beside the check's cases (minutes;
 #                      cut at PHASE_A_END, kept for the next call); timed when it finished
@@ -42,9 +42,13 @@ SUMMARY="$OUT_DIR/summary.txt"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-/tmp/issue32_triton_cache}"
 mkdir -p "$TRITON_CACHE_DIR"
-if [ -n "${FLA_AUTOTUNE:-}" ] && [ -f "$FLA_AUTOTUNE" ]; then
-  tar xzf "$FLA_AUTOTUNE" -C "$TRITON_CACHE_DIR" && echo "fla autotune: $(tar tzf "$FLA_AUTOTUNE" | wc -l) results from $FLA_AUTOTUNE" | tee -a "$SUMMARY"
-fi
+for tgz in ${FLA_AUTOTUNE:-}; do  # several: the op's shapes' and the model's
+  if [ -f "$tgz" ]; then
+    tar xzf "$tgz" -C "$TRITON_CACHE_DIR" && echo "fla autotune: $(tar tzf "$tgz" | wc -l) results from $tgz" | tee -a "$SUMMARY"
+  else
+    echo "fla autotune: no file $tgz" | tee -a "$SUMMARY"
+  fi
+done
 PHASE_A_END=${PHASE_A_END:-380} DEADLINE=${DEADLINE:-575}
 CORES=$(nproc)
 if [ "$CORES" -ge 4 ] && command -v taskset > /dev/null; then
