@@ -32,6 +32,7 @@ MODULES = {
         "deltaflow.ops.triton.prepare",  # the kernels' launch settings (issue 32's variants)
         "deltaflow.ops.triton.states",
         "deltaflow.ops.triton.segment_states",
+        "deltaflow.ops.triton.segment_chain",
         "deltaflow.ops.triton.outputs",
         "deltaflow.ops.triton.gradients",
         "deltaflow.models.compile",
@@ -44,6 +45,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "triton_backend.SAVE_FOR_BACKWARD": ("none", "prepare", "states"),
     "triton_backend.FORWARD_MODE": ("auto", "fused", "two_pass"),
     "triton_backend.SEQUENCE_PARALLEL_STATES": ("off", "on", "auto"),
+    "segment_chain.SEGMENT_CHAIN": ("triton", "torch"),
     "loss.FUSED_CE_BACKEND": ("auto", "torch", "liger"),
 }
 # Modules of which only some constants are read at call time: the others are bound at import

@@ -5,6 +5,8 @@
     python benchmarks/host_overhead.py --smoke          # tiny shapes, a few repeats (CI)
     PYTHONPATH=/other/tree python benchmarks/host_overhead.py   # time another checkout's op
     python benchmarks/host_overhead.py --cuda   # on a GPU: the launches run, host µs a call
+    python benchmarks/host_overhead.py --shape 2,8192,8,128 --sms 132 \
+        --set triton_backend.SEQUENCE_PARALLEL_STATES=on   # another shape, GPU, settings
 
 What it measures. The ops are called as a compiled training step calls them (``torch.ops``, grad
 mode off, the arguments the forward and backward graphs pass) at the 400M model's shape: B=8,
@@ -53,9 +55,10 @@ from typing import Any
 # Launches are intercepted at JITFunction.run: the interpreter's kernels are no JITFunctions.
 os.environ.pop("TRITON_INTERPRET", None)
 
+import _settings  # noqa: E402
 import torch  # noqa: E402
 from _common import git_commit, smoke_requested  # noqa: E402
-from _launches import intercepted  # noqa: E402
+from _launches import H100_SMS, intercepted  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -178,6 +181,9 @@ STAGES = {
     "buffers (allocations)": ("deltaflow.ops.triton_backend", "_output"),
     "prepare launch": ("deltaflow.ops.triton_backend", "launch_prepare"),
     "state pass launch": ("deltaflow.ops.triton_backend", "launch_states"),
+    "segments (choice, tables)": ("deltaflow.ops.triton_backend", "_segments"),
+    "segmented state pass launches": ("deltaflow.ops.triton_backend", "launch_segmented_states"),
+    "segmented reverse launches": ("deltaflow.ops.triton_backend", "launch_segmented_dstates"),
     "fused forward launch": ("deltaflow.ops.triton_backend", "launch_forward"),
     "outputs launch": ("deltaflow.ops.triton_backend", "launch_outputs"),
     "reverse pass launch": ("deltaflow.ops.triton_backend", "launch_dstates"),
@@ -441,23 +447,34 @@ def counted(launches: Counter[str]) -> Iterator[None]:
 
 
 def clear_tables_cache() -> None:
-    """Empty the chunk tables cache where this checkout has one (its misses sync, packed)."""
+    """Empty the chunk tables cache where this checkout has one (its misses sync, packed), and
+    the segment tables' caches (sequence-parallel state passes) where it has those."""
     from deltaflow.ops.triton import common
 
     if hasattr(common, "_tables"):
         common._tables.clear()
+    with contextlib.suppress(ImportError):
+        from deltaflow.ops.triton import segment_states
+
+        for name in ("_segment_cache", "_dense_cache"):
+            if hasattr(segment_states, name):
+                getattr(segment_states, name).clear()
 
 
-def measure(shape: tuple[int, int, int, int], repeats: int, device: str) -> dict[str, Any]:
-    """Every number of the report, for the dense and the packed layout."""
+def measure(
+    shape: tuple[int, int, int, int], repeats: int, device: str, sms: int = H100_SMS
+) -> dict[str, Any]:
+    """Every number of the report, for the dense and the packed layout (``sms``: the
+    multiprocessors the traced op sees on a CPU, for its two-pass and segment choices)."""
     launches, count = launch_counter()
     report: dict[str, Any] = {"shape": dict(zip("BTHD", shape)), "device": device}
+    report["sms"] = None if device == "cuda" else sms
     from deltaflow.ops import triton_backend
 
     report["save_for_backward"] = triton_backend.SAVE_FOR_BACKWARD
     # On a CPU the launches are counted instead of run; on a GPU they run (counted on one call).
     cuda = device == "cuda"
-    with contextlib.nullcontext() if cuda else intercepted(count):
+    with contextlib.nullcontext() if cuda else intercepted(count, sms):
         for layout in ("dense", "packed"):
             x = make_inputs(shape, device, packed=layout == "packed")
             entry: dict[str, Any] = {}
@@ -489,7 +506,8 @@ def print_report(report: dict[str, Any]) -> None:
     shape = report["shape"]
     print(f"host_overhead: commit {report['commit']}, {report['device']}, B={shape['B']} "
           f"T={shape['T']} H={shape['H']} D={shape['D']}, "
-          f"SAVE_FOR_BACKWARD={report['save_for_backward']!r}")  # fmt: skip
+          f"SAVE_FOR_BACKWARD={report['save_for_backward']!r}, SMs {report['sms']}, "
+          f"settings {report['settings']}")  # fmt: skip
     for layout in ("dense", "packed"):
         for name in ("forward", "backward"):
             e = report[layout][name]
@@ -530,14 +548,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "per-launch cost and the CUDA calls (the queue drained between calls)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few repeats (CI)")
+    p.add_argument(
+        "--shape",
+        default=",".join(map(str, SHAPE)),
+        help="B,T,H,D of the op's call (default the 400M model's training shape)",
+    )
+    p.add_argument(
+        "--sms",
+        type=int,
+        default=H100_SMS,
+        help="on a CPU, the multiprocessor count the op sees (two-pass and segment choices)",
+    )
+    _settings.add_settings_arg(p)
     args = p.parse_args(argv)
+    try:
+        settings = _settings.parse(args.set)
+        shape = tuple(int(x) for x in args.shape.split(","))
+        if len(shape) != 4:
+            raise ValueError(f"--shape takes B,T,H,D, got {args.shape!r}")
+    except (_settings.SettingError, ValueError) as e:  # one line, not argparse's usage block
+        p.exit(2, f"host_overhead: {e}\n")
+    _settings.apply(settings)
     smoke = args.smoke or smoke_requested(argv)
     device = "cuda" if args.cuda else "cpu"
     if not args.cuda:
         heap_allocations()
     torch.set_num_threads(1)
-    report = measure(SMOKE_SHAPE if smoke else SHAPE, 5 if smoke else args.repeats, device)
+    shape = SMOKE_SHAPE if smoke else shape
+    report = measure(shape, 5 if smoke else args.repeats, device, args.sms)
     report["commit"] = git_commit()
+    report["settings"] = settings
     print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

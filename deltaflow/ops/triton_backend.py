@@ -93,10 +93,14 @@ SAVE_FOR_BACKWARD = "none"
 # "off"; "on" wherever a sequence has more than one segment (the forward then takes its two-pass
 # form); "auto" where the pass's programs, sequences x heads x value blocks, are fewer than the
 # GPU's multiprocessors. Off: untimed on the GPU (benchmarks/kernels.py --sequence-parallel).
+# Dense batches need no host sync and are safe under CUDA-graph capture (compiled blocks'
+# reduce-overhead mode): their segment tables come from shapes, cached by GraphSafeCache, and the
+# chain across segments is one launch (segment_chain.py; NOTES.md, "Issue 32, session 18").
 SEQUENCE_PARALLEL_STATES = "off"
 # Chunks a segment; 0: from the load, SEGMENT_WAVES waves of the multiprocessors for the
-# per-segment state pass, at least SEGMENT_MIN_CHUNKS (the cross-segment chain is a launch a
-# segment). Tests set small values to get several segments at tiny T.
+# per-segment state pass, at least SEGMENT_MIN_CHUNKS (every segment is a step of the chain
+# across segments: two torch launches in segments.chain's form, ~1-2 µs of one kernel in
+# segment_chain.py's, predicted). Tests set small values to get several segments at tiny T.
 SEGMENT_CHUNKS = 0
 SEGMENT_WAVES = 2
 SEGMENT_MIN_CHUNKS = 4

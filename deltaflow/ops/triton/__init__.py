@@ -6,6 +6,7 @@ each kernel beside its launcher:
 - ``prepare.py``: stage 1, per chunk: the rule's strengths and the UT transform (W, Ũ, T)
 - ``states.py``: stage 2, per sequence: the state passes (fused forward, forward, reverse)
 - ``segment_states.py``: stage 2 split across segments of each sequence (off by default)
+- ``segment_chain.py``: its chain across segments, one launch for every sequence and head
 - ``outputs.py``: stage 3 of the two-pass forward, per chunk: the outputs
 - ``gradients.py``: stage 3 of the backward, per chunk: every gradient but the state's
 - ``decode.py``: generation, a few tokens into an fp32 state in place
@@ -18,7 +19,15 @@ from __future__ import annotations
 import importlib
 
 # The stages in launch order: the order in which pin_cache_keys hashes their kernels.
-STAGES = ("prepare", "states", "segment_states", "outputs", "gradients", "decode")
+STAGES = (
+    "prepare",
+    "states",
+    "segment_states",
+    "segment_chain",
+    "outputs",
+    "gradients",
+    "decode",
+)
 
 
 def pin_cache_keys() -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Hashable
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
 from deltaflow.ops.chunk import TRITON_CHUNK_SIZE
 
@@ -170,7 +171,10 @@ def chunk_tables(cu_seqlens: Tensor | None, B: int, T: int, device: torch.device
     return tables
 
 
-def _outside_graph_pools(build: Callable[[], ChunkTables], device: torch.device) -> ChunkTables:
+Built = TypeVar("Built")
+
+
+def _outside_graph_pools(build: Callable[[], Built], device: torch.device) -> Built:
     """``build()``, on a GPU from a thread of its own (on the caller's stream, which waits for
     it): cudagraph trees (torch.compile's "reduce-overhead") warm a graph up with every
     allocation *of the warming thread* sent to the graph's memory pool, and refuse tensors there
@@ -196,13 +200,60 @@ def _outside_graph_pools(build: Callable[[], ChunkTables], device: torch.device)
     return done[0]
 
 
-def _release(tables: ChunkTables) -> None:
-    """Forget an evicted entry. Its GPU memory returns to the pool of the stream it was built
-    on; kernels of the current stream may still be queued to read it, so its reuse waits for
-    them (``record_stream``)."""
-    for t in (tables.cu_seqlens, tables.chunk_offsets, tables.chunk_indices, tables.placeholder):
-        if t.is_cuda:
+def _release(tables: object) -> None:
+    """Forget an evicted entry (any tuple of tensors). Its GPU memory returns to the pool of the
+    stream it was built on; kernels of the current stream may still be queued to read it, so its
+    reuse waits for them (``record_stream``)."""
+    for t in pytree.tree_leaves(tables):
+        if isinstance(t, Tensor) and t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
+
+
+class GraphSafeCache(Generic[Built]):
+    """Device tables that depend on shapes alone, cached so that a CUDA-graph capture
+    (cudagraph trees: a warm-up run, then the capture) neither copies from the host nor reads
+    memory that may be freed while the graph lives:
+
+    - outside a capture, a miss builds through :func:`_outside_graph_pools` (not in a graph's
+      pool, as :func:`chunk_tables`' entries) and enters an LRU of ``size`` entries;
+    - under a capture, a hit (the warm-up built it) is *pinned*: moved out of the LRU, never
+      evicted, since every replay of the graph reads its memory; nothing is built or copied;
+    - under a capture, a miss builds inside the capture (graph-owned memory, uncached: what
+      :func:`chunk_tables` does for every capture). ``build`` must then issue device ops only
+      (no host list copied to the GPU: that is a sync, refused during capture).
+
+    A hit costs a dict lookup; the capture check is made on misses and LRU hits only."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lru: OrderedDict[Hashable, Built] = OrderedDict()
+        self.pinned: dict[Hashable, Built] = {}
+
+    def get(self, key: Hashable, build: Callable[[], Built], device: torch.device) -> Built:
+        hit = self.pinned.get(key)
+        if hit is not None:
+            return hit
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        hit = self.lru.get(key)
+        if hit is not None:
+            if capturing:
+                self.pinned[key] = self.lru.pop(key)
+            else:
+                self.lru.move_to_end(key)
+            return hit
+        if capturing:
+            return build()
+        built = _outside_graph_pools(build, device)
+        self.lru[key] = built
+        while len(self.lru) > self.size:
+            _release(self.lru.popitem(last=False)[1])
+        return built
+
+    def clear(self) -> None:
+        """Forget every entry, pinned ones too: for tests only (a graph captured with a pinned
+        entry would replay reading freed memory)."""
+        self.lru.clear()
+        self.pinned.clear()
 
 
 @triton.jit

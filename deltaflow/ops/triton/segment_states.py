@@ -3,6 +3,12 @@ whose sequences × heads × value blocks leave most of the GPU idle (benchmarks/
 32, session 17: sequence-parallel state passes"). ``triton_backend.SEQUENCE_PARALLEL_STATES``
 decides when; it is off by default.
 
+Dense batches (no ``cu_seqlens``) take tables built from their shapes alone, on the device and
+cached by shape (:func:`build_dense_segment_tables`, ``common.GraphSafeCache``): no host sync,
+and a CUDA-graph capture (compiled blocks' ``mode="reduce-overhead"``) finds them built by its
+warm-up, so it copies nothing from the host (benchmarks/NOTES.md, "Issue 32, session 18").
+Packed sequences build theirs from the offsets read on the host (ops marked cudagraph_unsafe).
+
 Every sequence is cut into segments of ``L`` chunks. The state entering a segment acts on the
 state leaving it through a Dk × Dk transition: ``S_end = P S_in + S_loc`` (forward),
 ``G_in = Pᵀ G_out + G_loc`` (reverse), the algebra of ``deltaflow/ops/segments.py``. Three steps:
@@ -13,8 +19,9 @@ state leaving it through a Dk × Dk transition: ``S_end = P S_in + S_loc`` (forw
    columns start as the identity and see no values, so they end as P. Only the segments whose
    transition someone needs run: not a sequence's last (first, in reverse) segment, whose end is
    the sequence's final state (initial state's gradient), written by step 3.
-2. ``segments.chain`` over the segments (the context-parallel chain itself): the state entering
-   every segment (the gradient leaving it).
+2. The chain over the segments, ``X_{r+1} = P_r X_r + S_r`` (``segments.chain``'s math): the
+   state entering every segment (the gradient leaving it), in one launch
+   (``segment_chain.py``; ``segment_chain.SEGMENT_CHAIN = "torch"``: ``segments.chain`` itself).
 3. ``states.launch_states`` / ``launch_dstates`` unchanged, with the segments as the sequences:
    each walks its own chunks from its true entering state, writing h, U (dh, dU) where the
    sequential pass writes them.
@@ -31,11 +38,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from deltaflow.ops.segments import chain
 from deltaflow.ops.triton import states  # launch settings read at call time (sweepable)
 from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
+    GraphSafeCache,
     cdiv,
     chunk_gamma,
     dot_precision,
@@ -43,6 +50,7 @@ from deltaflow.ops.triton.common import (
     key_block,
     load_rows,
 )
+from deltaflow.ops.triton.segment_chain import chain_segments
 from deltaflow.ops.triton.states import (
     chunk_state_update,
     chunk_u,
@@ -126,27 +134,86 @@ def build_segment_tables(
     )
 
 
-# Segment tables per chunk-table object and segment length: chunk_tables caches its tables per
-# batch layout, so the same object comes back every layer and step. Building waits for the GPU
-# once per layout: packed offsets are read on the host (as build_chunk_tables' chunk count
-# already is) and the tables are copied from host lists. Not under CUDA-graph capture (there
-# chunk_tables builds new tables, so this misses and copies): a switch-on limitation for now.
+def build_dense_segment_tables(
+    B: int, T: int, segment_chunks: int, tables: ChunkTables, device: torch.device
+) -> SegmentTables:
+    """:func:`build_segment_tables` of ``B`` rows of ``T`` tokens from their shapes alone, with
+    device ops only: no host list copied to the GPU (a blocking copy: a sync) and nothing read
+    back, so that it may also run inside a CUDA-graph capture. Every row has the same ``R``
+    segments, so every slot of step 1 is a real segment and the tables are arithmetic in
+    (row ``n``, segment ``r``). ``tests/test_segment_graph_safety.py`` checks it equals the host
+    build."""
+    C, L, N = CHUNK.value, segment_chunks, B
+    chunks = cdiv(T, C)
+    R = max(1, cdiv(chunks, L))
+
+    def ints(n: int) -> Tensor:
+        return torch.arange(n, device=device, dtype=torch.int64)
+
+    n, r = ints(N)[:, None], ints(R)[None, :]
+    start = n * T + r * (L * C)  # [N, R]: segment (n, r)'s first token, its chunk and end
+    c0 = n * chunks + r * L
+    bounds = torch.stack([start, torch.minimum(start + L * C, (n + 1) * T), c0], dim=-1)
+    bounds = bounds.to(torch.int32)
+    # step 1's slots, rows first: forward row r·N + n holds segment r < R − 1, reverse row
+    # j·N + n segment R − 1 − j > 0
+    fwd = bounds[:, : R - 1].transpose(0, 1).reshape(-1, 3).contiguous()
+    rev = bounds[:, 1:].flip(1).transpose(0, 1).reshape(-1, 3).contiguous()
+
+    def with_end(x: Tensor, end: int) -> Tensor:  # [N·R + 1]: every segment's, then the end
+        return torch.cat([x.reshape(-1), torch.full((1,), end, device=device, dtype=x.dtype)])
+
+    segments = ChunkTables(
+        with_end(bounds[..., 0], N * T),
+        with_end(bounds[..., 2], N * chunks),
+        tables.chunk_indices,
+        tables.n_chunks,
+        tables.placeholder,
+    )
+    return SegmentTables(
+        L,
+        R - 1,
+        fwd,
+        rev,
+        segments,
+        (r * N + n).reshape(-1),
+        ((R - 1 - r) * N + n).reshape(-1),
+        n[:, 0] * R,
+        n[:, 0] * R + R - 1,
+    )
+
+
+# Segment tables of packed sequences per chunk-table object and segment length: chunk_tables
+# caches its tables per batch layout, so the same object comes back every layer and step.
+# Building waits for the GPU once per layout: packed offsets are read on the host (as
+# build_chunk_tables' chunk count already is) and the tables are copied from host lists. Their
+# ops are cudagraph_unsafe (triton_ops.py): never captured.
 SEGMENT_CACHE_SIZE = 16
 _segment_cache: OrderedDict[tuple[int, int], tuple[ChunkTables, SegmentTables]] = OrderedDict()
+# Dense batches' tables per shape and segment length (common.GraphSafeCache: built outside the
+# graph pools, pinned once a CUDA-graph capture has used them, built inside on a capture's miss).
+_dense_cache: GraphSafeCache[SegmentTables] = GraphSafeCache(SEGMENT_CACHE_SIZE)
 
 
 def segment_tables(
     tables: ChunkTables, B: int, T: int, packed: bool, segment_chunks: int
 ) -> SegmentTables:
-    """:func:`build_segment_tables` of a batch (``B`` rows of ``T`` tokens unless ``packed``),
-    from a small cache keyed by the chunk tables' identity."""
+    """The segment tables of a batch (``B`` rows of ``T`` tokens unless ``packed``), cached:
+    dense ones by shape (:func:`build_dense_segment_tables`: no sync, safe under CUDA-graph
+    capture), packed ones by the chunk tables' identity (:func:`build_segment_tables`)."""
+    device = tables.cu_seqlens.device
+    if not packed:
+        return _dense_cache.get(
+            (B, T, segment_chunks, device),
+            lambda: build_dense_segment_tables(B, T, segment_chunks, tables, device),
+            device,
+        )
     key = (id(tables), segment_chunks)
     hit = _segment_cache.get(key)
     if hit is not None and hit[0] is tables:
         _segment_cache.move_to_end(key)
         return hit[1]
-    cu = tables.cu_seqlens.tolist() if packed else [b * T for b in range(B + 1)]
-    built = build_segment_tables(cu, segment_chunks, tables, tables.cu_seqlens.device)
+    built = build_segment_tables(tables.cu_seqlens.tolist(), segment_chunks, tables, device)
     _segment_cache[key] = (tables, built)
     while len(_segment_cache) > SEGMENT_CACHE_SIZE:
         _segment_cache.popitem(last=False)
@@ -332,17 +399,6 @@ def _block(Dk: int, Dv: int, block_v: int, dtype: torch.dtype) -> tuple[int, int
     return BV, cdiv(Dk, BV), cdiv(Dv, BV)
 
 
-def _chain(transitions: Tensor, outer: Tensor | None, rows: Tensor) -> Tensor:
-    """The state entering every segment (forward) or the gradient leaving it (reverse):
-    ``segments.chain`` of step 1's ``[R − 1, N, H, Dk, Dk + Dv]``, with ``outer`` (the initial
-    states, the final states' gradients; None: 0) as the first row, gathered to the segments."""
-    with torch.autocast(transitions.device.type, enabled=False):  # the chain stays in fp32
-        X = chain(transitions)
-    if outer is not None:
-        X[0].copy_(outer)
-    return X.flatten(0, 1).index_select(0, rows)
-
-
 def launch_segmented_states(
     k: Tensor,
     *,
@@ -401,7 +457,15 @@ def launch_segmented_states(
         num_warps=states.STATES_WARPS,
         num_stages=states.STATES_STAGES,
     )
-    entering = _chain(trans, initial_state, segments.fwd_row)
+    entering = chain_segments(
+        trans,
+        initial_state,
+        first=segments.first,
+        last=segments.last,
+        rows=segments.fwd_row,
+        reverse=False,
+        output=output,
+    )
     ends = output(n_seg, H, Dk, Dv, like=k, dtype=torch.float32)
     launch_states(
         k,
@@ -472,7 +536,15 @@ def launch_segmented_dstates(
         num_warps=states.DSTATES_WARPS,
         num_stages=states.DSTATES_STAGES,
     )
-    leaving = _chain(trans, grad_final_state, segments.rev_row)
+    leaving = chain_segments(
+        trans,
+        grad_final_state,
+        first=segments.first,
+        last=segments.last,
+        rows=segments.rev_row,
+        reverse=True,
+        output=output,
+    )
     starts = output(n_seg, H, Dk, Dv, like=q, dtype=torch.float32)
     launch_dstates(
         q,
