@@ -18,7 +18,15 @@ from __future__ import annotations
 import importlib
 
 # The stages in launch order: the order in which pin_cache_keys hashes their kernels.
-STAGES = ("prepare", "states", "segment_states", "outputs", "gradients", "decode")
+STAGES = (
+    "prepare",
+    "states",
+    "segment_states",
+    "outputs",
+    "gradients",
+    "gradients_lean",
+    "decode",
+)
 
 
 def pin_cache_keys() -> None:
