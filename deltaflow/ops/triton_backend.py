@@ -50,7 +50,7 @@ try:
     from deltaflow.ops.triton import rules as rule_table
     from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables, head_block
     from deltaflow.ops.triton.decode import launch_decode
-    from deltaflow.ops.triton.gradients import launch_gradients
+    from deltaflow.ops.triton.gradients import launch_gradients, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
     from deltaflow.ops.triton.prepare import launch_prepare
     from deltaflow.ops.triton.segment_states import (
@@ -482,9 +482,9 @@ def _backward(
         negative_eigenvalues=negative_eigenvalues,
         eps=eps,
         scale=scale,
-        # value side → M_P, M_A (C×C per chunk, dot dtype) and three row vectors (fp32)
+        # value side → M_P, M_A (C×C per chunk, dot dtype) and row vectors (fp32; scratch_rows)
         scratch_m=_output(n, H, 2, C, C, like=q, dtype=q.dtype),
-        scratch_r=_output(n, H, 3, C, like=q, dtype=torch.float32),
+        scratch_r=_output(n, H, scratch_rows(), C, like=q, dtype=torch.float32),
         dq=dq,
         dk=dk,
         dv=dv,

@@ -26,6 +26,7 @@ STAGES = (
     "segment_chain",
     "outputs",
     "gradients",
+    "gradients_lean",
     "decode",
 )
 

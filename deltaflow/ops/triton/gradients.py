@@ -46,6 +46,26 @@ GRADS_V_MAXNREG: int | None = 128
 # shared memory (Hopper has 227 KB; AOT sm_90, benchmarks/NOTES.md issue 30) whatever the value
 # block or stages, so there it multiplies exactly ("ieee": 200 KB, 21 KB of spill stack).
 GRADS_K_TF32X3_MAX_BK = 128
+# The lean pair of gradient kernels (gradients_lean.py; issue 32, benchmarks/NOTES.md "Issue
+# 32, session 18"): the rule table on the value side, and on the key side ⟨G, S_0⟩ as a scalar,
+# each accumulator retired in place, no product reading another's result. The same math; on
+# sm_90 (Triton 3.6, AOT) the key side spills 16 B instead of 400 at D = 128. Off until an H100
+# times both: kernels.py --variant lean:gradients.GRADS_LEAN=1.
+GRADS_LEAN = False
+# The lean value side's register cap (0: none; 213 registers uncapped at D = 128, no spills:
+# one program an SM instead of two) and both lean kernels' pipeline stages (0: Triton's own,
+# 3 on Hopper; the key side's shared memory is 139 KB at D = 128 with 3, 82 KB with 2).
+GRADS_LEAN_V_MAXNREG = 128
+GRADS_LEAN_STAGES = 0
+
+
+def scratch_rows() -> int:
+    """Rows of the row scratch (``launch_gradients``' ``scratch_r``) the kernels in use take."""
+    if GRADS_LEAN:
+        from deltaflow.ops.triton.gradients_lean import LEAN_ROWS
+
+        return LEAN_ROWS.value
+    return 3
 
 
 @triton.jit
@@ -329,7 +349,7 @@ def launch_gradients(
 ) -> None:
     """(9)–(12) for every chunk: ``dq``, ``dk``, ``dv`` and, where given, ``dbeta`` and
     ``dlog_decay``. ``scratch_m`` ([chunks, H, 2, CHUNK, CHUNK], dot dtype) and ``scratch_r``
-    ([chunks, H, 3, CHUNK], fp32) carry the value side's results to the key side."""
+    ([chunks, H, scratch_rows(), CHUNK], fp32) carry the value side's results to the key side."""
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = q.shape[2], q.shape[3], v.shape[3]
@@ -357,6 +377,39 @@ def launch_gradients(
     if fp32 and common["BK"] > GRADS_K_TF32X3_MAX_BK:
         key_side["PREC"] = "ieee"
     grid = (tables.n_chunks, H)
+    v_options = {} if GRADS_V_MAXNREG is None else {"maxnreg": GRADS_V_MAXNREG}
+    if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
+        key_side["BV"] = min(head_block(Dv, q.dtype), GRADS_BV_FP32)
+    if GRADS_LEAN:
+        from deltaflow.ops.triton.gradients_lean import LEAN_ROWS, launch_lean
+
+        if scratch_r.shape[2] != LEAN_ROWS.value:  # a buffer sized before the switch flipped
+            raise ValueError(f"scratch_r has {scratch_r.shape[2]} rows, the lean kernels "
+                             f"take {LEAN_ROWS.value} (scratch_rows())")  # fmt: skip
+        stages = {"num_stages": GRADS_LEAN_STAGES} if GRADS_LEAN_STAGES else {}
+        v_options = {"maxnreg": GRADS_LEAN_V_MAXNREG} if GRADS_LEAN_V_MAXNREG else {}
+        launch_lean(
+            {**common, **stages, **v_options},
+            {**key_side, **stages},
+            grid,
+            q=q,
+            k=k,
+            v=v,
+            t=t,
+            h=h,
+            v_new=v_new,
+            dh=dh,
+            du=du,
+            grad_o=grad_o,
+            scratch_m=scratch_m,
+            scratch_r=scratch_r,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            dbeta=dbeta,
+            dlog_decay=dlog_decay,
+        )
+        return
     chunk_grads_v_kernel[grid](
         q_ptr=q,
         k_ptr=k,
@@ -369,10 +422,8 @@ def launch_gradients(
         m_ptr=scratch_m,
         r_ptr=scratch_r,
         **common,
-        **({} if GRADS_V_MAXNREG is None else {"maxnreg": GRADS_V_MAXNREG}),
+        **v_options,
     )
-    if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
-        key_side["BV"] = min(head_block(Dv, q.dtype), GRADS_BV_FP32)
     chunk_grads_k_kernel[grid](
         q_ptr=q,
         k_ptr=k,

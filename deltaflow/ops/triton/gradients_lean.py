@@ -1,0 +1,341 @@
+"""The backward's gradient kernels with fewer live registers (issue 32; benchmarks/NOTES.md,
+"Issue 32, session 18"): the same (9)–(12) of docs/design.md §7 as ``gradients.py``, selected
+by ``gradients.GRADS_LEAN`` (off by default until the H100 times both).
+
+What differs, all to lower the register peak (the math and the roundings to the dot dtype are
+the same; fp32 sums are reassociated):
+
+- The rule table runs in the value-side kernel, at its end where only row vectors are live, and
+  the key side reads the result from the row scratch: its strength a, and dβ, dλ, d log α's
+  rule terms as ``c0 + c1·Γ·xk`` (the value side knows da up to the key side's Γ·kᵀdX). On
+  sm_90 the key side's spills sat in the table's branches, with three C×BK accumulators live.
+- The key side sums ⟨G, S_0⟩ to a scalar per value block instead of a BK×BV fp32 tile carried
+  through the loop (BK·BV/256 registers a thread at 8 warps: 32 at D = 128).
+- The key side retires each C×BK accumulator in place: dq accumulates onto scale·Γ ⊙ dO S_0ᵀ
+  (stored at once), dk onto e^{γ_C − γ} ⊙ U Gᵀ, each row sum taken just before.
+- The value side forms Q Kᵀ and K Kᵀ one after the other, each folded into dγ, M_P or M_A
+  before the next (the plain kernel holds dP, dA, D, Q Kᵀ, K Kᵀ and dE together).
+
+Row scratch (``[chunks, H, LEAN_ROWS, C]`` fp32), by row: dγ from the decay matrix, a,
+c0 and c1 of dλ (dk's ``2 (da ∂a/∂λ + db ∂b/∂λ) k``), of dβ and of the rule's d log α term.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from deltaflow.ops.triton import rules as rule_table
+from deltaflow.ops.triton.common import (
+    CHUNK,
+    chunk_bounds,
+    chunk_gamma,
+    decay_matrix,
+    dot_split,
+    load_rows,
+)
+from deltaflow.ops.triton.gradients import _chunk_keys, _load_t_transposed
+
+LEAN_ROWS = tl.constexpr(8)  # rows of the row scratch (module docstring)
+
+
+@triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
+def chunk_grads_v_lean_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    t_ptr,
+    v_new_ptr,
+    du_ptr,
+    do_ptr,
+    dv_ptr,
+    m_ptr,
+    r_ptr,
+    cu_seqlens_ptr,
+    chunk_indices_ptr,
+    scale,
+    eps,
+    rule,
+    neg,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """``gradients.chunk_grads_v_kernel``'s value side (dv; M_P, M_A), then the rule's
+    derivatives folded with da, db into the key side's rows (module docstring)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    DT = v_new_ptr.dtype.element_ty
+    c = i_c.to(tl.int64)
+    rows = tl.arange(0, CHUNK)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
+    _, _, _, _, _, b, _, _ = _chunk_keys(
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
+    )
+    T_t = _load_t_transposed(t_ptr, c, i_h, H).to(DT)
+
+    dP = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dO Uᵀ
+    dUU = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)  # dU Uᵀ
+    db = tl.zeros([CHUNK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(Dv, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < Dv
+        b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_u = load_rows(v_new_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_du = load_rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_v = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
+        dP += tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
+        dY = tl.dot(T_t, b_du, input_precision=PREC)  # Tᵀ dU
+        dUU += tl.dot(b_du, tl.trans(b_u), input_precision=PREC)
+        db += tl.sum(dY * b_v, axis=1)
+        tl.store(
+            dv_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
+            (b[:, None] * dY).to(dv_ptr.dtype.element_ty),
+            mask=mask_t[:, None] & mask_v[None, :],
+        )
+    # dA = −dY Uᵀ = −Tᵀ (dU Uᵀ) on j < i, dU Uᵀ as a hi + lo pair (gradients.py says why)
+    dYU = dot_split(T_t, dUU, tl.zeros([CHUNK, CHUNK], dtype=tl.float32), DT, PREC)
+    dA = tl.where(rows[:, None] > rows[None, :], -dYU, 0.0)
+    b_q, b_k, b_beta, lam, a, _, gamma, b_g = _chunk_keys(
+        q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
+    )
+    decay = decay_matrix(gamma)
+    m_offs = (c * H + i_h) * (2 * CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
+    # (12) dE = (dP ⊙ QKᵀ + dA ⊙ a KKᵀ) ⊙ D, its row sums minus its column sums: one C×C
+    # product at a time, each folded in and dropped before the next is formed
+    dP = (scale * dP) * decay  # M_P
+    tl.store(m_ptr + m_offs, dP.to(m_ptr.dtype.element_ty))
+    E = dP * tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    dgamma = tl.sum(E, axis=1) - tl.sum(E, axis=0)
+    # (11) da_i = Σ_j dA_ij D_ij k_iᵀk_j; M_A = dA ⊙ a_i D
+    dA = dA * decay
+    E = dA * tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    da = tl.sum(E, axis=1)
+    dgamma += a * da - tl.sum(a[:, None] * E, axis=0)
+    tl.store(m_ptr + CHUNK * CHUNK + m_offs, (a[:, None] * dA).to(m_ptr.dtype.element_ty))
+    # The rule, with only row vectors live: dx = c0 + c1·(Γ kᵀdX), the key side's da term
+    da_dbeta, da_dlam, db_dbeta, db_dlam, da_dg, db_dg = rule_table.derivatives(
+        b_beta, lam, b_g, eps, rule, neg
+    )
+    r_offs = (c * H + i_h) * (LEAN_ROWS * CHUNK) + rows
+    tl.store(r_ptr + r_offs, dgamma)
+    tl.store(r_ptr + CHUNK + r_offs, a)
+    tl.store(r_ptr + 2 * CHUNK + r_offs, 2.0 * (da * da_dlam + db * db_dlam))
+    tl.store(r_ptr + 3 * CHUNK + r_offs, 2.0 * da_dlam)
+    if HAS_BETA:
+        tl.store(r_ptr + 4 * CHUNK + r_offs, da * da_dbeta + db * db_dbeta)
+        tl.store(r_ptr + 5 * CHUNK + r_offs, da_dbeta)
+    if HAS_DECAY:
+        if rule_table.reads_decay(rule):  # gated_efla: log α also enters a and b
+            tl.store(r_ptr + 6 * CHUNK + r_offs, da * da_dg + db * db_dg)
+            tl.store(r_ptr + 7 * CHUNK + r_offs, da_dg)
+
+
+@triton.jit(do_not_specialize=["rule", "neg"])
+def chunk_grads_k_lean_kernel(
+    q_ptr,
+    k_ptr,
+    g_ptr,
+    t_ptr,
+    h_ptr,
+    dh_ptr,
+    v_new_ptr,
+    du_ptr,
+    do_ptr,
+    m_ptr,
+    r_ptr,
+    dq_ptr,
+    dk_ptr,
+    dbeta_ptr,
+    dg_ptr,
+    cu_seqlens_ptr,
+    chunk_indices_ptr,
+    scale,
+    rule,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """``gradients.chunk_grads_k_kernel``'s key side (dq, dk, dβ, d log α) without the rule
+    table (its terms come from the value side's rows) and with each accumulator retired in
+    place (module docstring)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    DT = v_new_ptr.dtype.element_ty
+    c = i_c.to(tl.int64)
+    rows = tl.arange(0, CHUNK)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < Dk
+    # This chunk's blocks of the per-chunk tensors as scalar pointers, so that the tile offsets
+    # added to them are 32-bit (a 64-bit offset tile takes twice the registers)
+    ch = c * H + i_h
+    h_c = h_ptr + ch * (Dk * Dv)
+    dh_c = dh_ptr + ch * (Dk * Dv)
+    m_c = m_ptr + ch * (2 * CHUNK * CHUNK)
+    r_c = r_ptr + ch * (LEAN_ROWS * CHUNK)
+    # fp32 inputs: dX = −dY S_0ᵀ per value block, as in gradients.py
+    PER_BLOCK: tl.constexpr = DT == tl.float32
+    if PER_BLOCK:
+        T_t = _load_t_transposed(t_ptr, c, i_h, H)
+    dQS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO S_0ᵀ
+    dKte = tl.zeros([CHUNK, BK], dtype=tl.float32)  # U Gᵀ
+    dUS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dU S_0ᵀ (fp32: dX itself)
+    gs = tl.full([], 0.0, dtype=tl.float32)  # ⟨G, S_0⟩: a scalar, not a BK×BV tile
+    for i_v in range(0, tl.cdiv(Dv, BV)):
+        offs_v = i_v * BV + tl.arange(0, BV)
+        mask_v = offs_v < Dv
+        b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_u = load_rows(v_new_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        b_du = load_rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        state_offs = offs_k[:, None] * Dv + offs_v[None, :]
+        state_mask = mask_k[:, None] & mask_v[None, :]
+        S0 = tl.load(h_c + state_offs, mask=state_mask, other=0.0)
+        G = tl.load(dh_c + state_offs, mask=state_mask, other=0.0)
+        dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
+        dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
+        if PER_BLOCK:
+            dY = tl.dot(T_t, b_du, input_precision=PREC)
+            dUS -= tl.dot(dY, tl.trans(S0), input_precision=PREC)  # (dX itself)
+        else:
+            dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
+        gs += tl.sum(G.to(tl.float32) * S0.to(tl.float32))
+
+    gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+    Gamma = tl.exp(gamma)
+    gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
+    to_end = tl.exp(gamma_last - gamma)
+    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
+    k_mask = mask_t[:, None] & mask_k[None, :]
+    b_q = tl.load(q_ptr + k_offs, mask=k_mask, other=0.0)
+    b_k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)
+    M_P = tl.load(m_c + rows[:, None] * CHUNK + rows[None, :])
+    # (9) dq = scale·diag(Γ) dO S_0ᵀ + M_P K, onto dO S_0ᵀ's registers, stored at once
+    d_Gamma = scale * tl.sum(b_q.to(tl.float32) * dQS, axis=1)
+    dq = tl.dot(M_P, b_k, acc=(scale * Gamma)[:, None] * dQS, input_precision=PREC)
+    tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
+    # (10), (11) dk's C×C products as one, [M_Pᵀ | M_A + M_Aᵀ] [Q; K] (K = 2C), onto
+    # diag(e^{γ_C − γ}) U Gᵀ's registers (M_A is strictly lower triangular: M_A + M_Aᵀ adds
+    # each entry to a zero, no rounding). No product here reads another's result: Triton gives
+    # such a product the wgmma layout of warps [num_warps, 1] (AccelerateMatmul's chained dots,
+    # for attention), which at 64 rows and 8 warps holds its accumulator twice over.
+    t = to_end * tl.sum(dKte * b_k.to(tl.float32), axis=1)
+    cols = tl.arange(0, 2 * CHUNK)
+    right = cols[None, :] >= CHUNK
+    j = cols[None, :] % CHUNK
+    A = tl.load(m_c + tl.where(right, CHUNK * CHUNK, 0) + j * CHUNK + rows[:, None])
+    A_lower = tl.load(m_c + CHUNK * CHUNK + rows[:, None] * CHUNK + j, mask=right, other=0.0)
+    A = (A.to(tl.float32) + A_lower.to(tl.float32)).to(A.dtype)
+    tok = t0 + cols % CHUNK
+    qk_ptr = tl.where(cols < CHUNK, q_ptr, k_ptr)
+    QK = tl.load(
+        qk_ptr[:, None] + (tok[:, None] * H + i_h) * Dk + offs_k[None, :],
+        mask=(tok < eos)[:, None] & mask_k[None, :],
+        other=0.0,
+    )
+    dk = tl.dot(A, QK, acc=to_end[:, None] * dKte, input_precision=PREC)
+    # (11) dX = −Tᵀ (dU S_0ᵀ), dU S_0ᵀ a hi + lo pair (gradients.py), as one product too:
+    # [Tᵀ | Tᵀ] [hi; lo]
+    if PER_BLOCK:
+        dX = dUS
+    else:
+        T_cat = tl.load(t_ptr + ch * (CHUNK * CHUNK) + j * CHUNK + rows[:, None]).to(DT)
+        hi = dUS.to(DT)
+        lo = (dUS - hi.to(tl.float32)).to(DT)
+        hilo = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), (2 * CHUNK, BK))
+        dX = -tl.dot(T_cat, hilo, input_precision=PREC)
+    # k again (L2) rather than held in registers across both products
+    k32 = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+    xk = tl.sum(dX * k32, axis=1)
+    # the rule's 2 dλ k with da = da(value side) + Γ kᵀdX (module docstring)
+    a = tl.load(r_c + CHUNK + rows)
+    da_x = Gamma * xk
+    c_lam = tl.load(r_c + 2 * CHUNK + rows) + tl.load(r_c + 3 * CHUNK + rows) * da_x
+    dk += (a * Gamma)[:, None] * dX + c_lam[:, None] * k32
+    tl.store(dk_ptr + k_offs, dk.to(dk_ptr.dtype.element_ty), mask=k_mask)
+    if HAS_BETA:
+        dbeta = tl.load(r_c + 4 * CHUNK + rows) + tl.load(r_c + 5 * CHUNK + rows) * da_x
+        tl.store(dbeta_ptr + offs_t * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
+    if HAS_DECAY:
+        # (12) dγ: the decay matrix (value side), Γ_i, and γ_C through (6)
+        d_gamma = tl.load(r_c + rows) - t + (d_Gamma + a * xk) * Gamma
+        d_gamma_last = tl.sum(t, axis=0) + tl.exp(gamma_last) * gs
+        d_gamma += tl.where(rows == CHUNK - 1, d_gamma_last, 0.0)
+        d_log_alpha = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
+        if rule_table.reads_decay(rule):  # gated_efla: log α also enters a and b
+            d_log_alpha += tl.load(r_c + 6 * CHUNK + rows)
+            d_log_alpha += tl.load(r_c + 7 * CHUNK + rows) * da_x
+        tl.store(dg_ptr + offs_t * H + i_h, d_log_alpha.to(dg_ptr.dtype.element_ty), mask=mask_t)
+
+
+def launch_lean(
+    value_side: dict,
+    key_side: dict,
+    grid: tuple[int, int],
+    *,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    t: Tensor,
+    h: Tensor,
+    v_new: Tensor,
+    dh: Tensor,
+    du: Tensor,
+    grad_o: Tensor,
+    scratch_m: Tensor,
+    scratch_r: Tensor,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+    dbeta: Tensor | None,
+    dlog_decay: Tensor | None,
+) -> None:
+    """Both lean kernels over ``grid`` (chunks, heads): ``value_side`` and ``key_side`` are
+    ``gradients.launch_gradients``' launch arguments for its two kernels (the key side's
+    kernel takes no β, ε or negative-eigenvalue flag: the value side's rows carry the rule)."""
+    chunk_grads_v_lean_kernel[grid](
+        q_ptr=q,
+        k_ptr=k,
+        v_ptr=v,
+        t_ptr=t,
+        v_new_ptr=v_new,
+        du_ptr=du,
+        do_ptr=grad_o,
+        dv_ptr=dv,
+        m_ptr=scratch_m,
+        r_ptr=scratch_r,
+        **value_side,
+    )
+    key_side = {n: x for n, x in key_side.items() if n not in ("beta_ptr", "eps", "neg")}
+    chunk_grads_k_lean_kernel[grid](
+        q_ptr=q,
+        k_ptr=k,
+        t_ptr=t,
+        h_ptr=h,
+        dh_ptr=dh,
+        v_new_ptr=v_new,
+        du_ptr=du,
+        do_ptr=grad_o,
+        m_ptr=scratch_m,
+        r_ptr=scratch_r,
+        dq_ptr=dq,
+        dk_ptr=dk,
+        dbeta_ptr=q if dbeta is None else dbeta,
+        dg_ptr=q if dlog_decay is None else dlog_decay,
+        **key_side,
+    )
