@@ -94,8 +94,9 @@ SAVE_FOR_BACKWARD = "none"
 # form); "auto" where the pass's programs, sequences x heads x value blocks, are fewer than the
 # GPU's multiprocessors. Off: untimed on the GPU (benchmarks/kernels.py --sequence-parallel).
 # Dense batches need no host sync and are safe under CUDA-graph capture (compiled blocks'
-# reduce-overhead mode): their segment tables come from shapes, cached by GraphSafeCache, and the
-# chain across segments is one launch (segment_chain.py; NOTES.md, "Issue 32, session 18").
+# reduce-overhead mode): their segment tables come from shapes, cached by GraphSafeCache, and
+# the chain across segments is one launch (segment_chain.py; benchmarks/NOTES.md, "Issue 32,
+# session 18").
 SEQUENCE_PARALLEL_STATES = "off"
 # Chunks a segment; 0: from the load, SEGMENT_WAVES waves of the multiprocessors for the
 # per-segment state pass, at least SEGMENT_MIN_CHUNKS (every segment is a step of the chain
