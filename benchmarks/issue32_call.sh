@@ -17,6 +17,8 @@
 #                      cut at PHASE_A_END, kept for the next call); timed when it finished
 #   VARIANTS [""]      ";"-separated kernels.py --variant values, e.g.
 #                      "sp:triton_backend.SEQUENCE_PARALLEL_STATES=auto;prep:..."
+#   VARIANTS2 [""]     the same for untried kernels, timed in a second kernels.py process (with
+#                      the default and fla again): a crash there keeps the first table
 #   SEQPAR [1]         kernels.py --sequence-parallel (off/on at its shapes)
 #   KTIMES [1]         kernel_times.py at the four shapes (each kernel's time)
 #   KTIMES_SET [""]    --set items for a second kernel_times run (e.g. a variant's)
@@ -124,7 +126,7 @@ if [ -n "${PYTEST:-}" ]; then
   {
     while [ ! -e "$GPU_FREE" ]; do sleep 1; done
     read -r -a TESTS <<< "$PYTEST"
-    step pytest "$(until_ 400 "$PHASE_A_END")" "$OTHER_CPUS" python3 -m pytest -q -x \
+    step pytest "$(until_ 400 "$PHASE_A_END")" "$OTHER_CPUS" python3 -m pytest -q --maxfail=10 \
       -p no:cacheprovider "${TESTS[@]}"
   } &
   TEST_JOB=$!
@@ -147,6 +149,15 @@ for v in ${VARIANT_LIST[@]+"${VARIANT_LIST[@]}"}; do [ -n "$v" ] && VARIANT_ARGS
 PYTHONPATH=$FLA_PATH$PYTHONPATH step kernels "$(until_ 200 "$DEADLINE")" "" python3 \
   benchmarks/kernels.py --skip-torch --rounds 3 --out "$OUT_DIR" \
   ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ${VARIANT_ARGS[@]+"${VARIANT_ARGS[@]}"} $SMOKE
+if [ -n "${VARIANTS2:-}" ]; then  # untried kernels in a process of their own: a crash there
+  VARIANT_ARGS=()                    # loses their rows, not the table above
+  IFS=';' read -r -a VARIANT_LIST <<< "$VARIANTS2"
+  for v in "${VARIANT_LIST[@]}"; do [ -n "$v" ] && VARIANT_ARGS+=(--variant "$v"); done
+  mkdir -p "$OUT_DIR/new"
+  PYTHONPATH=$FLA_PATH$PYTHONPATH step kernels_new "$(until_ 200 "$DEADLINE")" "" python3 \
+    benchmarks/kernels.py --skip-torch --rounds 3 --out "$OUT_DIR/new" \
+    ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ${VARIANT_ARGS[@]+"${VARIANT_ARGS[@]}"} $SMOKE
+fi
 if [ "${SEQPAR:-1}" != 0 ]; then
   step kernels_seqpar "$(until_ 120 "$DEADLINE")" "" python3 benchmarks/kernels.py \
     --sequence-parallel --rounds 3 --out "$OUT_DIR" $SMOKE
