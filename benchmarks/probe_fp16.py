@@ -15,7 +15,10 @@ precision). This probe tells the two apart and tries the fix:
   without decay; shapes: the failing test's (its own inputs), T = 1, (2, 256, 4, 64), D = 128,
   and D = 32 / Dk != Dv to see which block width matters;
 - variant ``wide``: ``common.HALF_MIN_BLOCK = 64`` (heads narrower than 64 columns padded to the
-  64-column kernels, masked: bit-identical on the interpreter, tests/test_half_blocks.py);
+  64-column kernels, masked: bit-identical on the interpreter, tests/test_half_blocks.py), the
+  other runs 16 (each head's own width, as before session 17); both run the half-precision
+  kernels at every head (``triton_ops.HALF_MIN_HEAD = 0``: the op itself has run narrower
+  half-precision heads on the fp32 kernels since session 18);
 - per case: non-finite entries, the largest magnitude and ‖Δ‖/‖ref‖ against the float64
   token-by-token reference (``backend="reference"``) on the same rounded inputs, of the output
   (as "auto" runs it, and the fused forward), the final state and every gradient (the output's
@@ -36,9 +39,11 @@ finite or over its tolerance (check_triton's: bf16 5e-3, fp16 1e-3, fp32 1e-4).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as CompileTimeout
 from pathlib import Path
@@ -74,7 +79,7 @@ class Run(NamedTuple):
     Dv: int
     dtype: str
     decay: bool
-    wide: bool  # common.HALF_MIN_BLOCK = 64
+    wide: bool  # common.HALF_MIN_BLOCK = 64, else 16
 
     @property
     def label(self) -> str:
@@ -243,22 +248,32 @@ def fused_output(x: dict) -> torch.Tensor:
         triton_backend.FORWARD_MODE = "auto"
 
 
-def probe(run: Run, device: str) -> tuple[bool, bool, str]:
-    """Run ``run``; (all finite, within tolerance, its report lines)."""
+@contextlib.contextmanager
+def half_blocks(run: Run) -> Iterator[None]:
+    """The half-precision kernels at every head size (``triton_ops.HALF_MIN_HEAD = 0``: the op
+    would run narrower heads on the fp32 kernels), with 64-column (``wide``) or 16-column
+    floors; the defaults restored after (a worker runs many tasks)."""
+    from deltaflow.ops import triton_ops
     from deltaflow.ops.triton import common
 
+    saved = triton_ops.HALF_MIN_HEAD, common.HALF_MIN_BLOCK
+    triton_ops.HALF_MIN_HEAD, common.HALF_MIN_BLOCK = 0, 64 if run.wide else 16
+    try:
+        yield
+    finally:
+        triton_ops.HALF_MIN_HEAD, common.HALF_MIN_BLOCK = saved
+
+
+def probe(run: Run, device: str) -> tuple[bool, bool, str]:
+    """Run ``run``; (all finite, within tolerance, its report lines)."""
     x = inputs(run, device)
     do = grad_output((run.B, run.T, run.H, run.Dv), DTYPES[run.dtype], device)
-    saved = common.HALF_MIN_BLOCK
-    common.HALF_MIN_BLOCK = 64 if run.wide else saved
-    try:
+    with half_blocks(run):
         with Stages() as stages:
             o, s, grads = forward_backward(x, do, "triton")
             if device == "cuda":
                 torch.cuda.synchronize()
         o_fused = fused_output(x)
-    finally:
-        common.HALF_MIN_BLOCK = saved
     o_ref, s_ref, g_ref = forward_backward(x, do, "reference", torch.float64)
     got = {"o": o, "o_fused": o_fused, "s": s, **{SHORT[n]: g for n, g in grads.items()}}
     ref = {"o": o_ref, "o_fused": o_ref, "s": s_ref, **{SHORT[n]: g for n, g in g_ref.items()}}
@@ -325,19 +340,12 @@ def compile_run(run: Run, sms: int) -> float:
     the op traced on CPU tensors (benchmarks/_launches.py) as the GPU run will call it."""
     from _launches import compile_launch, intercepted
 
-    from deltaflow.ops.triton import common
-
     start = time.perf_counter()
     x = inputs(run, "cpu")
     do = grad_output((run.B, run.T, run.H, run.Dv), DTYPES[run.dtype], "cpu")
-    saved = common.HALF_MIN_BLOCK  # a worker runs many tasks: each restores the default
-    common.HALF_MIN_BLOCK = 64 if run.wide else saved
-    try:
-        with intercepted(compile_launch, sms):
-            forward_backward(x, do, "triton")
-            fused_output(x)
-    finally:
-        common.HALF_MIN_BLOCK = saved
+    with half_blocks(run), intercepted(compile_launch, sms):
+        forward_backward(x, do, "triton")
+        fused_output(x)
     return time.perf_counter() - start
 
 

@@ -33,3 +33,15 @@ def seed_and_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def narrow_half_kernels(monkeypatch):
+    """bf16/fp16 inputs on the half-precision kernels at every head size: the op runs heads
+    narrower than ``triton_ops.HALF_MIN_HEAD`` (64) on the fp32 kernels, and 0 turns that off,
+    for the tests of the half-precision kernels themselves at heads small enough for the
+    interpreter. Their blocks keep the 64-column floor (``common.HALF_MIN_BLOCK``), as the
+    GPU validated them."""
+    from deltaflow.ops import triton_ops
+
+    monkeypatch.setattr(triton_ops, "HALF_MIN_HEAD", 0)

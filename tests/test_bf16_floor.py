@@ -129,7 +129,7 @@ def test_low_dtype_is_one_clear_error():
         floor.emulate(x, "delta", False, do, ds, low=torch.float32)
 
 
-def test_captured_buffers_reproduce_the_kernels_gradients():
+def test_captured_buffers_reproduce_the_kernels_gradients(narrow_half_kernels):
     # The bisection tool: the emulation started from the kernels' own buffers (captured from
     # the launchers) computes what the kernels computed, here in fp16 through the Triton
     # interpreter (its fp16 dots are right): packed sequences, an empty one included.
@@ -161,7 +161,7 @@ def test_captured_buffers_reproduce_the_kernels_gradients():
 
 
 @pytest.mark.parametrize("rule, ne", [("efla", True), ("trapezoid", False)])
-def test_the_kernels_backward_is_at_the_floor(rule, ne):
+def test_the_kernels_backward_is_at_the_floor(narrow_half_kernels, rule, ne):
     # Issue 30 item 4: the backward rounds where fla does (the floor's roundings; its others are
     # hi + lo pairs), so the kernels' gradient errors are the floor's, draw for draw (CPU draws:
     # 0.93-1.04x; session 13's kernels 0.89-2.4x, and 1.3-2.0x here). fp16 through the Triton

@@ -4,16 +4,17 @@ its tensors at those shapes (the interpreter's accesses, tests/_bounds.py, in fp
 both forwards and the backward): the cause is not an unmasked access but the code Triton 3.6
 generates for fp32 key blocks under 64 columns beside a wider value block (mma.sync products
 in the state passes; common.FP32_WIDE_VALUE_MIN_KEY_BLOCK). Such heads now take 64-column key
-blocks, masked: the same results as the narrow blocks on the interpreter."""
+blocks, masked: the same results as the narrow blocks on the interpreter. (Half-precision
+inputs at such heads run the fp32 kernels since session 18: tests/test_half_blocks.py; the
+fp16 access check here runs the half-precision kernels on purpose.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from _bounds import checked_accesses
-from _inputs import make_inputs, rel_err
-
-from deltaflow import delta_rule
+from _inputs import rel_err
+from _op_runs import RESULTS, op_inputs, record_launches, reference, run_op
 
 triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():
@@ -22,8 +23,6 @@ if not triton_backend.available():
 from deltaflow.ops.triton import common, gradients, outputs, states  # noqa: E402
 
 INTERPRETER = not torch.cuda.is_available()
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
 # the launches that take a key block (the prepare kernel takes a column tile instead)
 KEYED = {
     states: ["chunk_forward_kernel", "chunk_states_kernel", "chunk_dstates_kernel"],
@@ -42,70 +41,37 @@ def test_key_block_pads_fp32_keys_only_beside_wider_values():
     assert [common.key_block(dk, dv, bf) for dk, dv in ((16, 16), (16, 64), (64, 16))] == [64] * 3
 
 
-def _run(dtype: torch.dtype, Dk: int, Dv: int, *, mode: str = "auto", seen: list | None = None):
-    """Output, final state and every gradient (fwd + bwd), and the two-pass or fused output."""
-    x = make_inputs(1, 70, 2, Dk, Dv, rule="delta", dtype=torch.float32, seed=3)
-    leaves = {
-        n: t.to(DEVICE, dtype if n in ("q", "k", "v") else torch.float32).detach().requires_grad_()
-        for n, t in x.items()
-    }
-    o, s = delta_rule(**leaves, output_final_state=True, backend="triton")
-    (o.float().sin().sum() + s.pow(2).sum()).backward()
-    triton_backend.FORWARD_MODE = "fused" if mode == "two_pass" else "two_pass"
-    try:
-        with torch.no_grad():
-            o2 = delta_rule(**{n: t.detach() for n, t in leaves.items()}, backend="triton")[0]
-    finally:
-        triton_backend.FORWARD_MODE = "auto"
-    return [o, o2, s, *(leaves[n].grad for n in NAMES)]
+def _run(dtype: torch.dtype, Dk: int, Dv: int, *, forward: str = "auto") -> list:
+    """Output, the other forward's output, final state and every gradient (fwd + bwd)."""
+    other = "fused" if forward == "two_pass" else "two_pass"
+    return run_op(op_inputs(dtype, Dk, Dv), forward=forward, other_forward=other)
 
 
-def _key_blocks(monkeypatch) -> list:
-    seen: list = []
-    for module, names in KEYED.items():
-        for name in names:
-            kernel = getattr(module, name)
-
-            class Spy:
-                def __init__(self, name=name, kernel=kernel):
-                    self.name, self.kernel = name, kernel
-
-                def __getitem__(self, grid):
-                    def launch(**kw):
-                        seen.append((self.name, kw["BK"]))
-                        return self.kernel[grid](**kw)
-
-                    return launch
-
-            monkeypatch.setattr(module, name, Spy())
-    return seen
+def _key_blocks(seen: list) -> set[int]:
+    return {kw["BK"] for _, kw in seen}
 
 
 def test_fp32_narrow_keys_beside_wider_values_take_64_column_key_blocks(monkeypatch):
-    seen = _key_blocks(monkeypatch)
-    got = _run(torch.float32, 16, 64)
+    seen = record_launches(monkeypatch, KEYED)
+    leaves = op_inputs(torch.float32, 16, 64)
+    got = run_op(leaves)
     assert {name for name, _ in seen} == {n for names in KEYED.values() for n in names}
-    assert {bk for _, bk in seen} == {64}
-    x = make_inputs(1, 70, 2, 16, 64, rule="delta", dtype=torch.float64, seed=3)
-    leaves = {n: t.detach().requires_grad_() for n, t in x.items()}
-    o, s = delta_rule(**leaves, output_final_state=True, backend="reference")
-    (o.sin().sum() + s.pow(2).sum()).backward()
-    ref = [o, o, s, *(leaves[n].grad for n in NAMES)]
-    for name, a, b in zip(["o", "o other forward", "state", *NAMES], got, ref):
+    assert _key_blocks(seen) == {64}
+    for name, a, b in zip(RESULTS, got, reference(leaves)):
         err = rel_err(a, b.to(a.device))
         assert torch.isfinite(a).all() and err < 1e-5, (name, err)
     seen.clear()
     _run(torch.float32, 16, 16)  # a head as narrow on both sides keeps its 16-column blocks
-    assert {bk for _, bk in seen} == {16}
+    assert _key_blocks(seen) == {16}
 
 
 @pytest.mark.skipif(not INTERPRETER, reason="the narrow fp32 blocks are what the H100 refused")
 def test_fp32_key_padding_changes_no_result(monkeypatch):
-    seen = _key_blocks(monkeypatch)
+    seen = record_launches(monkeypatch, KEYED)
     wide = _run(torch.float32, 16, 64)
     monkeypatch.setattr(common, "FP32_WIDE_VALUE_MIN_KEY_BLOCK", 16)
     narrow = _run(torch.float32, 16, 64)
-    assert {bk for _, bk in seen} == {16, 64}
+    assert _key_blocks(seen) == {16, 64}
     for a, b in zip(narrow, wide):  # masked columns: the same sums, up to the dots' order
         assert a.dtype == b.dtype and rel_err(a, b) < 1e-6
 
@@ -114,16 +80,23 @@ def test_fp32_key_padding_changes_no_result(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("Dk", "Dv"), [(16, 64), (64, 16), (16, 16)])
 @pytest.mark.parametrize("narrow", [False, True])
-def test_no_access_outside_the_tensors_at_narrow_heads(monkeypatch, dtype, Dk, Dv, narrow):
+def test_no_access_outside_the_tensors_at_narrow_heads(
+    monkeypatch, narrow_half_kernels, dtype, Dk, Dv, narrow
+):
+    # fp16 on the half-precision kernels (narrow_half_kernels: the op would run these heads on
+    # the fp32 kernels, which the fp32 cases check)
     if narrow:  # the blocks before the padding (fp32: the H100's failing launch)
         monkeypatch.setattr(common, "FP32_WIDE_VALUE_MIN_KEY_BLOCK", 16)
         monkeypatch.setattr(common, "HALF_MIN_BLOCK", 16)
     monkeypatch.setattr(triton_backend, "POISON_OUTPUTS", True)
-    for mode in ("two_pass", "fused"):
+    seen = record_launches(monkeypatch, KEYED)
+    for forward in ("two_pass", "fused"):  # each forward with the gradients, then the other
         with checked_accesses() as report:
-            got = _run(dtype, Dk, Dv, mode=mode)
+            got = _run(dtype, Dk, Dv, forward=forward)
         assert not report.bad, report.bad[:5]
         assert all(torch.isfinite(t).all() for t in got)
+    assert {kw["k_ptr"].dtype for _, kw in seen} == {dtype}
+    assert _key_blocks(seen) == {common.key_block(Dk, Dv, dtype)}  # under the patched floors
 
 
 def test_the_access_check_sees_an_access_outside():

@@ -186,7 +186,7 @@ def test_packed_sequences_of_unequal_lengths(launches):
     assert launches == SEGMENTED * 2
 
 
-def test_half_precision(launches):
+def test_half_precision(launches, narrow_half_kernels):
     # bf16 on a GPU, fp16 in the interpreter (whose bf16 dot is wrong); the transition columns
     # are rounded as operands exactly as the state is, so the error stays the half type's
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16

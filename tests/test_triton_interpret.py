@@ -105,7 +105,9 @@ def test_varlen_with_initial_states():
 
 def _half_inputs(T: int, Dk: int, Dv: int, rule: str, seed: int) -> tuple[torch.dtype, dict]:
     """Inputs with q, k, v in half precision: bf16 on a GPU, fp16 in the CPU interpreter (whose
-    bf16 tl.dot is wrong: numpy has no bf16; benchmarks/check_triton.py checks bf16 on the GPU)."""
+    bf16 tl.dot is wrong: numpy has no bf16; benchmarks/check_triton.py checks bf16 on the GPU).
+    Their heads are narrower than 64 columns (the interpreter is slow), which the op runs on the
+    fp32 kernels: the tests of the half-precision kernels take ``narrow_half_kernels``."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     inputs = make_inputs(1, T, 2, Dk, Dv, rule=rule, dtype=torch.float32, seed=seed)
     for n in ("q", "k", "v"):
@@ -113,7 +115,7 @@ def _half_inputs(T: int, Dk: int, Dv: int, rule: str, seed: int) -> tuple[torch.
     return dtype, on_device(inputs)
 
 
-def test_half_precision_inputs():
+def test_half_precision_inputs(narrow_half_kernels):
     dtype, inputs = _half_inputs(80, 32, 32, "delta", seed=6)
     o_ref, _ = delta_rule(**{n: t.double() for n, t in inputs.items()}, backend="reference")
     o, _ = delta_rule(**inputs, backend="triton")
@@ -167,7 +169,7 @@ def test_fused_backward_varlen_empty_sequences_and_t1():
 
 
 @pytest.mark.parametrize("case", ["T1", "T65-strong-decay-neg", "varlen", "half"])
-def test_gated_efla_against_the_reference(case):
+def test_gated_efla_against_the_reference(case, narrow_half_kernels):
     # The rule whose strengths read the decay: its entry reads the op's log α = expm1(the
     # layer's), mapped on the host, and d log α collects the recurrence's part and the
     # strengths' (∂a/∂g, ∂b/∂g, then the chain rule through expm1). T = 1 (one ragged chunk),
@@ -277,7 +279,7 @@ def test_chunk_size_is_refused_not_ignored():
         triton_backend.chunk_fwd_op(*args)
 
 
-def test_half_precision_backward_with_fp32_states():
+def test_half_precision_backward_with_fp32_states(narrow_half_kernels):
     # triton_backend.BACKWARD_STATES_FP32 gives the key-side gradient kernel narrower value
     # blocks (gradients.GRADS_BV_FP32; Dv = 48 spans two of them): same gradients either way.
     _, inputs = _half_inputs(70, 16, 48, "longhorn", seed=9)
@@ -300,7 +302,9 @@ def test_half_precision_backward_with_fp32_states():
         ("prepare", "BACKWARD_T_PRECISION", None),  # tf32x3 by default: the forward's
     ],
 )
-def test_half_precision_backward_with_t_flags(monkeypatch, module, flag, value):
+def test_half_precision_backward_with_t_flags(
+    monkeypatch, narrow_half_kernels, module, flag, value
+):
     # issue 30 item 4's switches (benchmarks/bf16_floor.py FLAGS): the forward's strengths not
     # folded into T (aΓK and bV rounded for W and Ũ); the backward's prepare with the strengths
     # folded, or with T's products at the inputs' precision: the same gradients. Dv = 80 spans
@@ -400,7 +404,7 @@ def test_backward_reuses_the_forward(monkeypatch, case, save):
 
 
 @pytest.mark.parametrize("fp32_states", [False, True])
-def test_half_precision_backward_reuses_the_forward(monkeypatch, fp32_states):
+def test_half_precision_backward_reuses_the_forward(monkeypatch, narrow_half_kernels, fp32_states):
     # Half precision: the forward's prepare keeps T with the backward's roundings (prepare.
     # BACKWARD_*), so the gradients are the switch-off ones; h kept in float32 where the
     # backward's states are (BACKWARD_STATES_FP32). Against the float64 reference as before.

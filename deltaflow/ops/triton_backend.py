@@ -142,8 +142,10 @@ def _check_chunk_size(chunk_size: int | None) -> None:
 
 
 def _inputs(q, k, v, beta, log_decay, initial_state):
-    """Operands in the matrix units' dtype (bf16/fp16 as given, else fp32), contiguous."""
-    dt = dot_dtype(q.dtype)
+    """Operands in the kernels' dtype (triton_ops.dot_dtype: bf16/fp16 as given, fp32 for fp32
+    inputs and for half-precision heads narrower than HALF_MIN_HEAD), contiguous. The callers
+    return outputs and gradients in the inputs' dtypes, whichever kernels ran."""
+    dt = dot_dtype(q.dtype, q.shape[-1], v.shape[-1])
     q, k, v = (x.to(dt).contiguous() for x in (q, k, v))
     beta = None if beta is None else beta.contiguous()
     log_decay = None if log_decay is None else log_decay.contiguous()

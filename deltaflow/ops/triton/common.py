@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from deltaflow.ops.chunk import TRITON_CHUNK_SIZE
+from deltaflow.ops.triton_ops import HALF_MIN_HEAD
 
 # Tokens per chunk, C of docs/design.md §3. The prepare kernel's block substitution is built
 # for it (four sub-blocks of SUB tokens), so it is a constant, not a tunable; the torch backend's
@@ -40,17 +41,22 @@ def next_power_of_2(n: int) -> int:
 
 
 # The narrowest head block (key or value columns a program holds) launched with bf16/fp16
-# operands. 16, head_block's own floor, is what every launch has used. Triton 3.6 on Hopper
-# miscompiled the half-precision state pass at 16 and 32 value columns (benchmarks/NOTES.md:
-# v2's "Invalid __shared__ read", issue 30's illegal address at 32), which is why FUSED_BV and
-# the other value blocks are 64; a head narrower than 64 columns still gets a block of its own
-# width. 64 pads such heads to the 64-column kernels (masked: the same sums) that
+# operands. 16, head_block's own floor, is what every launch used before session 17. Triton 3.6 on
+# Hopper miscompiled the half-precision state pass at 16 and 32 value columns
+# (benchmarks/NOTES.md: v2's "Invalid __shared__ read", issue 30's illegal address at 32), which
+# is why FUSED_BV and the other value blocks are 64; a head narrower than 64 columns still gets a
+# block of its own width. 64 pads such heads to the 64-column kernels (masked: the same sums) that
 # check_triton validates on the GPU. Measured (H100, Triton 3.6, session 17,
-# benchmarks/probe_fp16.py, results/issue31/s17call3): with 16-column blocks, heads of 16
-# columns gave NaN from the prepare kernel on in bf16 and fp16, and Dk or Dv = 16 wrong
-# gradients (5e-2 to 0.26 relative); with 64, every probed shape right. Heads of 32 columns
-# were right with 32-column blocks, but 64 is the width the GPU checks validate.
-HALF_MIN_BLOCK = 64
+# benchmarks/probe_fp16.py, results/issue31/s17call3): with 16-column blocks, heads of 16 columns
+# gave NaN from the prepare kernel on in bf16 and fp16, and Dk or Dv = 16 wrong gradients (5e-2 to
+# 0.26 relative); with 64, every probed shape right. Heads of 32 columns were right with 32-column
+# blocks, but 64 is the width the GPU checks validate.
+# Since session 18 the op runs half-precision heads narrower than triton_ops.HALF_MIN_HEAD on
+# the fp32 kernels (the padded ones were right but short of bf16's tolerance), so its half
+# launches never meet a narrower head; the floor is that same number (one fact, one place) and
+# still guards a launcher called with a narrower half head (benchmarks' probes, and tests with
+# HALF_MIN_HEAD = 0 that study the half-precision kernels on the interpreter).
+HALF_MIN_BLOCK = HALF_MIN_HEAD
 
 
 def head_block(n: int, dtype: torch.dtype | None = None) -> int:

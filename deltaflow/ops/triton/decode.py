@@ -93,6 +93,11 @@ def launch_decode(
     fp32, contiguous) in place, writing ``o``."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
+    # No dtype floor (common.HALF_MIN_BLOCK) and no fp32 routing of narrow half-precision heads
+    # (triton_ops.HALF_MIN_HEAD), unlike the chunked kernels: this kernel has no tl.dot, hence
+    # none of the mma.sync/wgmma layouts Triton 3.6 miscompiled at 16-column half blocks, and it
+    # converts q, k, v to fp32 as it loads them, so every product and sum is fp32 whatever the
+    # inputs' dtype (elementwise products and tl.sum reductions on an fp32 state).
     BV = min(head_block(Dv), DECODE_BV)
     decode_kernel[(cdiv(Dv, BV), B * H)](
         q_ptr=q,
