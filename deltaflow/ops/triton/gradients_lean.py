@@ -5,14 +5,22 @@ by ``gradients.GRADS_LEAN`` (off by default until the H100 times both).
 What differs, all to lower the register peak (the math and the roundings to the dot dtype are
 the same; fp32 sums are reassociated):
 
+- No product of the key side reads another's result. Triton (AccelerateMatmul's
+  ``warpsPerTileV3``) gives a product whose result reaches another product the wgmma layout of
+  warps [num_warps, 1], for attention; at 64 rows and 8 warps that covers 128 rows, so both
+  warp groups hold (and compute) the same accumulator: 64 registers a thread for a C×128 fp32
+  tile instead of 32. The plain key side had three such products after its loop (dX's hi part,
+  dk's M_Pᵀ Q and M_A K). Here dk's C×C products are one, ``[M_Pᵀ | M_A + M_Aᵀ] [Q; K]``
+  (K = 2C; M_A is strictly lower triangular, so the sum rounds nothing), and dX's hi + lo pair
+  is one, ``[Tᵀ | Tᵀ] [hi; lo]``.
 - The rule table runs in the value-side kernel, at its end where only row vectors are live, and
   the key side reads the result from the row scratch: its strength a, and dβ, dλ, d log α's
   rule terms as ``c0 + c1·Γ·xk`` (the value side knows da up to the key side's Γ·kᵀdX). On
-  sm_90 the key side's spills sat in the table's branches, with three C×BK accumulators live.
+  sm_90 the plain key side's spills sat in the table's branches, three C×BK tiles live.
 - The key side sums ⟨G, S_0⟩ to a scalar per value block instead of a BK×BV fp32 tile carried
-  through the loop (BK·BV/256 registers a thread at 8 warps: 32 at D = 128).
-- The key side retires each C×BK accumulator in place: dq accumulates onto scale·Γ ⊙ dO S_0ᵀ
-  (stored at once), dk onto e^{γ_C − γ} ⊙ U Gᵀ, each row sum taken just before.
+  through the loop (BK·BV/256 registers a thread at 8 warps: 32 at D = 128), and retires each
+  C×BK accumulator in place: dq accumulates onto scale·Γ ⊙ dO S_0ᵀ (stored at once), dk onto
+  e^{γ_C − γ} ⊙ U Gᵀ, each row sum taken just before; k is loaded again (L2) for the last terms.
 - The value side forms Q Kᵀ and K Kᵀ one after the other, each folded into dγ, M_P or M_A
   before the next (the plain kernel holds dP, dA, D, Q Kᵀ, K Kᵀ and dE together).
 
