@@ -12,7 +12,7 @@ specialization is found by tracing its check_triton case with the launches inter
 per specialization, so the seconds are a cold compile's. Wall seconds on a shared CPU: compare
 them with each other, not with another machine's. ``--set`` (``_settings.py``, as kernels.py's)
 sets launch constants in every compile process first, e.g. a kernel variant under trial:
-``--set gradients.GRADS_LEAN=1``.
+``--set gradients.GRADS_LEAN=on``.
 """
 
 from __future__ import annotations

@@ -309,11 +309,16 @@ def _memory_and_grads(xs, do, fwd) -> tuple[int, int | None, list]:
     return kept, peak, [x.grad.float() for x in xs]
 
 
+GRAD_NAMES = ("q", "k", "v", "beta", "log_decay")
+
+
 def compare_modes(setting: str, modes: tuple[str, ...], shapes, rounds: int) -> list[dict]:
     """Per shape and value of ``triton_backend.<setting>`` (``modes``, the first the reference):
     forward and forward + backward ms (medians of the rounds, the modes interleaved in each),
-    kept and peak bytes, and the gradients' largest relative max-abs difference from the first
-    mode's (SAVE_FOR_BACKWARD: the same kernels on the same values, 0)."""
+    kept and peak bytes, the gradients' largest relative max-abs difference from the first
+    mode's (SAVE_FOR_BACKWARD: the same kernels on the same values, 0), and each gradient's
+    error against the same inputs run in fp32 under the first mode (which of two modes that
+    differ is the closer one)."""
     from deltaflow.ops import triton_backend
 
     default = getattr(triton_backend, setting)
@@ -325,6 +330,12 @@ def compare_modes(setting: str, modes: tuple[str, ...], shapes, rounds: int) -> 
                 xs = inputs(*shape, grad=True)
                 do = torch.randn_like(xs[2])
                 ref = None  # the first mode's gradients
+                if r == 0:  # the same inputs in fp32 under the first mode: each mode's error
+                    setattr(triton_backend, setting, modes[0])
+                    xs32 = [x.detach().float().requires_grad_(True) for x in xs]
+                    o32 = delta_rule(*xs32[:4], log_decay=xs32[4], backend="triton")[0]
+                    fp32 = torch.autograd.grad(o32, xs32, do.float())
+                    del o32, xs32
                 for mode in modes:
                     setattr(triton_backend, setting, mode)
 
@@ -350,10 +361,16 @@ def compare_modes(setting: str, modes: tuple[str, ...], shapes, rounds: int) -> 
                             ((g - g0).abs().max() / g0.abs().max().clamp_min(1e-30)).item()
                             for g, g0 in zip(grads, ref)
                         )
+                        # ‖g − g_fp32‖ / ‖g_fp32‖ per gradient, as check_triton measures
+                        err = {
+                            name: ((g - g32).norm() / g32.norm().clamp_min(1e-30)).item()
+                            for name, g, g32 in zip(GRAD_NAMES, grads, fp32)
+                        }
                         records[key] = {
                             "kept_bytes": kept,
                             "peak_bytes": peak,
                             "grad_diff_vs_first": diff,
+                            "grad_err_vs_fp32": err,
                         }
     finally:
         setattr(triton_backend, setting, default)
@@ -376,6 +393,11 @@ def compare_modes(setting: str, modes: tuple[str, ...], shapes, rounds: int) -> 
     return out
 
 
+def worst(errors: dict[str, float]) -> str:
+    name = max(errors, key=errors.get)
+    return f"{errors[name]:.1e} ({name})"
+
+
 def save_report(
     records: list[dict], device: str, commit: str, rounds: int, setting: str
 ) -> list[str]:
@@ -385,8 +407,8 @@ def save_report(
         "beyond the inputs; peak = a forward + backward's peak above what was allocated before",
         "",
         "| (B, T, H, D) | mode | forward ms | fwd+bwd ms | rounds (ms) | kept MB "
-        "| kept B/token/head | peak MB | grads vs the first mode |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| kept B/token/head | peak MB | grads vs the first mode | grads vs fp32 (worst) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
         peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e6:.1f}"
@@ -394,7 +416,7 @@ def save_report(
         lines.append(
             f"| {tuple(r['shape'])} | {r['mode']} | {r['forward_ms']:.3f} | {r['fwd_bwd_ms']:.3f} "
             f"| {spread} | {r['kept_bytes'] / 1e6:.1f} | {r['kept_bytes_per_token_head']:.0f} "
-            f"| {peak} | {r['grad_diff_vs_first']:.1e} |"
+            f"| {peak} | {r['grad_diff_vs_first']:.1e} | {worst(r['grad_err_vs_fp32'])} |"
         )
     return lines
 

@@ -30,7 +30,7 @@ TOL = 1e-4
 @pytest.fixture
 def lean(monkeypatch) -> list[torch.dtype]:
     """GRADS_LEAN on for the test; the dtypes of the lean launches, which the test checks."""
-    monkeypatch.setattr(gradients, "GRADS_LEAN", True)
+    monkeypatch.setattr(gradients, "GRADS_LEAN", "on")
     launches: list[torch.dtype] = []
     launch = gradients_lean.launch_lean
 
@@ -131,7 +131,7 @@ def test_half_precision(lean, monkeypatch, fp32_states):
     got = _check(inputs, lean, tol=1e-2, rule="gated_efla", negative_eigenvalues=True)
     assert lean == [inputs["q"].dtype]
     # the plain kernels on the same inputs: the same roundings, fp32 sums in another order
-    monkeypatch.setattr(gradients, "GRADS_LEAN", False)
+    monkeypatch.setattr(gradients, "GRADS_LEAN", "off")
     plain = _fwd_bwd({n: None if t is None else t.to(DEVICE) for n, t in inputs.items()},
                      "triton", rule="gated_efla", negative_eigenvalues=True)  # fmt: skip
     for name, g, g_plain in zip(NAMES, got, plain):
@@ -151,7 +151,7 @@ def test_scratch_of_the_other_kernels_is_refused(monkeypatch):
     # a row scratch sized for the plain kernels must not reach the lean ones (their rows differ)
     from deltaflow.ops.triton.common import chunk_tables
 
-    monkeypatch.setattr(gradients, "GRADS_LEAN", True)
+    monkeypatch.setattr(gradients, "GRADS_LEAN", "on")
     q = torch.zeros(1, 64, 1, 16)
     t = torch.zeros(1, 1, 64, 64)
     kw = {n: q for n in ("dq", "dk", "dv", "v_new", "du", "grad_o")}
@@ -169,8 +169,9 @@ def _launch(lean: bool, inputs: dict, H: int, n: int) -> dict:
     it writes."""
     from deltaflow.ops.triton.common import chunk_tables
 
-    gradients.GRADS_LEAN = lean
+    gradients.GRADS_LEAN = "on" if lean else "off"
     q = inputs["q"]
+    rows = gradients.scratch_rows(q.shape[3], inputs["v"].shape[3], q.dtype)
     B, T = q.shape[:2]
     out = {n_: torch.full_like(inputs[like], float("nan"), dtype=dt)
            for n_, like, dt in [("dq", "q", q.dtype), ("dk", "k", q.dtype), ("dv", "v", q.dtype),
@@ -182,7 +183,7 @@ def _launch(lean: bool, inputs: dict, H: int, n: int) -> dict:
         grad_o=inputs["do"], tables=chunk_tables(None, B, T, q.device), kernel_id=2,
         negative_eigenvalues=False, eps=1e-6, scale=0.25,
         scratch_m=torch.empty(n, H, 2, 64, 64, dtype=q.dtype, device=q.device),
-        scratch_r=torch.empty(n, H, gradients.scratch_rows(), 64, device=q.device), **out,
+        scratch_r=torch.empty(n, H, rows, 64, device=q.device), **out,
     )  # fmt: skip
     return out
 
@@ -191,7 +192,7 @@ def test_half_precision_key_side_against_the_plain_kernels(monkeypatch):
     # dk = aΓ dX + the rule's term alone (dO, U, G zero): dX = −Tᵀ (dU S_0ᵀ) with dU S_0ᵀ as a
     # hi + lo pair in both kernel pairs, so they agree to fp32 summation order; the lo half is
     # ~2⁻¹¹ of dX in fp16, under the reference tests' tolerances, not under this one.
-    monkeypatch.setattr(gradients, "GRADS_LEAN", False)  # restored after the test
+    monkeypatch.setattr(gradients, "GRADS_LEAN", "off")  # restored after the test
     g = torch.Generator().manual_seed(27)
     dt = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     B, T, H, Dk, Dv = 1, 128, 2, 32, 48

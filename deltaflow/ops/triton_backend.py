@@ -92,12 +92,13 @@ SAVE_FOR_BACKWARD = "none"
 # sequences x heads still fill the GPU (issue 32; benchmarks/NOTES.md, "Issue 32, session 17"):
 # "off"; "on" wherever a sequence has more than one segment (the forward then takes its two-pass
 # form); "auto" where the pass's programs, sequences x heads x value blocks, are fewer than the
-# GPU's multiprocessors. Off: untimed on the GPU (benchmarks/kernels.py --sequence-parallel).
-# Dense batches need no host sync and are safe under CUDA-graph capture (compiled blocks'
+# GPU's multiprocessors (the default: H100, session 18, call 2: (1, 32768, 16, 128) forward
+# 2.36 → 1.62 ms, forward + backward 9.79 → 6.65 ms; (2, 8192, 8, 128) 2.62 → 1.83 ms; shapes
+# that fill the GPU untouched). Dense batches need no host sync and are safe under CUDA-graph capture (compiled blocks'
 # reduce-overhead mode): their segment tables come from shapes, cached by GraphSafeCache, and
 # the chain across segments is one launch (segment_chain.py; benchmarks/NOTES.md, "Issue 32,
 # session 18").
-SEQUENCE_PARALLEL_STATES = "off"
+SEQUENCE_PARALLEL_STATES = "auto"
 # Chunks a segment; 0: from the load, SEGMENT_WAVES waves of the multiprocessors for the
 # per-segment state pass, at least SEGMENT_MIN_CHUNKS (every segment is a step of the chain
 # across segments: two torch launches in segments.chain's form, ~1-2 µs of one kernel in
@@ -487,7 +488,7 @@ def _backward(
         scale=scale,
         # value side → M_P, M_A (C×C per chunk, dot dtype) and row vectors (fp32; scratch_rows)
         scratch_m=_output(n, H, 2, C, C, like=q, dtype=q.dtype),
-        scratch_r=_output(n, H, scratch_rows(), C, like=q, dtype=torch.float32),
+        scratch_r=_output(n, H, scratch_rows(Dk, Dv, q.dtype), C, like=q, dtype=torch.float32),
         dq=dq,
         dk=dk,
         dv=dv,

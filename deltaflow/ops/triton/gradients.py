@@ -49,9 +49,12 @@ GRADS_K_TF32X3_MAX_BK = 128
 # The lean pair of gradient kernels (gradients_lean.py; issue 32, benchmarks/NOTES.md "Issue
 # 32, session 18"): the rule table on the value side, and on the key side ⟨G, S_0⟩ as a scalar,
 # each accumulator retired in place, no product reading another's result. The same math; on
-# sm_90 (Triton 3.6, AOT) the key side spills 16 B instead of 400 at D = 128. Off until an H100
-# times both: kernels.py --variant lean:gradients.GRADS_LEAN=1.
-GRADS_LEAN = False
+# sm_90 (Triton 3.6, AOT) the key side spills 16 B instead of 400 at D = 128. "off" | "on" |
+# "auto": lean where the key block is at least LEAN_MIN_KEY_BLOCK. Measured (H100, bf16, session
+# 18 call 2, forward + backward): (8, 4096, 16, 128) 4.153 → 3.936 ms, (8, 2048, 32, 256) 20.19 →
+# 16.07 ms, but (16, 2048, 32, 64) 4.384 → 4.541 ms (its plain kernels do not spill there).
+GRADS_LEAN = "auto"
+LEAN_MIN_KEY_BLOCK = 128
 # The lean value side's register cap (0: none; 213 registers uncapped at D = 128, no spills:
 # one program an SM instead of two) and both lean kernels' pipeline stages (0: Triton's own,
 # 3 on Hopper; the key side's shared memory is 139 KB at D = 128 with 3, 82 KB with 2).
@@ -59,9 +62,19 @@ GRADS_LEAN_V_MAXNREG = 128
 GRADS_LEAN_STAGES = 0
 
 
-def scratch_rows() -> int:
+def use_lean(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
+    """Whether a launch over heads of ``Dk`` / ``Dv`` columns (``dtype``: its dot dtype) takes
+    the lean kernels (``GRADS_LEAN``)."""
+    if GRADS_LEAN not in ("off", "on", "auto"):
+        raise ValueError(f"gradients.GRADS_LEAN must be 'off', 'on' or 'auto', got {GRADS_LEAN!r}")
+    if GRADS_LEAN == "auto":
+        return key_block(Dk, Dv, dtype) >= LEAN_MIN_KEY_BLOCK
+    return GRADS_LEAN == "on"
+
+
+def scratch_rows(Dk: int, Dv: int, dtype: torch.dtype) -> int:
     """Rows of the row scratch (``launch_gradients``' ``scratch_r``) the kernels in use take."""
-    if GRADS_LEAN:
+    if use_lean(Dk, Dv, dtype):
         from deltaflow.ops.triton.gradients_lean import LEAN_ROWS
 
         return LEAN_ROWS.value
@@ -380,12 +393,12 @@ def launch_gradients(
     v_options = {} if GRADS_V_MAXNREG is None else {"maxnreg": GRADS_V_MAXNREG}
     if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
         key_side["BV"] = min(head_block(Dv, q.dtype), GRADS_BV_FP32)
-    if GRADS_LEAN:
+    if use_lean(Dk, Dv, q.dtype):
         from deltaflow.ops.triton.gradients_lean import LEAN_ROWS, launch_lean
 
         if scratch_r.shape[2] != LEAN_ROWS.value:  # a buffer sized before the switch flipped
             raise ValueError(f"scratch_r has {scratch_r.shape[2]} rows, the lean kernels "
-                             f"take {LEAN_ROWS.value} (scratch_rows())")  # fmt: skip
+                             f"take {LEAN_ROWS.value} (scratch_rows)")  # fmt: skip
         stages = {"num_stages": GRADS_LEAN_STAGES} if GRADS_LEAN_STAGES else {}
         v_options = {"maxnreg": GRADS_LEAN_V_MAXNREG} if GRADS_LEAN_V_MAXNREG else {}
         launch_lean(
