@@ -94,10 +94,10 @@ SAVE_FOR_BACKWARD = "none"
 # form); "auto" where the pass's programs, sequences x heads x value blocks, are fewer than the
 # GPU's multiprocessors (the default: H100, session 18, call 2: (1, 32768, 16, 128) forward
 # 2.36 → 1.62 ms, forward + backward 9.79 → 6.65 ms; (2, 8192, 8, 128) 2.62 → 1.83 ms; shapes
-# that fill the GPU untouched). Dense batches need no host sync and are safe under CUDA-graph capture (compiled blocks'
-# reduce-overhead mode): their segment tables come from shapes, cached by GraphSafeCache, and
-# the chain across segments is one launch (segment_chain.py; benchmarks/NOTES.md, "Issue 32,
-# session 18").
+# that fill the GPU untouched). Dense batches need no host sync and are safe under CUDA-graph
+# capture (compiled blocks' reduce-overhead mode): their segment tables come from shapes, cached
+# by GraphSafeCache, and the chain across segments is one launch (segment_chain.py;
+# benchmarks/NOTES.md, "Issue 32, session 18").
 SEQUENCE_PARALLEL_STATES = "auto"
 # Chunks a segment; 0: from the load, SEGMENT_WAVES waves of the multiprocessors for the
 # per-segment state pass, at least SEGMENT_MIN_CHUNKS (every segment is a step of the chain
