@@ -100,7 +100,8 @@ FLA_PATH=""
 if [ -z "$SMOKE" ] && ls .whl/flash_linear_attention-*.whl > /dev/null 2>&1; then
   step fla_install 60 "$FLA_CPUS" python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .whl/fla_core-*.whl \
-    .whl/flash_linear_attention-*.whl && FLA_PATH=/tmp/site:
+    .whl/flash_linear_attention-*.whl $(ls .whl/liger_kernel-*.whl 2> /dev/null) \
+    && FLA_PATH=/tmp/site:  # liger: the model runs' LM loss, as issue31_call.sh
 fi
 {
   if [ -n "$FLA_PATH" ] && [ "${FLA_WARM:-1}" != 0 ]; then
@@ -126,7 +127,7 @@ if [ -n "${PYTEST:-}" ]; then
   {
     while [ ! -e "$GPU_FREE" ]; do sleep 1; done
     read -r -a TESTS <<< "$PYTEST"
-    step pytest "$(until_ 400 "$PHASE_A_END")" "$OTHER_CPUS" python3 -m pytest -q --maxfail=10 \
+    step pytest "$(until_ 400 "$PHASE_A_END")" "$OTHER_CPUS" python3 -m pytest -v -rf --maxfail=10 \
       -p no:cacheprovider "${TESTS[@]}"
   } &
   TEST_JOB=$!
@@ -158,10 +159,6 @@ if [ -n "${VARIANTS2:-}" ]; then  # untried kernels in a process of their own: a
     benchmarks/kernels.py --skip-torch --rounds 3 --out "$OUT_DIR/new" \
     ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ${VARIANT_ARGS[@]+"${VARIANT_ARGS[@]}"} $SMOKE
 fi
-if [ "${SEQPAR:-1}" != 0 ]; then
-  step kernels_seqpar "$(until_ 120 "$DEADLINE")" "" python3 benchmarks/kernels.py \
-    --sequence-parallel --rounds 3 --out "$OUT_DIR" $SMOKE
-fi
 if [ "${KTIMES:-1}" != 0 ]; then
   step kernel_times "$(until_ 120 "$DEADLINE")" "" python3 benchmarks/kernel_times.py \
     "${KTIMES_ARGS[@]}"
@@ -175,13 +172,18 @@ if [ -n "${MODEL:-}" ]; then
   read -r -a MODEL_EXTRA_ARGS <<< "${MODEL_EXTRA:-}"
   TRAIN=(--batch "$B" --seq "$T" --steps 10 --warmup 2)
   [ -n "$SMOKE" ] && TRAIN=(--smoke --steps 1 --warmup 1)
-  step model "$(until_ 200 "$DEADLINE")" "" python3 benchmarks/model_training.py \
+  PYTHONPATH=$FLA_PATH$PYTHONPATH step model "$(until_ 200 "$DEADLINE")" "" python3 \
+    benchmarks/model_training.py \
     --compile blocks --skip-fla --top 0 "${TRAIN[@]}" \
     ${MODEL_EXTRA_ARGS[@]+"${MODEL_EXTRA_ARGS[@]}"} --out "$OUT_DIR/model"
   if [ -n "$FLA_PATH" ]; then
     PYTHONPATH=$FLA_PATH$PYTHONPATH step model_fla "$(until_ 150 "$DEADLINE")" "" python3 \
       benchmarks/model_training.py --skip-deltaflow "${TRAIN[@]}" --out "$OUT_DIR/model_fla"
   fi
+fi
+if [ "${SEQPAR:-1}" != 0 ]; then
+  step kernels_seqpar "$(until_ 120 "$DEADLINE")" "" python3 benchmarks/kernels.py \
+    --sequence-parallel --rounds 3 --out "$OUT_DIR" $SMOKE
 fi
 [ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2> /dev/null
 FAILED=$(grep -c -v ": exit 0 in \|^fla autotune: " "$SUMMARY")
