@@ -88,13 +88,15 @@ def _forward_backward(
 def run_op(
     leaves: dict[str, Tensor | None],
     *,
-    forward: str = "auto",
+    forward: str = "fused",
     other_forward: str = "two_pass",
     **options,
 ) -> list[Tensor | None]:
     """The Triton op's output (its ``forward``: triton_backend.FORWARD_MODE), the output of its
     ``other_forward`` ("two_pass" or "fused"; without gradients), its final state and every
-    gradient (None where there is no input), in :data:`RESULTS`' order."""
+    gradient (None where there is no input), in :data:`RESULTS`' order. Both forms pinned, not
+    "auto": at these few programs a GPU's "auto" is the two-pass form, the interpreter's the
+    fused one (session 18, call 3: a launch-set assertion failed on the H100 only)."""
     from deltaflow.ops import triton_backend
 
     triton_backend.FORWARD_MODE = forward

@@ -125,6 +125,7 @@ def _half(rule: str, T: int, Dk: int, Dv: int, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("fp32_states", [False, True])
+@pytest.mark.usefixtures("narrow_half_kernels")  # 32/48-column heads on the half kernels
 def test_half_precision(lean, monkeypatch, fp32_states):
     monkeypatch.setattr(triton_backend, "BACKWARD_STATES_FP32", fp32_states)
     inputs = _half("gated_efla", 70, 32, 48, seed=25)
