@@ -9,7 +9,7 @@ each kernel beside its launcher:
 - ``segment_chain.py``: its chain across segments, one launch for every sequence and head
 - ``outputs.py``: stage 3 of the two-pass forward, per chunk: the outputs
 - ``gradients.py``: stage 3 of the backward, per chunk: every gradient but the state's
-- ``gradients_lean.py``: the same with fewer live registers (``gradients.GRADS_LEAN``, off)
+- ``gradients_lean.py``: the same with fewer live registers (``gradients.GRADS_LEAN``: "auto", at key blocks >= 128)
 - ``decode.py``: generation, a few tokens into an fp32 state in place
 
 ``deltaflow/ops/triton_backend.py`` assembles them into the op's forward, backward and decode.

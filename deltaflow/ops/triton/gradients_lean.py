@@ -1,6 +1,7 @@
 """The backward's gradient kernels with fewer live registers (issue 32; benchmarks/NOTES.md,
 "Issue 32, session 18"): the same (9)–(12) of docs/design.md §7 as ``gradients.py``, selected
-by ``gradients.GRADS_LEAN`` (off by default until the H100 times both).
+by ``gradients.GRADS_LEAN`` ("auto": at key blocks of 128 or more, where the H100 measured
+them faster; session 18, call 2).
 
 What differs, all to lower the register peak (the math and the roundings to the dot dtype are
 the same; fp32 sums are reassociated):
