@@ -4,6 +4,7 @@ target GPU architecture (default sm_90, the H100), on a CPU.
 
     PYTHONPATH=/path/to/triton-3.6:. python benchmarks/compile_cost.py [--only TEXT,...]
         [--skip TEXT,...] [--dtype bf16|fp32|both] [--arch 90] [--workers 1] [--json FILE]
+        [--set MODULE.NAME=VALUE,...]
 
 Put the Triton of the GPU machine first on the path (its ptxas is what compiles). Each
 specialization is found by tracing its check_triton case with the launches intercepted
@@ -48,11 +49,17 @@ def _fake_driver(arch: int) -> None:
     driver.set_active(Driver())
 
 
-def _init(arch: int) -> None:
+def _init(arch: int, settings: dict[str, Any] | None = None) -> None:
+    """A worker's start: the stand-in driver, and the ``--set`` settings (each worker is a
+    fresh process: what the parent set is not there)."""
     import torch
 
     if not torch.cuda.is_available():
         _fake_driver(arch)
+    if settings:
+        import _settings
+
+        _settings.apply(settings)
 
 
 def measure(kind: str, args: tuple, key: Any) -> dict[str, Any]:
@@ -81,9 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=ARCH, help="compute capability, e.g. 90")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--json", default=None, help="also write the rows here")
+    import _settings
+
+    _settings.add_settings_arg(parser)
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    try:
+        settings = _settings.parse(args.set)
+    except _settings.SettingError as e:
+        parser.error(str(e))
+    _settings.apply(settings)  # the plan's traces here, and each worker's (_init)
     import check_triton
 
     dtypes = ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
@@ -102,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(todo)} of {len(keys)} specializations, sm_{args.arch}", flush=True)
     rows = []
     ctx = multiprocessing.get_context("spawn")  # torch's threads do not survive a fork
-    with ProcessPoolExecutor(args.workers, ctx, _init, (args.arch,)) as pool:
+    with ProcessPoolExecutor(args.workers, ctx, _init, (args.arch, settings)) as pool:
         futures = [pool.submit(measure, *case, key) for key, case in todo]
         for future in futures:
             row = future.result()

@@ -5,6 +5,7 @@ each kernel beside its launcher:
 - ``common.py``: the chunk length, the chunk tables of a batch, shared loads and products
 - ``prepare.py``: stage 1, per chunk: the rule's strengths and the UT transform (W, Ũ, T)
 - ``states.py``: stage 2, per sequence: the state passes (fused forward, forward, reverse)
+- ``states_split.py``: the same passes with the state in row blocks (``states.STATES_SPLIT_K``)
 - ``segment_states.py``: stage 2 split across segments of each sequence (off by default)
 - ``outputs.py``: stage 3 of the two-pass forward, per chunk: the outputs
 - ``gradients.py``: stage 3 of the backward, per chunk: every gradient but the state's
@@ -18,7 +19,7 @@ from __future__ import annotations
 import importlib
 
 # The stages in launch order: the order in which pin_cache_keys hashes their kernels.
-STAGES = ("prepare", "states", "segment_states", "outputs", "gradients", "decode")
+STAGES = ("prepare", "states", "states_split", "segment_states", "outputs", "gradients", "decode")
 
 
 def pin_cache_keys() -> None:
