@@ -5,11 +5,13 @@ each kernel beside its launcher:
 - ``common.py``: the chunk length, the chunk tables of a batch, shared loads and products
 - ``prepare.py``: stage 1, per chunk: the rule's strengths and the UT transform (W, Ũ, T)
 - ``states.py``: stage 2, per sequence: the state passes (fused forward, forward, reverse)
-- ``segment_states.py``: stage 2 split across segments of each sequence (off by default)
+- ``states_split.py``: the same passes with the state in row blocks (``states.STATES_SPLIT_K``)
+- ``segment_states.py``: stage 2 split across segments of each sequence ("auto" by default)
 - ``segment_chain.py``: its chain across segments, one launch for every sequence and head
 - ``outputs.py``: stage 3 of the two-pass forward, per chunk: the outputs
 - ``gradients.py``: stage 3 of the backward, per chunk: every gradient but the state's
-- ``gradients_lean.py``: the same with fewer live registers (``gradients.GRADS_LEAN``: "auto", at key blocks >= 128)
+- ``gradients_lean.py``: the same with fewer live registers (``gradients.GRADS_LEAN``: "auto",
+  at key blocks >= 128)
 - ``decode.py``: generation, a few tokens into an fp32 state in place
 
 ``deltaflow/ops/triton_backend.py`` assembles them into the op's forward, backward and decode.
@@ -23,6 +25,7 @@ import importlib
 STAGES = (
     "prepare",
     "states",
+    "states_split",
     "segment_states",
     "segment_chain",
     "outputs",

@@ -36,6 +36,11 @@ from deltaflow.ops.triton.common import (
     key_block,
     load_rows,
 )
+from deltaflow.ops.triton.states_split import (
+    split_dstates_kernel,
+    split_forward_kernel,
+    split_states_kernel,
+)
 
 # Launch settings (benchmarks/NOTES.md; benchmarks/tune_backward.py sweeps them).
 # The fused forward: 64 value columns (32 in fp32, whose operands take twice the shared memory),
@@ -53,6 +58,40 @@ BWD_STATES_BV = 64  # the state pass recomputed by the backward
 DSTATES_BV = 64
 DSTATES_WARPS = 4
 DSTATES_STAGES = 1
+# Issue 32 (benchmarks/NOTES.md, "session 18: the state passes' registers and D=256"): the three
+# passes with the state held as row blocks of STATES_SPLIT_K key rows (states_split.py), for a
+# launch whose key block is wider than that; 0 (the default until the GPU decides) keeps the
+# kernels above for every launch. 64 splits Dk = 128 in two and 256 in four, 128 only Dk = 256
+# in two. A block is never narrower than the launch's dtype floor (common.head_block: 64 in
+# bf16/fp16, whose 16/32-column blocks Triton 3.6 miscompiles on Hopper) nor than BK / 4 (the
+# kernels have four accumulators), so e.g. 32 acts as 64 in bf16.
+STATES_SPLIT_K = 0
+# Nor narrower than SPLIT_MIN_ROWS in any dtype: a block under 64 rows makes the state update a
+# [BKS, C] @ [C, BV] product too short for Hopper's wgmma, on mma.sync beside the kernel's wgmma
+# products, the mix Triton 3.6 got wrong on the H100 in fp32 (common.FP32_WIDE_VALUE_MIN_KEY_BLOCK).
+# The interpreter's tests lower it to reach several blocks at small heads.
+SPLIT_MIN_ROWS = 64
+# The split kernels' warps: SPLIT_WARPS where the key block is at most 128 rows, SPLIT_WIDE_WARPS
+# where it is wider (Dk = 256; 8 warps hold its [256, BV] fp32 state in twice the registers).
+SPLIT_WARPS = 4
+SPLIT_WIDE_WARPS = 4
+
+
+def split_rows(BK: int, dtype: torch.dtype) -> int:
+    """The rows of one state block of the split kernels for a key block of ``BK`` rows and dot
+    dtype ``dtype``, or 0: the one-accumulator kernels (``STATES_SPLIT_K`` off, or not below BK)."""
+    if STATES_SPLIT_K <= 0:
+        return 0
+    rows = max(STATES_SPLIT_K, BK // 4, SPLIT_MIN_ROWS, head_block(1, dtype))
+    return rows if rows < BK else 0
+
+
+def _split_launch(BK: int, dtype: torch.dtype) -> dict:
+    """The split kernels' extra launch arguments (``BKS`` and their warps), or {}: none."""
+    rows = split_rows(BK, dtype)
+    if not rows:
+        return {}
+    return dict(BKS=rows, num_warps=SPLIT_WIDE_WARPS if BK > 128 else SPLIT_WARPS)
 
 
 @triton.jit
@@ -156,7 +195,13 @@ def launch_forward(
     H, Dk, Dv = q.shape[2], q.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, q.dtype), FUSED_BV_FP32 if q.dtype == torch.float32 else FUSED_BV)
-    chunk_forward_kernel[(cdiv(Dv, BV), N * H)](
+    BK = key_block(Dk, Dv, q.dtype)
+    stages = FUSED_STAGES_FP32 if q.dtype == torch.float32 else FUSED_STAGES
+    launch = {"num_warps": FUSED_WARPS, **_split_launch(BK, q.dtype)}
+    kernel = chunk_forward_kernel
+    if "BKS" in launch:
+        kernel, launch["KEEP_K"] = split_forward_kernel, stages > 1
+    kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
         w_ptr=w,
@@ -172,13 +217,13 @@ def launch_forward(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=key_block(Dk, Dv, q.dtype),
+        BK=BK,
         BV=BV,
         HAS_DECAY=log_decay is not None,
         HAS_S0=initial_state is not None,
         PREC=dot_precision(q.dtype),
-        num_warps=FUSED_WARPS,
-        num_stages=FUSED_STAGES_FP32 if q.dtype == torch.float32 else FUSED_STAGES,
+        **launch,
+        num_stages=stages,
     )
 
 
@@ -283,7 +328,10 @@ def launch_states(
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, k.dtype), block_v)
-    chunk_states_kernel[(cdiv(Dv, BV), N * H)](
+    BK = key_block(Dk, Dv, k.dtype)
+    launch = {"num_warps": STATES_WARPS, **_split_launch(BK, k.dtype)}
+    kernel = split_states_kernel if "BKS" in launch else chunk_states_kernel
+    kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,
         u_ptr=u,
@@ -298,12 +346,12 @@ def launch_states(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=key_block(Dk, Dv, k.dtype),
+        BK=BK,
         BV=BV,
         HAS_DECAY=log_decay is not None,
         HAS_S0=initial_state is not None,
         PREC=dot_precision(k.dtype),
-        num_warps=STATES_WARPS,
+        **launch,
         num_stages=STATES_STAGES,
     )
 
@@ -437,7 +485,10 @@ def launch_dstates(
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, q.dtype), DSTATES_BV)
-    chunk_dstates_kernel[(cdiv(Dv, BV), N * H)](
+    BK = key_block(Dk, Dv, q.dtype)
+    launch = {"num_warps": DSTATES_WARPS, **_split_launch(BK, q.dtype)}
+    kernel = split_dstates_kernel if "BKS" in launch else chunk_dstates_kernel
+    kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
         w_ptr=w,
@@ -453,11 +504,11 @@ def launch_dstates(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        BK=key_block(Dk, Dv, q.dtype),
+        BK=BK,
         BV=BV,
         HAS_DECAY=log_decay is not None,
         HAS_DST=grad_final_state is not None,
         PREC=dot_precision(q.dtype),
-        num_warps=DSTATES_WARPS,
+        **launch,
         num_stages=DSTATES_STAGES,
     )
