@@ -277,15 +277,17 @@ def test_script_runs_in_smoke_mode(script: Script, started: Started) -> None:
 def test_kernels_warm_shapes_launch_what_the_timed_shapes_launch(tmp_path: Path) -> None:
     """kernels.py compiles its warm-up at T = WARM_T instead of each shape's T: traced on CPU
     tensors (no interpreter, nothing runs), both launch the same kernel specializations, so the
-    timed run finds every kernel of ours compiled. Small shapes here, the T of the real ones
-    (benchmarks/NOTES.md: the four real SHAPES, 31 specializations, the same result)."""
+    timed run finds every kernel of ours compiled. Shapes whose state passes may run in
+    segments (few sequences x heads: their launches depend on T) keep their T; a shape that fills
+    132 SMs takes WARM_T."""
     if not HAS_TRITON:
         pytest.skip("Triton is not installed")
     code = (
         "import kernels as K\n"
-        "shapes = [(2, 4096, 2, 32), (1, 2048, 2, 64)]\n"
+        "shapes = [(2, 4096, 2, 32), (1, 2048, 2, 64), (64, 256, 4, 64)]\n"
         "timed = K.warm_specializations(shapes, 132)\n"
-        "warm = K.warm_specializations(K.warm_shapes(shapes), 132)\n"
+        "warm = K.warm_specializations(K.warm_shapes(shapes, 132), 132)\n"
+        "assert [s[1] for s in K.warm_shapes(shapes, 132)] == [4096, 2048, K.WARM_T]\n"
         "assert timed and all(timed), timed\n"
         "assert warm == timed, (warm, timed)\n"
         "print('same', sum(map(len, timed)))\n"
