@@ -31,7 +31,14 @@ if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 from deltaflow.ops import triton_ops  # noqa: E402
-from deltaflow.ops.triton import common, gradients, outputs, prepare, states  # noqa: E402
+from deltaflow.ops.triton import (  # noqa: E402
+    common,
+    gradients,
+    gradients_lean,
+    outputs,
+    prepare,
+    states,
+)
 
 HALF = (torch.bfloat16, torch.float16)
 # every launch of the op's forward (both forms) and backward, with the block widths it takes
@@ -40,8 +47,18 @@ KERNELS = {
     states: ["chunk_forward_kernel", "chunk_states_kernel", "chunk_dstates_kernel"],
     outputs: ["chunk_output_kernel"],
     gradients: ["chunk_grads_v_kernel", "chunk_grads_k_kernel"],
+    gradients_lean: ["chunk_grads_v_lean_kernel", "chunk_grads_k_lean_kernel"],
 }
 ALL_KERNELS = {n for names in KERNELS.values() for n in names}
+
+
+def launched(Dk: int, Dv: int, dtype: torch.dtype) -> set[str]:
+    """ALL_KERNELS as one op launches them at these heads (``dtype``: its kernels' dtype): one of
+    the two pairs of gradient kernels (gradients.use_lean: the lean pair at wide key blocks)."""
+    lean = gradients.use_lean(Dk, Dv, dtype)
+    return ALL_KERNELS - set(KERNELS[gradients if lean else gradients_lean])
+
+
 NARROW_HEADS = [(16, 16), (16, 64), (64, 16), (32, 32)]
 
 
@@ -99,7 +116,8 @@ def test_narrow_half_heads_run_the_fp32_kernels(monkeypatch, dtype, Dk, Dv, rule
     # the initial state in the half dtype too: its gradient comes back in it
     leaves = op_inputs(dtype, Dk, Dv, rule=rule, state_dtype=dtype)
     got = run_op(leaves, rule=rule, negative_eigenvalues=ne)
-    assert {name for name, _ in seen} == ALL_KERNELS  # both forwards and the backward
+    # both forwards and the backward
+    assert {name for name, _ in seen} == launched(Dk, Dv, torch.float32)
     assert _kernel_dtypes(seen) == {torch.float32}
     # results in the inputs' dtypes: the outputs in v's, the final state float32, each gradient
     # in its input's
@@ -133,7 +151,7 @@ def test_wide_half_heads_keep_the_half_precision_kernels(monkeypatch, dtype, Dk,
     seen = record_launches(monkeypatch, KERNELS, run=False)
     leaves = op_inputs(dtype, Dk, Dv)
     got = run_op(leaves)
-    assert {name for name, _ in seen} == ALL_KERNELS
+    assert {name for name, _ in seen} == launched(Dk, Dv, dtype)
     assert _kernel_dtypes(seen) == {dtype}  # q, k, v as given: no fp32 copies
     assert {kw["q_ptr"].dtype for _, kw in seen if "q_ptr" in kw} == {dtype}
     assert min(_widths(seen)) == 64
@@ -184,7 +202,7 @@ def test_half_min_block_pads_narrow_heads_bit_for_bit(monkeypatch, narrow_half_k
     monkeypatch.setattr(common, "HALF_MIN_BLOCK", 16)
     narrow = run_op(op_inputs(torch.float16, Dk, Dv, state_dtype=torch.float16))
     assert min(_widths(seen)) == 16  # a 16-column head with 16-column blocks
-    assert {name for name, _ in seen} == ALL_KERNELS
+    assert {name for name, _ in seen} == launched(Dk, Dv, torch.float16)
     seen.clear()
     monkeypatch.setattr(common, "HALF_MIN_BLOCK", 64)
     wide = run_op(op_inputs(torch.float16, Dk, Dv, state_dtype=torch.float16))
