@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from deltaflow.rules import RULES
@@ -69,3 +71,37 @@ def make_inputs(
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def reduce_overhead_grads(T: int) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]]]:
+    """A dense bf16 forward + backward of the Triton op on the GPU (B=2, H=2, D=64, ``T``
+    tokens) through ``torch.compile(mode="reduce-overhead")``: four steps (warm-up, recording,
+    replays), the last step's gradients, and a function that gives eager's on the same inputs
+    (called once the caller has checked what the capture left behind)."""
+    from deltaflow import delta_rule
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, D = 2, 2, 64
+    q, k = (
+        torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", generator=g), dim=-1)
+        for _ in range(2)
+    )
+    v = torch.randn(B, T, H, D, device="cuda", generator=g)
+    beta = torch.rand(B, T, H, device="cuda", generator=g)
+    log_decay = -torch.rand(B, T, H, device="cuda", generator=g)
+    inputs = [x.bfloat16() for x in (q, k, v)] + [beta, log_decay]
+
+    def loss(q, k, v, beta, log_decay):
+        o, _ = delta_rule(q, k, v, beta, log_decay=log_decay, backend="triton", check_values=False)
+        return o.float().square().sum()
+
+    def grads(fn) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        fn(*leaves).backward()
+        return [x.grad for x in leaves]
+
+    compiled = torch.compile(loss, mode="reduce-overhead")
+    for _ in range(4):  # warm-up, recording, replays
+        torch.compiler.cudagraph_mark_step_begin()
+        got = grads(compiled)
+    return got, lambda: grads(loss)

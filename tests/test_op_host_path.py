@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _inputs import make_inputs
+from _inputs import make_inputs, reduce_overhead_grads
 
 from deltaflow import delta_rule
 
@@ -120,32 +120,9 @@ def test_reduce_overhead_compile_keeps_the_cached_tables_out_of_the_graph_pool(m
     # cache, so the first (warm-up) call builds them. Gradients: eager's (inductor may round the
     # loss's own backward differently, so to bf16's tolerance, not bit for bit).
     monkeypatch.setattr(common, "_tables", type(common._tables)())
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, T, H, D = 2, 130, 2, 64
-    q, k = (
-        torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", generator=g), dim=-1)
-        for _ in range(2)
-    )
-    v = torch.randn(B, T, H, D, device="cuda", generator=g)
-    beta = torch.rand(B, T, H, device="cuda", generator=g)
-    log_decay = -torch.rand(B, T, H, device="cuda", generator=g)
-    inputs = [x.bfloat16() for x in (q, k, v)] + [beta, log_decay]
-
-    def loss(q, k, v, beta, log_decay):
-        o, _ = delta_rule(q, k, v, beta, log_decay=log_decay, backend="triton", check_values=False)
-        return o.float().square().sum()
-
-    def grads(fn):
-        leaves = [x.clone().requires_grad_() for x in inputs]
-        fn(*leaves).backward()
-        return [x.grad for x in leaves]
-
-    compiled = torch.compile(loss, mode="reduce-overhead")
-    for _ in range(4):  # warm-up, recording, replays
-        torch.compiler.cudagraph_mark_step_begin()
-        got = grads(compiled)
+    got, eager = reduce_overhead_grads(130)
     common._tables.clear()  # nothing cached for the eager reference either
-    for g_compiled, g_eager in zip(got, grads(loss)):
+    for g_compiled, g_eager in zip(got, eager()):
         torch.testing.assert_close(g_compiled, g_eager, rtol=2e-2, atol=1e-3)
 
 

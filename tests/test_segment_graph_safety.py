@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from _inputs import make_inputs, rel_err
+from _inputs import make_inputs, reduce_overhead_grads, rel_err
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -327,30 +327,7 @@ def test_reduce_overhead_compile_with_segmented_passes(monkeypatch):
     _clear_caches(monkeypatch)
     monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "on")
     monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 1)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    B, T, H, D = 2, 300, 2, 64
-    q, k = (
-        torch.nn.functional.normalize(torch.randn(B, T, H, D, device="cuda", generator=g), dim=-1)
-        for _ in range(2)
-    )
-    v = torch.randn(B, T, H, D, device="cuda", generator=g)
-    beta = torch.rand(B, T, H, device="cuda", generator=g)
-    log_decay = -torch.rand(B, T, H, device="cuda", generator=g)
-    inputs = [x.bfloat16() for x in (q, k, v)] + [beta, log_decay]
-
-    def loss(q, k, v, beta, log_decay):
-        o, _ = delta_rule(q, k, v, beta, log_decay=log_decay, backend="triton", check_values=False)
-        return o.float().square().sum()
-
-    def grads(fn):
-        leaves = [x.clone().requires_grad_() for x in inputs]
-        fn(*leaves).backward()
-        return [x.grad for x in leaves]
-
-    compiled = torch.compile(loss, mode="reduce-overhead")
-    for _ in range(4):  # warm-up, recording, replays
-        torch.compiler.cudagraph_mark_step_begin()
-        got = grads(compiled)
+    got, eager = reduce_overhead_grads(300)
     assert segment_states._dense_cache.pinned  # the capture used the warm-up's tables
-    for g_compiled, g_eager in zip(got, grads(loss)):
+    for g_compiled, g_eager in zip(got, eager()):
         torch.testing.assert_close(g_compiled, g_eager, rtol=2e-2, atol=1e-3)
