@@ -10,6 +10,8 @@
 # Environment (defaults in brackets):
 #   CHECK [1]          check_triton.py --dtype all, whole (its cases wait for fla's tuning)
 #   PYTEST [""]        test files run on the GPU beside the check's cases ("" = none)
+#   PYTEST_WORKERS [6] pytest-xdist workers when its wheel is in .whl/ (GPU tests are bound by
+#                      compiling kernels on the CPU: ~250 s for four files in one process)
 #   FLA_AUTOTUNE [""]  .tgz files (space-separated) of fla's autotune results from earlier calls
 #                      (this call writes its own, also from a cut warm-up, as fla_autotune.tgz)
 #   FLA_WARM [1]       kernels.py --warm-fla (fla tunes at the timed shapes, alone on the GPU)
@@ -100,7 +102,8 @@ FLA_PATH=""
 if [ -z "$SMOKE" ] && ls .whl/flash_linear_attention-*.whl > /dev/null 2>&1; then
   step fla_install 60 "$FLA_CPUS" python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/site .whl/fla_core-*.whl \
-    .whl/flash_linear_attention-*.whl $(ls .whl/liger_kernel-*.whl 2> /dev/null) \
+    .whl/flash_linear_attention-*.whl $(ls .whl/liger_kernel-*.whl .whl/pytest_xdist-*.whl \
+    .whl/execnet-*.whl 2> /dev/null) \
     && FLA_PATH=/tmp/site:  # liger: the model runs' LM loss, as issue31_call.sh
 fi
 {
@@ -127,8 +130,11 @@ if [ -n "${PYTEST:-}" ]; then
   {
     while [ ! -e "$GPU_FREE" ]; do sleep 1; done
     read -r -a TESTS <<< "$PYTEST"
-    step pytest "$(until_ 400 "$PHASE_A_END")" "$OTHER_CPUS" python3 -m pytest -v -rf --maxfail=10 \
-      -p no:cacheprovider "${TESTS[@]}"
+    XDIST=()
+    [ -z "$SMOKE" ] && PYTHONPATH=$FLA_PATH$PYTHONPATH python3 -c "import xdist" 2> /dev/null \
+      && XDIST=(-n "${PYTEST_WORKERS:-6}")
+    PYTHONPATH=$FLA_PATH$PYTHONPATH step pytest "$(until_ 400 "$PHASE_A_END")" "$OTHER_CPUS" \
+      python3 -m pytest -v -rf --maxfail=10 -p no:cacheprovider ${XDIST[@]+"${XDIST[@]}"} "${TESTS[@]}"
   } &
   TEST_JOB=$!
 else
@@ -150,6 +156,10 @@ for v in ${VARIANT_LIST[@]+"${VARIANT_LIST[@]}"}; do [ -n "$v" ] && VARIANT_ARGS
 PYTHONPATH=$FLA_PATH$PYTHONPATH step kernels "$(until_ 200 "$DEADLINE")" "" python3 \
   benchmarks/kernels.py --skip-torch --rounds 3 --out "$OUT_DIR" \
   ${FLA_ARGS[@]+"${FLA_ARGS[@]}"} ${VARIANT_ARGS[@]+"${VARIANT_ARGS[@]}"} $SMOKE
+if [ "${SEQPAR:-1}" != 0 ]; then
+  step kernels_seqpar "$(until_ 120 "$DEADLINE")" "" python3 benchmarks/kernels.py \
+    --sequence-parallel --rounds 3 --out "$OUT_DIR" $SMOKE
+fi
 if [ -n "${VARIANTS2:-}" ]; then  # untried kernels in a process of their own: a crash there
   VARIANT_ARGS=()                    # loses their rows, not the table above
   IFS=';' read -r -a VARIANT_LIST <<< "$VARIANTS2"
@@ -180,10 +190,6 @@ if [ -n "${MODEL:-}" ]; then
     PYTHONPATH=$FLA_PATH$PYTHONPATH step model_fla "$(until_ 150 "$DEADLINE")" "" python3 \
       benchmarks/model_training.py --skip-deltaflow "${TRAIN[@]}" --out "$OUT_DIR/model_fla"
   fi
-fi
-if [ "${SEQPAR:-1}" != 0 ]; then
-  step kernels_seqpar "$(until_ 120 "$DEADLINE")" "" python3 benchmarks/kernels.py \
-    --sequence-parallel --rounds 3 --out "$OUT_DIR" $SMOKE
 fi
 [ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2> /dev/null
 FAILED=$(grep -c -v ": exit 0 in \|^fla autotune: " "$SUMMARY")
