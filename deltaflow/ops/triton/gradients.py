@@ -37,6 +37,12 @@ from deltaflow.ops.triton.common import (
 GRADS_BV = 64
 GRADS_BV_FP32 = 32
 GRADS_WARPS = 8
+# The plain key-side kernel's warps in half precision (the lean pair keeps GRADS_WARPS: at 4 its
+# key side fails register allocation at D = 256 and runs 1.8x slower at D = 128). Measured (H200,
+# session 19 call 1, bf16, (16, 2048, 32, 64)): chunk_grads_k_kernel 1.463 → 0.821 ms at 4 warps,
+# while the value side went 0.657 → 0.729 ms, so it keeps GRADS_WARPS. 0: GRADS_WARPS. fp32
+# launches keep GRADS_WARPS (untimed at 4).
+GRADS_K_HALF_WARPS = 4
 # The value-side kernel's register cap per thread: 128 lets two programs of 8 warps share an SM
 # (AOT sm_90: 138-239 registers uncapped; capped, 8-240 B of spill stack, 32-80 KB of shared
 # memory each). None: no cap.
@@ -423,6 +429,8 @@ def launch_gradients(
             dlog_decay=dlog_decay,
         )
         return
+    if not fp32 and GRADS_K_HALF_WARPS:  # the plain key side (the lean pair returned above)
+        key_side["num_warps"] = GRADS_K_HALF_WARPS
     chunk_grads_v_kernel[grid](
         q_ptr=q,
         k_ptr=k,
