@@ -5,7 +5,7 @@ each kernel beside its launcher:
 - ``common.py``: the chunk length, the chunk tables of a batch, shared loads and products
 - ``prepare.py``: stage 1, per chunk: the rule's strengths and the UT transform (W, Ũ, T)
 - ``states.py``: stage 2, per sequence: the state passes (fused forward, forward, reverse)
-- ``states_split.py``: the same passes with the state in row blocks (``states.STATES_SPLIT_K``)
+- ``states_split.py``: the passes with the state in row blocks (``states.STATES_SPLIT_K``: Dk 256)
 - ``segment_states.py``: stage 2 split across segments of each sequence ("auto" by default)
 - ``segment_chain.py``: its chain across segments, one launch for every sequence and head
 - ``outputs.py``: stage 3 of the two-pass forward, per chunk: the outputs

@@ -60,12 +60,16 @@ DSTATES_WARPS = 4
 DSTATES_STAGES = 1
 # Issue 32 (benchmarks/NOTES.md, "session 18: the state passes' registers and D=256"): the three
 # passes with the state held as row blocks of STATES_SPLIT_K key rows (states_split.py), for a
-# launch whose key block is wider than that; 0 (the default until the GPU decides) keeps the
-# kernels above for every launch. 64 splits Dk = 128 in two and 256 in four, 128 only Dk = 256
-# in two. A block is never narrower than the launch's dtype floor (common.head_block: 64 in
-# bf16/fp16, whose 16/32-column blocks Triton 3.6 miscompiles on Hopper) nor than BK / 4 (the
-# kernels have four accumulators), so e.g. 32 acts as 64 in bf16.
-STATES_SPLIT_K = 0
+# launch whose key block is wider than that; 0 keeps the kernels above for every launch. 64
+# splits Dk = 128 in two and 256 in four, 128 only Dk = 256 in two. Measured (H200, session 19
+# call 2, bf16, fla 0.6.0 in the same run): 128 takes (8, 2048, 32, 256) forward 3.00 → 2.38 ms
+# and forward + backward 14.06 → 11.25 ms (0.77x → 0.96x fla), the D ≤ 128 shapes unchanged; 64
+# slows D = 128 (forward + backward 3.58 → 3.82 ms; (1, 32768, 16, 128) 5.89 → 6.46) and gains
+# less at D = 256 (11.41 ms); 64 with 8 warps on wide blocks loses (14.61 ms). A block is
+# never narrower than the launch's dtype floor (common.head_block: 64 in bf16/fp16, whose
+# 16/32-column blocks Triton 3.6 miscompiles on Hopper) nor than BK / 4 (the kernels have four
+# accumulators), so e.g. 32 acts as 64 in bf16.
+STATES_SPLIT_K = 128
 # Nor narrower than SPLIT_MIN_ROWS in any dtype: a block under 64 rows makes the state update a
 # [BKS, C] @ [C, BV] product too short for Hopper's wgmma, on mma.sync beside the kernel's wgmma
 # products, the mix Triton 3.6 got wrong on the H100 in fp32 (common.FP32_WIDE_VALUE_MIN_KEY_BLOCK).

@@ -1,6 +1,6 @@
 """Stage 2's three state passes with the state held as row blocks (issue 32; benchmarks/NOTES.md,
-"Issue 32, session 18: the state passes' registers and D=256"). ``states.STATES_SPLIT_K`` (off
-by default) sends a launch of ``states.py`` here when its key block is wider than that.
+"Issue 32, session 18: the state passes' registers and D=256"). ``states.STATES_SPLIT_K`` (128 by
+default: Dk = 256) sends a launch of ``states.py`` here when its key block is wider than that.
 
 The kernels of ``states.py`` hold the state of one program as one [BK, BV] fp32 tile (BK the
 whole key head) and load every key-side operand (Q, K, W: [C, BK]) whole for the chunk. At
