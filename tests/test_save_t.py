@@ -158,3 +158,23 @@ def test_custom_op_registration_packed():
     torch.library.opcheck(
         triton_backend.chunk_fwd_varlen_op, args + [cu, 1, False, 1e-6, 0.25, 64, "t"]
     )
+
+
+@pytest.mark.parametrize("tiles", [1, 64])
+def test_rebuild_blocks_give_the_backwards_prepare(monkeypatch, tiles):
+    # Ragged heads of two column tiles each: W and Ũ from one program per tile, or from one per
+    # W and one per Ũ (prepare.REBUILD_TILES), are the backward's prepare's to the last bit.
+    from deltaflow.ops.triton import prepare
+    from deltaflow.ops.triton.common import chunk_tables
+
+    monkeypatch.setattr(prepare, "REBUILD_TILES", tiles)
+    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 70, 2, 100, 72, dtype=torch.float32).items()}
+    k, v = x["k"], x["v"]
+    common = dict(beta=x["beta"], log_decay=x["log_decay"], kernel_id=RULES["delta"].kernel_id)
+    common.update(tables=chunk_tables(None, 1, 70, k.device), negative_eigenvalues=True, eps=1e-6)
+    w, u, w2, u2 = (torch.full_like(y, float("nan")) for y in (k, v, k, v))
+    t = torch.empty(2, 2, 64, 64, device=DEVICE, dtype=prepare.t_dtype(k.dtype))
+    first_bad = torch.empty(2, 2, device=DEVICE, dtype=torch.int32)
+    prepare.launch_prepare(k, v, w=w, u=u, t=t, first_bad=first_bad, **common)
+    prepare.launch_rebuild(k, v, t=t, first_bad=first_bad, w=w2, u=u2, **common)
+    assert torch.equal(w2, w) and torch.equal(u2, u)

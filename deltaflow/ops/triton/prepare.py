@@ -61,8 +61,9 @@ PREPARE_FOLD_STRENGTHS = True
 BACKWARD_T_PRECISION: str | None = "pair"  # None: the inputs' (the forward's)
 BACKWARD_FOLD_STRENGTHS = False
 # The rebuild from a kept T (launch_rebuild): TILE-wide column tiles of W or of Ũ a program
-# writes. 1: one program per chunk, head and tile (twice the head's tiles a chunk and head),
-# each reading T and the chunk's keys (for λ) again, from L2 after the first.
+# writes. 1: one program per chunk, head and tile (at D = 128, four a chunk and head), each
+# reading T and all of the chunk's keys (λ) again, from L2 after the first (the grid puts a
+# chunk's programs side by side); more: fewer, longer programs (64: one for W, one for Ũ).
 REBUILD_TILES = 1
 
 
@@ -182,9 +183,23 @@ def chunk_prepare_kernel(
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages.
-    T_GIVEN: T read from ``t_ptr`` and, for program (chunk, head, j), only BLOCK columns of W
-    (key block j) or of Ũ (value block j − the key blocks); first_bad not written (kept)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    T_GIVEN: T read from ``t_ptr``; a program writes BLOCK columns of W (key block j) or of
+    Ũ (value block j − the key blocks) and no first_bad (kept). Program (chunk · blocks + j,
+    head): a chunk's blocks run side by side, so all but the first read its T and its keys
+    (λ) from L2; chunks on the first grid axis, which takes 2³¹ − 1 (the others 65535)."""
+    # The columns of W and Ũ this program writes: all of them, or one block of either.
+    if T_GIVEN:
+        KEY_BLOCKS: tl.constexpr = (Dk + BLOCK - 1) // BLOCK
+        BLOCKS: tl.constexpr = KEY_BLOCKS + (Dv + BLOCK - 1) // BLOCK
+        i_c, j, i_h = tl.program_id(0) // BLOCKS, tl.program_id(0) % BLOCKS, tl.program_id(1)
+        on_keys = j < KEY_BLOCKS
+        k_lo = j * BLOCK
+        k_hi = tl.where(on_keys, tl.minimum(k_lo + BLOCK, Dk), k_lo)
+        v_lo = (j - KEY_BLOCKS) * BLOCK
+        v_hi = tl.where(on_keys, v_lo, tl.minimum(v_lo + BLOCK, Dv))
+    else:
+        i_c, i_h = tl.program_id(0), tl.program_id(1)
+        k_lo, k_hi, v_lo, v_hi = 0, Dk, 0, Dv
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
@@ -192,17 +207,6 @@ def chunk_prepare_kernel(
     cols = tl.arange(0, TILE)
     # Operand dtype of the W and Ũ products: the inputs' (bf16/fp16) or fp32.
     DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
-
-    # The columns of W and Ũ this program writes: all of them, or one block of either.
-    if T_GIVEN:
-        j = tl.program_id(2)
-        on_keys = j < tl.cdiv(Dk, BLOCK)
-        k_lo = j * BLOCK
-        k_hi = tl.where(on_keys, tl.minimum(k_lo + BLOCK, Dk), k_lo)
-        v_lo = (j - tl.cdiv(Dk, BLOCK)) * BLOCK
-        v_hi = tl.where(on_keys, v_lo, tl.minimum(v_lo + BLOCK, Dv))
-    else:
-        k_lo, k_hi, v_lo, v_hi = 0, Dk, 0, Dv
 
     # K Kᵀ and λ = ‖k‖², one column tile at a time (λ over every column: the strengths need it)
     kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
@@ -226,9 +230,9 @@ def chunk_prepare_kernel(
     gamma = tl.cumsum(tl.where(ok, b_g, 0.0), axis=0)  # γ_i = Σ_{j≤i} log α_j
 
     t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
-    if T_GIVEN:  # as this kernel stored it (prepare.t_dtype: rounded only where every reader
-        # rounds it to DT first)
-        T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :]).to(tl.float32)
+    if T_GIVEN:  # as this kernel stored it (t_dtype: rounded where every reader rounds it to
+        # DT first, so T.to(DT) below is the recomputing prepare's T_dt, with no conversion)
+        T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :])
     else:
         # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
         pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
@@ -239,7 +243,7 @@ def chunk_prepare_kernel(
     # diag(aΓ) K, diag(b) V are rounded apart (fla's way: benchmarks/bf16_floor.py knobs T_W,
     # X, Y; Y's rounding alone was the H100's D=256 dβ error, issue 30 item 4).
     scale = a * tl.exp(gamma)
-    if FOLD:
+    if FOLD:  # T in fp32 here (t_dtype)
         T_dt = (T * scale[None, :]).to(DT)
     else:
         T_dt = T.to(DT)
@@ -334,13 +338,13 @@ def launch_rebuild(
     (the forward's, kept): the backward's prepare without K Kᵀ and the solve, the same W and Ũ
     (the same kernel and roundings on the same T). A program per chunk, head and block of
     REBUILD_TILES tiles of W's or Ũ's columns: it reads T, the chunk's keys (λ for the
-    strengths) and its block's keys or values."""
+    strengths) and its block's keys or values (the kernel's docstring: the grid's order)."""
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
     block = _tile(k, v) * REBUILD_TILES
     _launch(
-        (tables.n_chunks, H, cdiv(Dk, block) + cdiv(Dv, block)),
+        (tables.n_chunks * (cdiv(Dk, block) + cdiv(Dv, block)), H),
         k,
         v,
         beta=beta,
