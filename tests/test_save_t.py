@@ -113,7 +113,8 @@ def test_against_the_reference_and_none(case, launches, monkeypatch):
 
 def test_half_precision_keeps_t_rounded(monkeypatch, narrow_half_kernels):
     # bf16/fp16: T is kept in the dot dtype (prepare.t_dtype: every reader rounds it to that
-    # first), half of fp32's bytes; the gradients are "none"'s and within the reference's 1e-2.
+    # first), half of fp32's bytes (the other modes keep fp32); the gradients are "none"'s and
+    # within the reference's 1e-2.
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # interpreter: no bf16 dot
     inputs = make_inputs(1, 70, 2, 16, 48, rule="trapezoid", dtype=torch.float32, seed=9)
     double = {n: t.double() for n, t in inputs.items()}
@@ -132,6 +133,9 @@ def test_half_precision_keeps_t_rounded(monkeypatch, narrow_half_kernels):
     kept = {n: x for n, x in zip(triton_ops.KEPT, slots) if x.numel()}
     assert set(kept) == {"t", "first_bad"} and kept["t"].dtype == dtype
     assert kept["t"].shape == (2, 2, 64, 64)  # two chunks, two heads
+    assert (
+        triton_ops.kept_layout("prepare", inputs["q"], inputs["v"], None)["t"][1] == torch.float32
+    )
 
 
 def test_non_finite_values_rebuilt_as_recomputed(monkeypatch):
@@ -173,7 +177,7 @@ def test_rebuild_blocks_give_the_backwards_prepare(monkeypatch, tiles):
     common = dict(beta=x["beta"], log_decay=x["log_decay"], kernel_id=RULES["delta"].kernel_id)
     common.update(tables=chunk_tables(None, 1, 70, k.device), negative_eigenvalues=True, eps=1e-6)
     w, u, w2, u2 = (torch.full_like(y, float("nan")) for y in (k, v, k, v))
-    t = torch.empty(2, 2, 64, 64, device=DEVICE, dtype=prepare.t_dtype(k.dtype))
+    t = torch.empty(2, 2, 64, 64, device=DEVICE, dtype=prepare.t_dtype(k.dtype, kept_alone=True))
     first_bad = torch.empty(2, 2, device=DEVICE, dtype=torch.int32)
     prepare.launch_prepare(k, v, w=w, u=u, t=t, first_bad=first_bad, **common)
     prepare.launch_rebuild(k, v, t=t, first_bad=first_bad, w=w2, u=u2, **common)

@@ -86,8 +86,8 @@ BACKWARD_STATES_FP32 = False
 # launch fewer; "states": W, T, h, U (+1280 B), two fewer (the forward then always runs its
 # two-pass form, whose state pass writes h and U); "t": T and first_bad (+128 B in bf16, fla's
 # own: its A), the backward rebuilds W = T X and Ũ = T Y without the solve (prepare.
-# launch_rebuild; benchmarks/NOTES.md, "Issue 32, session 19"). T is stored in prepare.t_dtype
-# (the dot dtype in bf16/fp16). Kept only when autograd will need them.
+# launch_rebuild; benchmarks/NOTES.md, "Issue 32, session 19"); that T in prepare.t_dtype (the
+# dot dtype in bf16/fp16, the other modes' fp32). Kept only when autograd will need them.
 # The forward's prepare then runs with the backward's roundings (prepare.BACKWARD_*): the
 # gradients are the same as with "none"; bf16/fp16 outputs round like the backward's prepare.
 # Off: untimed on the GPU (benchmarks/kernels.py --save-for-backward times every mode).
@@ -236,15 +236,18 @@ def _prepare(
     negative_eigenvalues: bool,
     eps: float,
     store_t: bool,
+    t_alone: bool = False,
     rows: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """(3)–(4): W and Ũ laid out like k and v, T per chunk when asked, and each chunk's first
-    non-finite token (``rows`` per-chunk rows, default the chunk count)."""
+    """(3)–(4): W and Ũ laid out like k and v, T per chunk when asked (``t_alone``: the one
+    tensor kept, in prepare.t_dtype's rounded form), and each chunk's first non-finite token
+    (``rows`` per-chunk rows, default the chunk count)."""
     B, T, H, Dk = k.shape
     n = rows or max(tables.n_chunks, 1)
     w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
     u = _output(B, T, H, v.shape[-1], like=k, dtype=k.dtype)
-    t = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=t_dtype(k.dtype)) if store_t else None
+    t_dt = t_dtype(k.dtype, kept_alone=t_alone)
+    t = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=t_dt) if store_t else None
     first_bad = _output(n, H, like=k, dtype=torch.int32)
     launch_prepare(
         k,
@@ -336,6 +339,7 @@ def _forward(
         negative_eigenvalues=negative_eigenvalues,
         eps=eps,
         store_t="t" in keep,
+        t_alone=save == "t",
         rows=rows,
     )
     found = {"w": w, "u": u, "t": t, "first_bad": first_bad}

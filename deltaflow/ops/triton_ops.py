@@ -107,7 +107,7 @@ def kept_layout(
     every = {
         "w": ((B, T, H, Dk), dt),
         "u": ((B, T, H, Dv), dt),
-        "t": ((n, H, C, C), _backend().t_dtype(dt)),
+        "t": ((n, H, C, C), _backend().t_dtype(dt, kept_alone=save == "t")),
         "first_bad": ((n, H), torch.int32),
         "h": ((n, H, Dk, Dv), torch.float32 if save == "states_fp32" else dt),
         "v_new": ((B, T, H, Dv), dt),

@@ -67,15 +67,17 @@ BACKWARD_FOLD_STRENGTHS = False
 REBUILD_TILES = 1
 
 
-def t_dtype(dot_dtype: torch.dtype) -> torch.dtype:
-    """The dtype T is stored in for the backward (every mode: the backward's prepare, the
-    forward's when it keeps T): the launch's dot dtype where every reader of T rounds it to
-    that dtype first (half-precision launches: the unfolded W, Ũ products here, the gradient
-    kernels), so storing it rounded keeps every value and halves the bytes; fp32 where a
-    reader takes T as fp32 (fp32 inputs, products not in low precision, the fold: T diag(aΓ)
-    formed before the rounding)."""
+def t_dtype(dot_dtype: torch.dtype, *, kept_alone: bool) -> torch.dtype:
+    """The dtype T is stored in for the backward. Kept alone (SAVE_FOR_BACKWARD "t", where its
+    bytes are the point): the launch's dot dtype where every reader of T rounds it to that
+    dtype first (half-precision launches: the unfolded W, Ũ products here, the gradient
+    kernels), the same values in half the bytes (fla keeps its A so); fp32 where a reader
+    takes T as fp32 (fp32 inputs, products not in low precision, the fold: T diag(aΓ) formed
+    before the rounding). The other modes keep fp32, their kernels as the GPU validated them:
+    a rounded T there changes the gradient kernels' spills (benchmarks/NOTES.md, "Issue 32,
+    session 19"), untimed."""
     low = PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32
-    return dot_dtype if low and not BACKWARD_FOLD_STRENGTHS else torch.float32
+    return dot_dtype if kept_alone and low and not BACKWARD_FOLD_STRENGTHS else torch.float32
 
 
 @triton.jit
@@ -230,8 +232,8 @@ def chunk_prepare_kernel(
     gamma = tl.cumsum(tl.where(ok, b_g, 0.0), axis=0)  # γ_i = Σ_{j≤i} log α_j
 
     t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
-    if T_GIVEN:  # as this kernel stored it (t_dtype: rounded where every reader rounds it to
-        # DT first, so T.to(DT) below is the recomputing prepare's T_dt, with no conversion)
+    if T_GIVEN:  # as this kernel stored it (t_dtype: rounded only where every reader rounds it
+        # to DT first, so T.to(DT) below is the recomputing prepare's T_dt)
         T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :])
     else:
         # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
