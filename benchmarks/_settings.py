@@ -42,7 +42,7 @@ MODULES = {
 # str constants whose values are a fixed set: their modules check them only when an op runs
 # (a run's warm-up, minutes in), so a typo is caught here instead.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "triton_backend.SAVE_FOR_BACKWARD": ("none", "prepare", "states"),
+    "triton_backend.SAVE_FOR_BACKWARD": ("none", "prepare", "states", "t"),
     "triton_backend.FORWARD_MODE": ("auto", "fused", "two_pass"),
     "triton_backend.SEQUENCE_PARALLEL_STATES": ("off", "on", "auto"),
     "gradients.GRADS_LEAN": ("off", "on", "auto"),

@@ -15,10 +15,11 @@ returns the gradients (``torch.autograd.grad``) instead of adding them into the 
 for every implementation.
 
 ``--save-for-backward``: instead of the table below, delta with decay's forward and forward +
-backward at ``SAVE_SHAPES`` under each ``triton_backend.SAVE_FOR_BACKWARD`` value ("none",
-"prepare", "states"), interleaved in one process, with the bytes autograd keeps from the forward
-beyond the inputs, the peak memory of a forward + backward, and the gradients' largest relative
-difference from "none" (benchmarks/NOTES.md, "Issue 31/32, session 16"). Writes
+backward at ``SAVE_SHAPES`` under each ``triton_backend.SAVE_FOR_BACKWARD`` value
+(``triton_backend.SAVE_CHOICES``, "none" first), interleaved in one process, with the bytes
+autograd keeps from the forward beyond the inputs, the peak memory of a forward + backward,
+and the gradients' largest relative difference from "none" (benchmarks/NOTES.md, "Issue
+31/32, session 16"). Writes
 ``kernels_save_<device>.json`` and ``.md``. ``--sequence-parallel``: the same table for
 ``triton_backend.SEQUENCE_PARALLEL_STATES`` "off" and "on" at ``SEQUENCE_PARALLEL_SHAPES``
 (benchmarks/NOTES.md, "Issue 32, session 17"; gradients vs "off": rounding, not 0), written to
@@ -88,7 +89,6 @@ DECODE_BATCHES = [1, 64, 256]
 # is the fused one (the "states" mode then takes the two-pass form: its cost shows there).
 SAVE_SHAPES = [(8, 2048, 8, 128), (2, 8192, 8, 128), (8, 4096, 16, 128)]
 SMOKE_SAVE_SHAPES = [(1, 65, 2, 32)]
-SAVE_MODES = ("none", "prepare", "states")
 # --sequence-parallel: the state passes split across segments (issue 32) at the two shapes whose
 # passes leave the H100 idle (32 programs on 132 SMs) and one that fills it (256 programs).
 SEQUENCE_PARALLEL_SHAPES = [(2, 8192, 8, 128), (1, 32768, 16, 128), (8, 4096, 16, 128)]
@@ -621,9 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     if compare:
         rounds = 1 if args.smoke else args.rounds
         if args.save_for_backward:
+            from deltaflow.ops.triton_backend import SAVE_CHOICES
+
             setting, modes, name, file = (
                 "SAVE_FOR_BACKWARD",
-                SAVE_MODES,
+                SAVE_CHOICES,
                 "save-for-backward",
                 "save",
             )

@@ -182,7 +182,7 @@ def test_set_types_each_item_by_the_constant_it_names():
         "conv_norm_triton.NOPE=1": "conv_norm_triton has no setting 'NOPE', expected one of BWD_BT",
         "conv_norm_triton.BWD_BT=abc": "BWD_BT is an int (now 16), got 'abc'",
         "conv.TRITON_SHORT_CONV=yes": "is a bool (0/1/true/false; now False), got 'yes'",
-        "triton_backend.SAVE_FOR_BACKWARD=all": "is one of none, prepare, states (now 'none')",
+        "triton_backend.SAVE_FOR_BACKWARD=all": "is one of none, prepare, states, t (now 'none')",
         "loss.DEFAULT_CHUNK_SIZE=1": "expected one of FUSED_CE_BACKEND",  # bound at import
         "conv_norm_triton.BWD_BT": "is not MODULE.NAME=VALUE",
     }
@@ -196,6 +196,10 @@ def test_set_types_each_item_by_the_constant_it_names():
     assert (
         settings.CHOICES["loss.FUSED_CE_BACKEND"]
         == importlib.import_module("deltaflow.models.loss").BACKENDS
+    )
+    assert (
+        settings.CHOICES["triton_backend.SAVE_FOR_BACKWARD"]
+        == importlib.import_module("deltaflow.ops.triton_backend").SAVE_CHOICES
     )
 
 

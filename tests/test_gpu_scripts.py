@@ -60,7 +60,7 @@ SCRIPTS = [
     Script(
         "benchmarks/kernels.py",
         ("--smoke", "--save-for-backward"),
-        "smoke ok: 3 save-for-backward measurements ran",
+        "smoke ok: 4 save-for-backward measurements ran",
         True,
         name="kernels_save",
     ),

@@ -11,7 +11,8 @@ Forward (two or three launches, chunks of ``CHUNK`` = 64 tokens):
 Backward (five launches), by default recomputing rather than storing: prepare again (also
 storing T), the state pass, the reverse state-gradient pass (``triton/states.py``), then the
 per-chunk gradients (``triton/gradients.py``). ``SAVE_FOR_BACKWARD`` trades memory for the
-first one or two of them: the forward keeps what they would have recomputed.
+first one or two of them: the forward keeps what they would have recomputed (or, "t", only T,
+from which W and Ũ are rebuilt without the solve).
 Decode (one launch): ``triton/decode.py``.
 
 This module owns the buffers (so a checking script can NaN-poison every kernel output, see
@@ -52,7 +53,7 @@ try:
     from deltaflow.ops.triton.decode import launch_decode
     from deltaflow.ops.triton.gradients import launch_gradients, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
-    from deltaflow.ops.triton.prepare import launch_prepare
+    from deltaflow.ops.triton.prepare import launch_prepare, launch_rebuild, t_dtype
     from deltaflow.ops.triton.segment_states import (
         SegmentTables,
         launch_segmented_dstates,
@@ -83,11 +84,15 @@ BACKWARD_STATES_FP32 = False
 # "none": only the inputs, the backward recomputes prepare and the state pass (5 launches);
 # "prepare": W, Ũ, T, first_bad (+768 B per token and head at Dk = Dv = 128 in bf16), one
 # launch fewer; "states": W, T, h, U (+1280 B), two fewer (the forward then always runs its
-# two-pass form, whose state pass writes h and U). Kept only when autograd will need them.
+# two-pass form, whose state pass writes h and U); "t": T and first_bad (+128 B in bf16, fla's
+# own: its A), the backward rebuilds W = T X and Ũ = T Y without the solve (prepare.
+# launch_rebuild; benchmarks/NOTES.md, "Issue 32, session 19"); that T in prepare.t_dtype (the
+# dot dtype in bf16/fp16, the other modes' fp32). Kept only when autograd will need them.
 # The forward's prepare then runs with the backward's roundings (prepare.BACKWARD_*): the
 # gradients are the same as with "none"; bf16/fp16 outputs round like the backward's prepare.
-# Off: untimed on the GPU (benchmarks/kernels.py --save-for-backward times all three).
+# Off: untimed on the GPU (benchmarks/kernels.py --save-for-backward times every mode).
 SAVE_FOR_BACKWARD = "none"
+SAVE_CHOICES = ("none", "prepare", "states", "t")  # what SAVE_FOR_BACKWARD may be
 # The state passes split across segments of each sequence (triton/segment_states.py), so that few
 # sequences x heads still fill the GPU (issue 32; benchmarks/NOTES.md, "Issue 32, session 17"):
 # "off"; "on" wherever a sequence has more than one segment (the forward then takes its two-pass
@@ -157,9 +162,9 @@ def _inputs(q, k, v, beta, log_decay, initial_state):
 def _save_mode(*inputs: Tensor | None) -> str:
     """The op's ``save`` argument: ``SAVE_FOR_BACKWARD`` where autograd will run a backward
     (grad mode on, an input that requires grad), "none" otherwise (inference keeps nothing)."""
-    if SAVE_FOR_BACKWARD not in ("none", "prepare", "states"):
+    if SAVE_FOR_BACKWARD not in SAVE_CHOICES:
         raise ValueError(
-            "triton_backend.SAVE_FOR_BACKWARD must be 'none', 'prepare' or 'states', got "
+            f"triton_backend.SAVE_FOR_BACKWARD must be one of {', '.join(SAVE_CHOICES)}, got "
             f"{SAVE_FOR_BACKWARD!r}"
         )
     needed = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
@@ -231,15 +236,18 @@ def _prepare(
     negative_eigenvalues: bool,
     eps: float,
     store_t: bool,
+    t_alone: bool = False,
     rows: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """(3)–(4): W and Ũ laid out like k and v, T per chunk when asked, and each chunk's first
-    non-finite token (``rows`` per-chunk rows, default the chunk count)."""
+    """(3)–(4): W and Ũ laid out like k and v, T per chunk when asked (``t_alone``: the one
+    tensor kept, in prepare.t_dtype's rounded form), and each chunk's first non-finite token
+    (``rows`` per-chunk rows, default the chunk count)."""
     B, T, H, Dk = k.shape
     n = rows or max(tables.n_chunks, 1)
     w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
     u = _output(B, T, H, v.shape[-1], like=k, dtype=k.dtype)
-    t = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=torch.float32) if store_t else None
+    t_dt = t_dtype(k.dtype, kept_alone=t_alone)
+    t = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=t_dt) if store_t else None
     first_bad = _output(n, H, like=k, dtype=torch.int32)
     launch_prepare(
         k,
@@ -331,6 +339,7 @@ def _forward(
         negative_eigenvalues=negative_eigenvalues,
         eps=eps,
         store_t="t" in keep,
+        t_alone=save == "t",
         rows=rows,
     )
     found = {"w": w, "u": u, "t": t, "first_bad": first_bad}
@@ -425,6 +434,24 @@ def _backward(
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
         w, u, t, first_bad = (kept.get(name) for name in ("w", "u", "t", "first_bad"))
+    elif "t" in kept:  # its T alone ("t"): W and Ũ rebuilt from it, no solve
+        t, first_bad = kept["t"], kept["first_bad"]
+        w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
+        u = _output(B, T, H, Dv, like=k, dtype=k.dtype)
+        launch_rebuild(
+            k,
+            v,
+            beta=beta,
+            log_decay=log_decay,
+            tables=tables,
+            kernel_id=kernel_id,
+            negative_eigenvalues=negative_eigenvalues,
+            eps=eps,
+            t=t,
+            first_bad=first_bad,
+            w=w,
+            u=u,
+        )
     else:
         w, u, t, first_bad = _prepare(
             k,

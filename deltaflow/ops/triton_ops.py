@@ -17,6 +17,9 @@ saves them and hands them to the backward op, which then skips what it would hav
 - ``"prepare"``: W, Ũ, T and first_bad of the forward's prepare; the backward's state pass stays.
 - ``"states"``: W, T and the forward's state pass's h (S_0 of every chunk) and U: nothing is
   recomputed. ``"states_fp32"``: the same with h in float32 (``BACKWARD_STATES_FP32``).
+- ``"t"``: T and first_bad alone (fla's memory: its A); the backward rebuilds W and Ũ from T
+  (``triton/prepare.py``, ``launch_rebuild``: the prepare kernel without the solve), then runs
+  the state pass (benchmarks/NOTES.md, "Issue 32, session 19").
 
 Every slot is returned whatever the mode (an empty tensor where it keeps nothing): one schema.
 """
@@ -36,6 +39,7 @@ SAVE_MODES = {
     "prepare": ("w", "u", "t", "first_bad"),
     "states": ("w", "t", "h", "v_new"),
     "states_fp32": ("w", "t", "h", "v_new"),
+    "t": ("t", "first_bad"),
 }
 
 
@@ -103,7 +107,7 @@ def kept_layout(
     every = {
         "w": ((B, T, H, Dk), dt),
         "u": ((B, T, H, Dv), dt),
-        "t": ((n, H, C, C), torch.float32),
+        "t": ((n, H, C, C), _backend().t_dtype(dt, kept_alone=save == "t")),
         "first_bad": ((n, H), torch.int32),
         "h": ((n, H, Dk, Dv), torch.float32 if save == "states_fp32" else dt),
         "v_new": ((B, T, H, Dv), dt),

@@ -89,7 +89,7 @@ def scratch_rows(Dk: int, Dv: int, dtype: torch.dtype) -> int:
 
 @triton.jit
 def _load_t_transposed(t_ptr, c, i_h, H):
-    """Tᵀ of chunk c and head i_h, as the prepare kernel stored it (fp32)."""
+    """Tᵀ of chunk c and head i_h, as the prepare kernel stored it (prepare.t_dtype)."""
     rows = tl.arange(0, CHUNK)
     T = tl.load(t_ptr + (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :])
     return tl.trans(T)
