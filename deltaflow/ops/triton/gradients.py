@@ -180,18 +180,33 @@ def _value_tail(dP, dYU, b_q, b_k, a, gamma, scale, PREC: tl.constexpr):
 
 
 @triton.jit
-def _key_block(
-    b_do, b_u, b_du, S0, G, T_t, dQS, dKte, dUS, gs, DT: tl.constexpr, PREC: tl.constexpr
-):
-    """One value block of the key side: dO S_0ᵀ, U Gᵀ, dU S_0ᵀ (fp32 inputs: dX = −dY S_0ᵀ
-    itself, with Tᵀ ``T_t``; else ``T_t`` is unused) and G ⊙ S_0 accumulated."""
+def _state_block(b_do, b_u, S0, G, dQS, dKte, DT: tl.constexpr, PREC: tl.constexpr):
+    """One value block of the key side's state products: dO S_0ᵀ and U Gᵀ accumulated."""
     dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
     dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
+    return dQS, dKte
+
+
+@triton.jit
+def _dx_block(b_du, S0, T_t, dUS, DT: tl.constexpr, PREC: tl.constexpr):
+    """One value block of dX's product: dU S_0ᵀ accumulated (fp32 inputs: dX = −dY S_0ᵀ
+    itself, dY = Tᵀ dU with ``T_t``; else ``T_t`` is unused)."""
     if DT == tl.float32:
         dY = tl.dot(T_t, b_du, input_precision=PREC)
         dUS -= tl.dot(dY, tl.trans(S0), input_precision=PREC)  # (dX itself)
     else:
         dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
+    return dUS
+
+
+@triton.jit
+def _key_block(
+    b_do, b_u, b_du, S0, G, T_t, dQS, dKte, dUS, gs, DT: tl.constexpr, PREC: tl.constexpr
+):
+    """One value block of the key side: dO S_0ᵀ, U Gᵀ, dU S_0ᵀ (or dX, :func:`_dx_block`) and
+    G ⊙ S_0 accumulated."""
+    dQS, dKte = _state_block(b_do, b_u, S0, G, dQS, dKte, DT, PREC)
+    dUS = _dx_block(b_du, S0, T_t, dUS, DT, PREC)
     gs += G.to(tl.float32) * S0.to(tl.float32)
     return dQS, dKte, dUS, gs
 

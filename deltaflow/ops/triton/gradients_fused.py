@@ -27,9 +27,10 @@ from deltaflow.ops.triton.common import (
 )
 from deltaflow.ops.triton.gradients import (
     _chunk_keys,
-    _key_block,
+    _dx_block,
     _key_tail,
     _load_t_transposed,
+    _state_block,
     _value_block,
     _value_tail,
 )
@@ -96,25 +97,25 @@ def chunk_grads_fused_kernel(
     )
     store_rows(dv_ptr, dv, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
     dYU = dot_split(T_t, dUU, zeros_cc, DT, PREC)  # dY Uᵀ = Tᵀ (dU Uᵀ), gradients.py says why
-    M_P, M_A, da, dgamma = _value_tail(dP, dYU, b_q, b_k, a, gamma, scale, PREC)
-
-    # the key side, its one value block, on the same dO, U, dU and Tᵀ
+    # dX before the value side's C×C tail, so that Tᵀ is not live across it; ⟨G, S_0⟩ summed at
+    # once (as the plain kernel sums its one-block tile: the same fp32 order)
     state_offs = (c * H + i_h) * Dk * Dv + offs_k[:, None] * Dv + offs_v[None, :]
     state_mask = mask_k[:, None] & mask_v[None, :]
     S0 = tl.load(h_ptr + state_offs, mask=state_mask, other=0.0)
     G = tl.load(dh_ptr + state_offs, mask=state_mask, other=0.0)
     zeros_ck = tl.zeros([CHUNK, BK], dtype=tl.float32)
-    dQS, dKte, dUS, gs = _key_block(
-        b_do, b_u, b_du, S0, G, T_t, zeros_ck, zeros_ck, zeros_ck,
-        tl.zeros([BK, BV], dtype=tl.float32), DT, PREC,
-    )  # fmt: skip
-    if DT == tl.float32:  # fp32 inputs: _key_block formed dX = −dY S_0ᵀ itself
-        dX = dUS
-    else:  # dX = −Tᵀ (dU S_0ᵀ), dU S_0ᵀ a hi + lo pair (as the key-side kernel)
-        dX = -dot_split(T_t, dUS, zeros_ck, DT, PREC)
-    # M_P and M_A rounded to the dot dtype, as the pair's scratch stores them
+    dX = _dx_block(b_du, S0, T_t, zeros_ck, DT, PREC)
+    if DT != tl.float32:  # dX = −Tᵀ (dU S_0ᵀ), dU S_0ᵀ a hi + lo pair (as the key-side kernel)
+        dX = -dot_split(T_t, dX, zeros_ck, DT, PREC)
+    gs = tl.sum(G.to(tl.float32) * S0.to(tl.float32), axis=1, keep_dims=True)
+    gs = tl.sum(gs, axis=0, keep_dims=True)
+    M_P, M_A, da, dgamma = _value_tail(dP, dYU, b_q, b_k, a, gamma, scale, PREC)
+    # rounded to the dot dtype at once, as the pair's scratch stores them
+    M_P = M_P.to(DT)
+    M_A = M_A.to(DT)
+    dQS, dKte = _state_block(b_do, b_u, S0, G, zeros_ck, zeros_ck, DT, PREC)
     _key_tail(
-        dQS, dKte, dX, gs, b_q, b_k, b_beta, lam, a, b, gamma, b_g, M_P.to(DT), M_A.to(DT), da,
+        dQS, dKte, dX, gs, b_q, b_k, b_beta, lam, a, b, gamma, b_g, M_P, M_A, da,
         dgamma, db, None, None, c, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, offs_t, mask_t, i_h, scale,
         eps, rule, neg, H, Dk, BK, HAS_BETA, HAS_DECAY, PREC, False,
     )  # fmt: skip
