@@ -46,6 +46,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "triton_backend.FORWARD_MODE": ("auto", "fused", "two_pass"),
     "triton_backend.SEQUENCE_PARALLEL_STATES": ("off", "on", "auto"),
     "gradients.GRADS_LEAN": ("off", "on", "auto"),
+    "gradients.GRADS_FUSED": ("off", "on", "auto"),
     "segment_chain.SEGMENT_CHAIN": ("triton", "torch"),
     "loss.FUSED_CE_BACKEND": ("auto", "torch", "liger"),
 }

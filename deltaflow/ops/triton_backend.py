@@ -51,7 +51,7 @@ try:
     from deltaflow.ops.triton import rules as rule_table
     from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables, head_block
     from deltaflow.ops.triton.decode import launch_decode
-    from deltaflow.ops.triton.gradients import launch_gradients, scratch_rows
+    from deltaflow.ops.triton.gradients import launch_gradients, scratch_matrices, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
     from deltaflow.ops.triton.prepare import launch_prepare, launch_rebuild, t_dtype
     from deltaflow.ops.triton.segment_states import (
@@ -513,8 +513,9 @@ def _backward(
         negative_eigenvalues=negative_eigenvalues,
         eps=eps,
         scale=scale,
-        # value side → M_P, M_A (C×C per chunk, dot dtype) and row vectors (fp32; scratch_rows)
-        scratch_m=_output(n, H, 2, C, C, like=q, dtype=q.dtype),
+        # value side → M_P, M_A (C×C per chunk, dot dtype) and row vectors (fp32; scratch_rows);
+        # none for the fused kernel
+        scratch_m=_output(n, H, scratch_matrices(Dk, Dv, q.dtype), C, C, like=q, dtype=q.dtype),
         scratch_r=_output(n, H, scratch_rows(Dk, Dv, q.dtype), C, like=q, dtype=torch.float32),
         dq=dq,
         dk=dk,

@@ -12,6 +12,8 @@ each kernel beside its launcher:
 - ``gradients.py``: stage 3 of the backward, per chunk: every gradient but the state's
 - ``gradients_lean.py``: the same with fewer live registers (``gradients.GRADS_LEAN``: "auto",
   at key blocks >= 128)
+- ``gradients_fused.py``: both sides in one kernel for small heads (``gradients.GRADS_FUSED``:
+  "off"; "auto" at half-precision heads of <= 64 columns)
 - ``decode.py``: generation, a few tokens into an fp32 state in place
 
 ``deltaflow/ops/triton_backend.py`` assembles them into the op's forward, backward and decode.

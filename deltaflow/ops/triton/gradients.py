@@ -66,6 +66,18 @@ LEAN_MIN_KEY_BLOCK = 128
 # 3 on Hopper; the key side's shared memory is 139 KB at D = 128 with 3, 82 KB with 2).
 GRADS_LEAN_V_MAXNREG = 128
 GRADS_LEAN_STAGES = 0
+# The fused gradient kernel (gradients_fused.py; issue 32, benchmarks/NOTES.md "Issue 32, session
+# 19"): both sides in one program per (chunk, head), whole heads in one block each, no scratch.
+# "off" | "on" (every launch: any dtype and head width, for tests and trials) | "auto": the
+# half-precision launches whose key and value blocks are both at most FUSED_MAX_BLOCK. Off until
+# the GPU times it: (16, 2048, 32, 64) bf16 is the shape it is for.
+GRADS_FUSED = "off"
+FUSED_MAX_BLOCK = 64
+# Its launch settings (0: Triton's own stages, 3 on Hopper; no register cap). AOT sm_90 counts
+# at D = 64 bf16 in the NOTES section above.
+GRADS_FUSED_WARPS = 8
+GRADS_FUSED_STAGES = 0
+GRADS_FUSED_MAXNREG = 0
 
 
 def use_lean(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
@@ -78,8 +90,29 @@ def use_lean(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
     return GRADS_LEAN == "on"
 
 
+def use_fused(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
+    """Whether a launch over heads of ``Dk`` / ``Dv`` columns (``dtype``: its dot dtype) takes
+    the fused kernel (``GRADS_FUSED``)."""
+    if GRADS_FUSED not in ("off", "on", "auto"):
+        raise ValueError(f"gradients.GRADS_FUSED must be 'off', 'on' or 'auto', "
+                         f"got {GRADS_FUSED!r}")  # fmt: skip
+    if GRADS_FUSED == "auto":
+        half = dtype in (torch.bfloat16, torch.float16)
+        blocks = (key_block(Dk, Dv, dtype), head_block(Dv, dtype))
+        return half and max(blocks) <= FUSED_MAX_BLOCK
+    return GRADS_FUSED == "on"
+
+
+def scratch_matrices(Dk: int, Dv: int, dtype: torch.dtype) -> int:
+    """C×C matrices per chunk and head of the scratch (``launch_gradients``' ``scratch_m``) the
+    kernels in use take: M_P and M_A, none for the fused kernel."""
+    return 0 if use_fused(Dk, Dv, dtype) else 2
+
+
 def scratch_rows(Dk: int, Dv: int, dtype: torch.dtype) -> int:
     """Rows of the row scratch (``launch_gradients``' ``scratch_r``) the kernels in use take."""
+    if use_fused(Dk, Dv, dtype):
+        return 0
     if use_lean(Dk, Dv, dtype):
         from deltaflow.ops.triton.gradients_lean import LEAN_ROWS
 
@@ -114,6 +147,143 @@ def _chunk_keys(
     a = tl.where(mask_t, a, 0.0)
     b = tl.where(mask_t, b, 0.0)
     return b_q, b_k, b_beta, lam, a, b, tl.cumsum(b_g, axis=0), b_g
+
+
+# The math of (9)-(12) in pieces that both plain kernels and the fused one
+# (gradients_fused.py) call: inlined, so the plain kernels compile to what they did when the
+# pieces were written in them (their SASS is unchanged, benchmarks/NOTES.md issue 32 session 19).
+
+
+@triton.jit
+def _value_block(T_t, b_do, b_u, b_du, b_v, b, dP, dUU, db, PREC: tl.constexpr):
+    """One value block of the value side: dP += dO Uᵀ, dU Uᵀ and db (Σ dY ⊙ V, ``b_v`` fp32)
+    with dY = Tᵀ dU; returns them and the block's dv = b·dY."""
+    dP += tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
+    # dY = Tᵀ dU: the gradient of Ũ = T diag(b) V, through (4)
+    dY = tl.dot(T_t, b_du, input_precision=PREC)
+    dUU += tl.dot(b_du, tl.trans(b_u), input_precision=PREC)
+    db += tl.sum(dY * b_v, axis=1)
+    return dP, dUU, db, b[:, None] * dY
+
+
+@triton.jit
+def _value_tail(dP, dYU, b_q, b_k, a, gamma, scale, PREC: tl.constexpr):
+    """The value side after its value blocks (dP = dO Uᵀ, dYU = dY Uᵀ): M_P = scale·dP ⊙ D,
+    M_A = dA ⊙ a_i D (fp32; the key side takes them in the dot dtype), da from A and dγ from
+    the decay matrix D."""
+    rows = tl.arange(0, CHUNK)
+    decay = decay_matrix(gamma)
+    QK = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    KK = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    dP = scale * dP
+    # (11) dA = −(Tᵀ dU)(Ũ − W S_0)ᵀ = −dY Uᵀ on j < i, with A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j
+    dA = tl.where(rows[:, None] > rows[None, :], -dYU, 0.0)
+    da = tl.sum(dA * decay * KK, axis=1)
+    # (12) the decay matrix e^{γ_i − γ_j} enters P (5) and A (3)
+    dE = (dP * QK + dA * a[:, None] * KK) * decay
+    dgamma = tl.sum(dE, axis=1) - tl.sum(dE, axis=0)
+    return dP * decay, dA * a[:, None] * decay, da, dgamma
+
+
+@triton.jit
+def _state_block(b_do, b_u, S0, G, dQS, dKte, DT: tl.constexpr, PREC: tl.constexpr):
+    """One value block of the key side's state products: dO S_0ᵀ and U Gᵀ accumulated."""
+    dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
+    dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
+    return dQS, dKte
+
+
+@triton.jit
+def _dx_block(b_du, S0, T_t, dUS, DT: tl.constexpr, PREC: tl.constexpr):
+    """One value block of dX's product: dU S_0ᵀ accumulated (fp32 inputs: dX = −dY S_0ᵀ
+    itself, dY = Tᵀ dU with ``T_t``; else ``T_t`` is unused)."""
+    if DT == tl.float32:
+        dY = tl.dot(T_t, b_du, input_precision=PREC)
+        dUS -= tl.dot(dY, tl.trans(S0), input_precision=PREC)  # (dX itself)
+    else:
+        dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
+    return dUS
+
+
+@triton.jit
+def _key_block(
+    b_do, b_u, b_du, S0, G, T_t, dQS, dKte, dUS, gs, DT: tl.constexpr, PREC: tl.constexpr
+):
+    """One value block of the key side: dO S_0ᵀ, U Gᵀ, dU S_0ᵀ (or dX, :func:`_dx_block`) and
+    G ⊙ S_0 accumulated."""
+    dQS, dKte = _state_block(b_do, b_u, S0, G, dQS, dKte, DT, PREC)
+    dUS = _dx_block(b_du, S0, T_t, dUS, DT, PREC)
+    gs += G.to(tl.float32) * S0.to(tl.float32)
+    return dQS, dKte, dUS, gs
+
+
+@triton.jit
+def _key_tail(
+    dQS, dKte, dX, gs, b_q, b_k, b_beta, lam, a, b, gamma, b_g, M_P, M_A, da_v, dgamma_v, db,
+    m_ptr, r_ptr, c, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, offs_t, mask_t, i_h, scale, eps, rule, neg,
+    H: tl.constexpr, Dk: tl.constexpr, BK: tl.constexpr, HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr, PREC: tl.constexpr, SCRATCH: tl.constexpr,
+):  # fmt: skip
+    """The key side after its value blocks (dO S_0ᵀ, U Gᵀ, dX, G ⊙ S_0; the chunk's keys):
+    dq, dk, dβ and d log α, stored. The value side's M_P, M_A (dot dtype) and da, dγ, db rows
+    come as arguments, or with ``SCRATCH`` from the scratch (``m_ptr``, ``r_ptr``; chunk ``c``),
+    each loaded where it is first used (the arguments are then None)."""
+    rows = tl.arange(0, CHUNK)
+    # the rule's derivatives while few registers are live (the rule is a runtime branch)
+    da_dbeta, da_dlam, db_dbeta, db_dlam, da_dg, db_dg = rule_table.derivatives(
+        b_beta, lam, b_g, eps, rule, neg
+    )
+    Gamma = tl.exp(gamma)
+    gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
+    to_end = tl.exp(gamma_last - gamma)
+    k32 = b_k.to(tl.float32)
+    if SCRATCH:
+        r_offs = (c * H + i_h) * (3 * CHUNK) + rows
+        m_offs = (c * H + i_h) * (2 * CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
+        M_P = tl.load(m_ptr + m_offs)
+    # (9) the output (5): diag(Γ) Q S_0 and P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}
+    dq = scale * Gamma[:, None] * dQS + tl.dot(M_P, b_k, input_precision=PREC)
+    dk = tl.dot(tl.trans(M_P), b_q, input_precision=PREC)
+    d_Gamma = scale * tl.sum(b_q.to(tl.float32) * dQS, axis=1)
+    # (10) the state update (6) through K̃ = diag(e^{γ_C − γ}) K
+    dk += to_end[:, None] * dKte
+    t = tl.sum(dKte * k32 * to_end[:, None], axis=1)
+    # (11) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j (both keys), and X = diag(aΓ) K
+    if SCRATCH:
+        M_A = tl.load(m_ptr + CHUNK * CHUNK + m_offs)
+    dk += tl.dot(M_A, b_k, input_precision=PREC)
+    dk += tl.dot(tl.trans(M_A), b_k, input_precision=PREC)
+    xk = tl.sum(dX * k32, axis=1)
+    if SCRATCH:
+        da_v = tl.load(r_ptr + r_offs)
+    da = da_v + Gamma * xk
+    if SCRATCH:
+        db = tl.load(r_ptr + 2 * CHUNK + r_offs)
+    dk += (a * Gamma)[:, None] * dX
+    # (12) dγ: the decay matrix (from the value side), Γ_i, and γ_C through (6)
+    if SCRATCH:
+        dgamma_v = tl.load(r_ptr + CHUNK + r_offs)
+    d_gamma = dgamma_v - t + (d_Gamma + a * xk) * Gamma
+    d_gamma_last = tl.sum(t, axis=0) + tl.exp(gamma_last) * tl.sum(tl.sum(gs, axis=1), axis=0)
+    d_gamma += tl.where(rows == CHUNK - 1, d_gamma_last, 0.0)
+    d_log_alpha = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
+    if rule_table.reads_decay(rule):  # gated_efla: log α also enters its strengths a and b
+        d_log_alpha += da * da_dg + db * db_dg
+
+    # The rule: a(β, λ), b(β, λ) with λ = ‖k‖², so dk += 2 dλ k
+    dk += (2.0 * (da * da_dlam + db * db_dlam))[:, None] * k32
+
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < Dk
+    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
+    k_mask = mask_t[:, None] & mask_k[None, :]
+    tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(dk_ptr + k_offs, dk.to(dk_ptr.dtype.element_ty), mask=k_mask)
+    if HAS_BETA:
+        dbeta = da * da_dbeta + db * db_dbeta
+        tl.store(dbeta_ptr + offs_t * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
+    if HAS_DECAY:
+        tl.store(dg_ptr + offs_t * H + i_h, d_log_alpha.to(dg_ptr.dtype.element_ty), mask=mask_t)
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -173,14 +343,10 @@ def chunk_grads_v_kernel(
         b_u = load_rows(v_new_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         b_du = load_rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         b_v = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
-        dP += tl.dot(b_do, tl.trans(b_u), input_precision=PREC)
-        # dY = Tᵀ dU: the gradient of Ũ = T diag(b) V, through (4)
-        dY = tl.dot(T_t, b_du, input_precision=PREC)
-        dUU += tl.dot(b_du, tl.trans(b_u), input_precision=PREC)
-        db += tl.sum(dY * b_v, axis=1)
+        dP, dUU, db, dv = _value_block(T_t, b_do, b_u, b_du, b_v, b, dP, dUU, db, PREC)
         tl.store(
             dv_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
-            (b[:, None] * dY).to(dv_ptr.dtype.element_ty),
+            dv.to(dv_ptr.dtype.element_ty),
             mask=mask_t[:, None] & mask_v[None, :],
         )
     # dY Uᵀ as Tᵀ (dU Uᵀ): the same product with dY not rounded to DT (fla keeps it fp32; issue
@@ -190,19 +356,10 @@ def chunk_grads_v_kernel(
     b_q, b_k, _, _, a, _, gamma, _ = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
-    decay = decay_matrix(gamma)
-    QK = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
-    KK = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
-    dP = scale * dP
-    # (11) dA = −(Tᵀ dU)(Ũ − W S_0)ᵀ = −dY Uᵀ on j < i, with A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j
-    dA = tl.where(rows[:, None] > rows[None, :], -dYU, 0.0)
-    da = tl.sum(dA * decay * KK, axis=1)
-    # (12) the decay matrix e^{γ_i − γ_j} enters P (5) and A (3)
-    dE = (dP * QK + dA * a[:, None] * KK) * decay
-    dgamma = tl.sum(dE, axis=1) - tl.sum(dE, axis=0)
+    M_P, M_A, da, dgamma = _value_tail(dP, dYU, b_q, b_k, a, gamma, scale, PREC)
     m_offs = (c * H + i_h) * (2 * CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
-    tl.store(m_ptr + m_offs, (dP * decay).to(m_ptr.dtype.element_ty))
-    tl.store(m_ptr + CHUNK * CHUNK + m_offs, (dA * a[:, None] * decay).to(m_ptr.dtype.element_ty))
+    tl.store(m_ptr + m_offs, M_P.to(m_ptr.dtype.element_ty))
+    tl.store(m_ptr + CHUNK * CHUNK + m_offs, M_A.to(m_ptr.dtype.element_ty))
     r_offs = (c * H + i_h) * (3 * CHUNK) + rows
     tl.store(r_ptr + r_offs, da)
     tl.store(r_ptr + CHUNK + r_offs, dgamma)
@@ -258,6 +415,7 @@ def chunk_grads_k_kernel(
     # fp32 inputs: dX = −dY S_0ᵀ per value block (dY = Tᵀ dU), as fp32 as the reassociated
     # form below, whose final fp32 product would need 240 KB of shared memory at D = 256
     PER_BLOCK: tl.constexpr = DT == tl.float32
+    T_t = None
     if PER_BLOCK:
         T_t = _load_t_transposed(t_ptr, c, i_h, H)
     dQS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dO S_0ᵀ
@@ -274,14 +432,7 @@ def chunk_grads_k_kernel(
         state_mask = mask_k[:, None] & mask_v[None, :]
         S0 = tl.load(h_ptr + state_offs, mask=state_mask, other=0.0)
         G = tl.load(dh_ptr + state_offs, mask=state_mask, other=0.0)
-        dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
-        dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
-        if PER_BLOCK:
-            dY = tl.dot(T_t, b_du, input_precision=PREC)
-            dUS -= tl.dot(dY, tl.trans(S0), input_precision=PREC)  # (dX itself)
-        else:
-            dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
-        gs += G.to(tl.float32) * S0.to(tl.float32)
+        dQS, dKte, dUS, gs = _key_block(b_do, b_u, b_du, S0, G, T_t, dQS, dKte, dUS, gs, DT, PREC)
     # dX = −dY S_0ᵀ as −Tᵀ (dU S_0ᵀ), dU S_0ᵀ a hi + lo pair (as the value side's dY Uᵀ)
     if PER_BLOCK:
         dX = dUS
@@ -292,52 +443,11 @@ def chunk_grads_k_kernel(
     b_q, b_k, b_beta, lam, a, b, gamma, b_g = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
-    # the rule's derivatives while few registers are live (the rule is a runtime branch)
-    da_dbeta, da_dlam, db_dbeta, db_dlam, da_dg, db_dg = rule_table.derivatives(
-        b_beta, lam, b_g, eps, rule, neg
-    )
-    Gamma = tl.exp(gamma)
-    gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
-    to_end = tl.exp(gamma_last - gamma)
-    k32 = b_k.to(tl.float32)
-    r_offs = (c * H + i_h) * (3 * CHUNK) + rows
-    m_offs = (c * H + i_h) * (2 * CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
-    M_P = tl.load(m_ptr + m_offs)
-    # (9) the output (5): diag(Γ) Q S_0 and P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}
-    dq = scale * Gamma[:, None] * dQS + tl.dot(M_P, b_k, input_precision=PREC)
-    dk = tl.dot(tl.trans(M_P), b_q, input_precision=PREC)
-    d_Gamma = scale * tl.sum(b_q.to(tl.float32) * dQS, axis=1)
-    # (10) the state update (6) through K̃ = diag(e^{γ_C − γ}) K
-    dk += to_end[:, None] * dKte
-    t = tl.sum(dKte * k32 * to_end[:, None], axis=1)
-    # (11) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j (both keys), and X = diag(aΓ) K
-    M_A = tl.load(m_ptr + CHUNK * CHUNK + m_offs)
-    dk += tl.dot(M_A, b_k, input_precision=PREC)
-    dk += tl.dot(tl.trans(M_A), b_k, input_precision=PREC)
-    xk = tl.sum(dX * k32, axis=1)
-    da = tl.load(r_ptr + r_offs) + Gamma * xk
-    db = tl.load(r_ptr + 2 * CHUNK + r_offs)
-    dk += (a * Gamma)[:, None] * dX
-    # (12) dγ: the decay matrix (from the value side), Γ_i, and γ_C through (6)
-    d_gamma = tl.load(r_ptr + CHUNK + r_offs) - t + (d_Gamma + a * xk) * Gamma
-    d_gamma_last = tl.sum(t, axis=0) + tl.exp(gamma_last) * tl.sum(tl.sum(gs, axis=1), axis=0)
-    d_gamma += tl.where(rows == CHUNK - 1, d_gamma_last, 0.0)
-    d_log_alpha = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
-    if rule_table.reads_decay(rule):  # gated_efla: log α also enters its strengths a and b
-        d_log_alpha += da * da_dg + db * db_dg
-
-    # The rule: a(β, λ), b(β, λ) with λ = ‖k‖², so dk += 2 dλ k
-    dk += (2.0 * (da * da_dlam + db * db_dlam))[:, None] * k32
-
-    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
-    k_mask = mask_t[:, None] & mask_k[None, :]
-    tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(dk_ptr + k_offs, dk.to(dk_ptr.dtype.element_ty), mask=k_mask)
-    if HAS_BETA:
-        dbeta = da * da_dbeta + db * db_dbeta
-        tl.store(dbeta_ptr + offs_t * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
-    if HAS_DECAY:
-        tl.store(dg_ptr + offs_t * H + i_h, d_log_alpha.to(dg_ptr.dtype.element_ty), mask=mask_t)
+    _key_tail(
+        dQS, dKte, dX, gs, b_q, b_k, b_beta, lam, a, b, gamma, b_g, None, None, None, None, None,
+        m_ptr, r_ptr, c, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, offs_t, mask_t, i_h, scale, eps, rule,
+        neg, H, Dk, BK, HAS_BETA, HAS_DECAY, PREC, True,
+    )  # fmt: skip
 
 
 def launch_gradients(
@@ -367,8 +477,9 @@ def launch_gradients(
     dlog_decay: Tensor | None,
 ) -> None:
     """(9)–(12) for every chunk: ``dq``, ``dk``, ``dv`` and, where given, ``dbeta`` and
-    ``dlog_decay``. ``scratch_m`` ([chunks, H, 2, CHUNK, CHUNK], dot dtype) and ``scratch_r``
-    ([chunks, H, scratch_rows(), CHUNK], fp32) carry the value side's results to the key side."""
+    ``dlog_decay``. ``scratch_m`` ([chunks, H, scratch_matrices(), CHUNK, CHUNK], dot dtype) and
+    ``scratch_r`` ([chunks, H, scratch_rows(), CHUNK], fp32) carry the value side's results to
+    the key side (both empty for the fused kernel, which keeps them in registers)."""
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = q.shape[2], q.shape[3], v.shape[3]
@@ -397,6 +508,16 @@ def launch_gradients(
         key_side["PREC"] = "ieee"
     grid = (tables.n_chunks, H)
     v_options = {} if GRADS_V_MAXNREG is None else {"maxnreg": GRADS_V_MAXNREG}
+    if use_fused(Dk, Dv, q.dtype):  # whole heads: one value block
+        from deltaflow.ops.triton.gradients_fused import launch_fused
+
+        options = {**key_side, "BV": head_block(Dv, q.dtype), "num_warps": GRADS_FUSED_WARPS}
+        options.update({"num_stages": GRADS_FUSED_STAGES} if GRADS_FUSED_STAGES else {})
+        options.update({"maxnreg": GRADS_FUSED_MAXNREG} if GRADS_FUSED_MAXNREG else {})
+        outputs = dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, dlog_decay=dlog_decay)
+        launch_fused(options, grid, q=q, k=k, v=v, t=t, h=h, v_new=v_new, dh=dh, du=du,
+                     grad_o=grad_o, **outputs)  # fmt: skip
+        return
     if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
         key_side["BV"] = min(head_block(Dv, q.dtype), GRADS_BV_FP32)
     if use_lean(Dk, Dv, q.dtype):
