@@ -64,7 +64,10 @@ BACKWARD_FOLD_STRENGTHS = False
 # writes. 1: one program per chunk, head and tile (at D = 128, four a chunk and head), each
 # reading T and all of the chunk's keys (λ) again, from L2 after the first (the grid puts a
 # chunk's programs side by side); more: fewer, longer programs (64: one for W, one for Ũ).
-REBUILD_TILES = 1
+# Measured (H200, session 19 call 3, bf16, SAVE_FOR_BACKWARD="t", forward + backward): 64 against
+# 1: (8, 4096, 16, 128) 3.543 → 3.391 ms, (1, 32768, 16, 128) 5.895 → 5.734, (8, 2048, 32, 256)
+# 11.709 → 11.080, (16, 2048, 32, 64) 3.342 both (one tile is the whole head there).
+REBUILD_TILES = 64
 
 
 def t_dtype(dot_dtype: torch.dtype, *, kept_alone: bool) -> torch.dtype:
