@@ -133,6 +133,35 @@ def test_segment_length_from_the_load(monkeypatch):
         triton_backend._segments(tables, 1, 256, False, 2, 128, 64)
 
 
+def test_dense_segments_is_the_segments_decision(monkeypatch):
+    # dense_segments (benchmarks/kernels.py's warm-up asks it) answers from shapes what
+    # _segments decides by building the tables (a row of more than one segment): they agree
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: True)  # 132 SMs off a GPU
+    seen = set()
+    for mode in ("auto", "on", "off"):
+        for segment_chunks in (0, 1, 3):
+            monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", mode)
+            monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", segment_chunks)
+            for B, T, H, Dv, block_v in [
+                (1, 65, 2, 32, 64), (1, 256, 2, 32, 64), (1, 320, 2, 32, 64), (2, 8192, 8, 128, 64),
+                (1, 32768, 16, 128, 16), (8, 4096, 16, 128, 64), (64, 256, 4, 64, 64),
+                (2, 4096, 2, 32, 64), (3, 130, 1, 16, 32), (1, 0, 2, 32, 64),
+            ]:  # fmt: skip
+                tables = chunk_tables(None, B, T, torch.device("cpu"))
+                built = triton_backend._segments(tables, B, T, False, H, Dv, block_v) is not None
+                assert triton_backend.dense_segments(B, T, H, Dv, 132, block_v) == built, (
+                    mode, segment_chunks, B, T, H, Dv, block_v
+                )  # fmt: skip
+                seen.add(built)
+    assert seen == {False, True}
+    # no block given: any of the op's three passes (kernels.py's SHAPES at 132 SMs, auto)
+    monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "auto")
+    monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 0)
+    dense = [triton_backend.dense_segments(*shape, 132) for shape in [(1, 32768, 16, 128),
+             (8, 4096, 16, 128), (1, 65, 2, 32)]]  # fmt: skip
+    assert dense == [True, False, False]
+
+
 # ---------------------------------------------------------------------------- forward, backward
 @pytest.mark.parametrize("rule", triton_rules())
 def test_forward_every_rule(rule, launches):
