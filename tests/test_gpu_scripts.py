@@ -48,7 +48,8 @@ class Script:
 # arguments has no entry of its own (each smoke run costs CI its minutes): check_triton.py
 # --smoke --workers 2 (gpu_check.sh, whose output shows its ALL OK line), kernels.py and
 # generation.py --warm-only (both schedules' *_warm steps; smoke warm-ups trace in-process, the
-# worker count unused), kernel_times.py --smoke (issue32_call.sh). Their exit status is a step's.
+# worker count unused), kernel_times.py --smoke (issue32_call.sh), short_conv.py time --smoke
+# (issue31_call.sh). Their exit status is a step's.
 SCRIPTS = [
     Script(
         "benchmarks/bf16_floor.py", ("--smoke", "--out", "{tmp}/floor.md"), "bf16_floor: done", True
@@ -100,8 +101,9 @@ SCRIPTS = [
             )
         ),
     ),
-    # issue 31's GPU call at toy size: the gradient check's workers, then the trainer's step
-    # and pure bf16 timed at two shapes (fla left out on the CPU)
+    # issue 31's GPU call at toy size: fla's warm-up plumbing, the short conv's timing, then the
+    # trainer's step and pure bf16 timed at two shapes (fla left out on the CPU; the gradient
+    # check's smoke runs on its own: the check_training entry)
     Script(
         "benchmarks/issue31_call.sh",
         ("--smoke", "{tmp}/out"),
@@ -111,7 +113,7 @@ SCRIPTS = [
         expect=tuple(
             f"{step}: exit 0 in "
             for step in (
-                "check_training",
+                "short_conv",  # short_conv.py time --smoke: no entry of its own
                 "fla_warm_B2_T64",
                 "fla_warm_B1_T128",
                 "train_B2_T64",
@@ -136,7 +138,6 @@ SCRIPTS = [
         True,
         expect=("dense backward: ", "model training step, trainer's step: 0 syncs"),
     ),
-    Script("benchmarks/short_conv.py", ("time", "--smoke"), "short_conv: done", True),
     Script("benchmarks/conv_norm.py", ("time", "--smoke"), "conv_norm: done", True),
     # ours against liger's fused linear cross-entropy, liger on the interpreter
     Script(
