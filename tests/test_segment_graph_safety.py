@@ -140,6 +140,8 @@ def test_dense_tables_equal_the_host_build(B, T, L):
     dense = build_dense_segment_tables(B, T, L, tables, DEVICE)
     assert (dense.chunks, dense.slots) == (host.chunks, host.slots)
     for a, b in zip(pytree.tree_leaves(dense), pytree.tree_leaves(host)):
+        if a is b:  # the chunk tables' own, shared: their placeholder is uninitialized (NaN at
+            continue  # times, which torch.equal called unequal to itself: a flaky failure)
         if isinstance(a, torch.Tensor):
             assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b)
         else:
