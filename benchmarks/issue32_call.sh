@@ -62,7 +62,8 @@ else
   FLA_CPUS="" OTHER_CPUS="" OTHER_N=$CORES
 fi
 if [ -n "$SMOKE" ]; then
-  # CI runs the check's and --sequence-parallel's smokes on their own: here the schedule only
+  # CI runs the check's smoke in gpu_check.sh's and --sequence-parallel's on its own: here the
+  # schedule only
   CHECK=${CHECK:-0} SEQPAR=${SEQPAR:-0}
   CHECK_ARGS=(--smoke --workers 2) PHASE_A_END=100000 DEADLINE=100000
   KTIMES_ARGS=(--smoke)

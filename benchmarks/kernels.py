@@ -424,15 +424,12 @@ def save_report(
 def warm_shapes(
     shapes: list[tuple[int, int, int, int]], sms: int
 ) -> list[tuple[int, int, int, int]]:
-    """Each shape at WARM_T, except where a state pass may run in segments (the segment
-    kernels' launches depend on T): with fewer sequences x heads x 16-column blocks than
-    ``sms`` (the narrowest value block any pass takes), the shape as it is timed."""
-    from deltaflow.ops import triton_backend
+    """Each shape at WARM_T, except where a state pass runs in segments at the shape's T (the
+    segment kernels' launches depend on T; the backend's own decision,
+    triton_backend.dense_segments): the shape as it is timed."""
+    from deltaflow.ops.triton_backend import dense_segments
 
-    def segmented(B: int, H: int, D: int) -> bool:
-        return triton_backend.SEQUENCE_PARALLEL_STATES != "off" and B * H * -(-D // 16) < sms
-
-    return [(B, T if segmented(B, H, D) else WARM_T, H, D) for B, T, H, D in shapes]
+    return [(B, T if dense_segments(B, T, H, D, sms) else WARM_T, H, D) for B, T, H, D in shapes]
 
 
 def warm_specializations(shapes, sms: int, all_rules: bool = False) -> list[list]:

@@ -44,8 +44,13 @@ class Script:
         return self.name or Path(self.path).stem
 
 
+# A script that a schedule below (gpu_check.sh, issue32_call.sh) runs in its smoke with the same
+# arguments has no entry of its own (each smoke run costs CI its minutes): check_triton.py
+# --smoke --workers 2 (gpu_check.sh, whose output shows its ALL OK line), kernels.py and
+# generation.py --warm-only (both schedules' *_warm steps; smoke warm-ups trace in-process, the
+# worker count unused), kernel_times.py --smoke (issue32_call.sh), short_conv.py time --smoke
+# (issue31_call.sh). Their exit status is a step's.
 SCRIPTS = [
-    Script("benchmarks/check_triton.py", ("--smoke", "--workers", "2"), "ALL OK: True", True),
     Script(
         "benchmarks/bf16_floor.py", ("--smoke", "--out", "{tmp}/floor.md"), "bf16_floor: done", True
     ),
@@ -72,10 +77,8 @@ SCRIPTS = [
         True,
         name="kernels_seqpar",
     ),
-    # the warm-ups trace real launches (no interpreter): what they would compile on a GPU
-    Script("benchmarks/kernels.py", ("--smoke", "--warm-only", "2"), "smoke ok", True, name="kw"),
-    Script("benchmarks/generation.py", ("--smoke", "--warm-only", "2"), "done", True, name="gw"),
-    # the GPU truth's whole schedule (background steps, pinning, waits, summary) at toy size
+    # the GPU truth's whole schedule (background steps, pinning, waits, summary) at toy size; its
+    # warm-ups trace real launches (no interpreter): what they would compile on a GPU
     Script(
         "benchmarks/gpu_check.sh",
         ("--smoke", "{tmp}/out"),
@@ -84,7 +87,8 @@ SCRIPTS = [
         runner=("bash",),
         timeout_s=900,  # 95-120 s alone on the 2-core box; steps run at once, beside a script
         # summary.txt's line for each step: its exit status, seconds and start
-        expect=tuple(
+        expect=("ALL OK: True",)  # check_triton's smoke: every case right
+        + tuple(
             f"{step}: exit 0 in "
             for step in (
                 "fla_warm",
@@ -97,8 +101,9 @@ SCRIPTS = [
             )
         ),
     ),
-    # issue 31's GPU call at toy size: the gradient check's workers, then the trainer's step
-    # and pure bf16 timed at two shapes (fla left out on the CPU)
+    # issue 31's GPU call at toy size: fla's warm-up plumbing, the short conv's timing, then the
+    # trainer's step and pure bf16 timed at two shapes (fla left out on the CPU; the gradient
+    # check's smoke runs on its own: the check_training entry)
     Script(
         "benchmarks/issue31_call.sh",
         ("--smoke", "{tmp}/out"),
@@ -108,7 +113,7 @@ SCRIPTS = [
         expect=tuple(
             f"{step}: exit 0 in "
             for step in (
-                "check_training",
+                "short_conv",  # short_conv.py time --smoke: no entry of its own
                 "fla_warm_B2_T64",
                 "fla_warm_B1_T128",
                 "train_B2_T64",
@@ -125,7 +130,6 @@ SCRIPTS = [
         runner=("bash",),
         expect=("kernels_warm: exit 0 in ", "kernels: exit 0 in ", "kernel_times: exit 0 in "),
     ),
-    Script("benchmarks/kernel_times.py", ("--smoke",), "smoke ok", True),
     # the op's host time with no-op launches (no interpreter), its syncs, the model step's
     Script(
         "benchmarks/host_overhead.py",
@@ -134,7 +138,6 @@ SCRIPTS = [
         True,
         expect=("dense backward: ", "model training step, trainer's step: 0 syncs"),
     ),
-    Script("benchmarks/short_conv.py", ("time", "--smoke"), "short_conv: done", True),
     Script("benchmarks/conv_norm.py", ("time", "--smoke"), "conv_norm: done", True),
     # ours against liger's fused linear cross-entropy, liger on the interpreter
     Script(

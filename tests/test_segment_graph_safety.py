@@ -40,12 +40,19 @@ def _poisoned(*shape: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tens
 
 
 # ---------------------------------------------------------------------------- the chain
-@pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("outer", [False, True])
-@pytest.mark.parametrize(
-    "R, Dk, Dv",
-    [(1, 16, 16), (2, 16, 24), (3, 24, 40), (5, 32, 16), (2, 128, 128), (9, 64, 128)],
-)
+# Every (outer, reverse) specialization (constexprs of the kernel) at the small shapes; the two
+# wide ones (the widest key tile, CHAIN_MAX_DK; the longest chain) each direction once, one with
+# an outer state and one without: their size is what they add.
+CHAIN_CASES = [
+    (R, Dk, Dv, outer, reverse)
+    for R, Dk, Dv in [(1, 16, 16), (2, 16, 24), (3, 24, 40), (5, 32, 16)]
+    for outer in (False, True)
+    for reverse in (False, True)
+] + [(2, 128, 128, False, True), (2, 128, 128, True, False), (9, 64, 128, True, True),
+     (9, 64, 128, False, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("R, Dk, Dv, outer, reverse", CHAIN_CASES)
 def test_triton_chain_matches_segments_chain(R, Dk, Dv, outer, reverse):
     # R segments a sequence (R − 1 chain rows: R = 1 has none) for N = 2 sequences of H = 3
     # heads; random [P | S] of norm ~1 a step, so a wrong row or order shows at once
@@ -133,6 +140,8 @@ def test_dense_tables_equal_the_host_build(B, T, L):
     dense = build_dense_segment_tables(B, T, L, tables, DEVICE)
     assert (dense.chunks, dense.slots) == (host.chunks, host.slots)
     for a, b in zip(pytree.tree_leaves(dense), pytree.tree_leaves(host)):
+        if a is b:  # the chunk tables' own, shared: their placeholder is uninitialized (NaN at
+            continue  # times, which torch.equal called unequal to itself: a flaky failure)
         if isinstance(a, torch.Tensor):
             assert a.dtype == b.dtype and a.is_contiguous() and torch.equal(a, b)
         else:
@@ -203,7 +212,9 @@ def _clear_caches(monkeypatch) -> None:
 
 def test_dense_path_makes_no_host_sync(monkeypatch, watch):
     # switch on, segments of one chunk: T = 130 is three segments a row. A cold call (every
-    # cache empty) and a warm one, forward and backward, both chains: no sync at all. Packed
+    # cache empty) and a warm one, forward and backward: no sync at all. The torch chain cold
+    # only: a warm call runs a subset of a cold one's ops (the tables' build skipped), which the
+    # triton chain's warm call checks. One head: syncs do not depend on heads. Packed
     # sequences (a tables miss reads the offsets on the host) show that the watch sees syncs.
     monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "on")
     monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 1)
@@ -214,17 +225,17 @@ def test_dense_path_makes_no_host_sync(monkeypatch, watch):
         "chain_segments",
         lambda *a, **k: chains.append(segment_chain.SEGMENT_CHAIN) or real(*a, **k),
     )
-    x = make_inputs(2, 130, 2, 16, 16, rule="delta", dtype=torch.float32, seed=1)
+    x = make_inputs(2, 130, 1, 16, 16, rule="delta", dtype=torch.float32, seed=1)
     x = {n: t.to(DEVICE) for n, t in x.items()}
-    for form in ("triton", "torch"):
+    for form, calls in (("triton", 2), ("torch", 1)):  # cold, warm; cold
         monkeypatch.setattr(segment_chain, "SEGMENT_CHAIN", form)
         _clear_caches(monkeypatch)
-        for _ in range(2):  # cold, warm
+        for _ in range(calls):
             for call in _op_call(x, None):
                 with watch:
                     call()
     assert dict(watch.syncs) == {}
-    assert chains == ["triton"] * 6 + ["torch"] * 6  # forward; backward: recompute, reverse
+    assert chains == ["triton"] * 6 + ["torch"] * 3  # forward; backward: recompute, reverse
 
     _clear_caches(monkeypatch)
     cu = torch.tensor([0, 70, 200], device=DEVICE)
@@ -298,14 +309,16 @@ def _fwd_bwd(inputs: dict, backend: str, **kwargs) -> list:
     return [o, s] + [None if leaves[n] is None else leaves[n].grad for n in NAMES]
 
 
-@pytest.mark.parametrize("form", ["triton", "torch"])
-def test_op_with_each_chain_matches_the_reference(form, monkeypatch):
-    # dense rows of 6 segments (T = 321, segments of one chunk, the last of one token), and
-    # packed sequences of 0 to 4 segments with initial states, against float64
+def test_op_with_the_torch_chain_matches_the_reference(monkeypatch):
+    # The torch chain (SEGMENT_CHAIN = "torch", the fallback) through the whole op: dense rows of
+    # 4 segments (T = 193, segments of one chunk, the last of one token), and packed sequences of
+    # 0 to 4 segments with initial states, against float64. The triton chain (the default) runs
+    # the same checks in every test of tests/test_segment_states.py (dense rows of 4 segments,
+    # T = 65 / 1 chunk: a last segment of one token, packed sequences of 0 to 4 segments).
     monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "on")
     monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 1)
-    monkeypatch.setattr(segment_chain, "SEGMENT_CHAIN", form)
-    dense = make_inputs(2, 321, 2, 16, 24, rule="delta", dtype=torch.float32, seed=11)
+    monkeypatch.setattr(segment_chain, "SEGMENT_CHAIN", "torch")
+    dense = make_inputs(2, 193, 2, 16, 24, rule="delta", dtype=torch.float32, seed=11)
     lengths = [0, 5, 200, 1, 129]
     cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
     packed = make_inputs(1, sum(lengths), 2, 16, 16, rule="efla", n_states=5, seed=12)

@@ -133,23 +133,56 @@ def test_segment_length_from_the_load(monkeypatch):
         triton_backend._segments(tables, 1, 256, False, 2, 128, 64)
 
 
+def test_dense_segments_is_the_segments_decision(monkeypatch):
+    # dense_segments (benchmarks/kernels.py's warm-up asks it) answers from shapes what
+    # _segments decides by building the tables (a row of more than one segment): they agree
+    monkeypatch.setattr(triton_backend, "interpreting", lambda: True)  # 132 SMs off a GPU
+    seen = set()
+    for mode in ("auto", "on", "off"):
+        for segment_chunks in (0, 1, 3):
+            monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", mode)
+            monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", segment_chunks)
+            for B, T, H, Dv, block_v in [
+                (1, 65, 2, 32, 64), (1, 256, 2, 32, 64), (1, 320, 2, 32, 64), (2, 8192, 8, 128, 64),
+                (1, 32768, 16, 128, 16), (8, 4096, 16, 128, 64), (64, 256, 4, 64, 64),
+                (2, 4096, 2, 32, 64), (3, 130, 1, 16, 32), (1, 0, 2, 32, 64),
+            ]:  # fmt: skip
+                tables = chunk_tables(None, B, T, torch.device("cpu"))
+                built = triton_backend._segments(tables, B, T, False, H, Dv, block_v) is not None
+                assert triton_backend.dense_segments(B, T, H, Dv, 132, block_v) == built, (
+                    mode, segment_chunks, B, T, H, Dv, block_v
+                )  # fmt: skip
+                seen.add(built)
+    assert seen == {False, True}
+    # no block given: any of the op's three passes (kernels.py's SHAPES at 132 SMs, auto)
+    monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "auto")
+    monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 0)
+    dense = [triton_backend.dense_segments(*shape, 132) for shape in [(1, 32768, 16, 128),
+             (8, 4096, 16, 128), (1, 65, 2, 32)]]  # fmt: skip
+    assert dense == [True, False, False]
+
+
 # ---------------------------------------------------------------------------- forward, backward
-@pytest.mark.parametrize("rule", triton_rules())
-def test_forward_every_rule(rule, launches):
+# Each rule once in the forward and once in the backward, negative eigenvalues on in one of the
+# two (never for trapezoid: μ ∈ (−3, 1] diverges by design, the op warns). The segmented passes
+# take no rule and no flag: both reach them only through prepare's W and Ũ (and the gradient
+# kernels after them), whose every rule x flag tests/test_triton_interpret.py checks.
+FORWARD_RULES = [(r, i % 2 == 1) for i, r in enumerate(triton_rules())]
+BACKWARD_RULES = [(r, i % 2 == 0 and r != "trapezoid") for i, r in enumerate(triton_rules())]
+
+
+@pytest.mark.parametrize("rule, ne", FORWARD_RULES)
+def test_forward_every_rule(rule, ne, launches):
     # T = 200: four chunks (the last ragged), four segments; Dk != Dv; β where the rule reads it
     inputs = on_device(make_inputs(2, 200, 2, 16, 24, rule=rule, dtype=torch.float32, seed=1))
     if not RULES[rule].needs_beta:
         inputs["beta"] = None
-    for ne in (False, True):
-        assert_matches_reference(inputs, grads=False, rule=rule, negative_eigenvalues=ne)
-    assert launches == ["launch_segmented_states"] * 2
+    assert_matches_reference(inputs, grads=False, rule=rule, negative_eigenvalues=ne)
+    assert launches == ["launch_segmented_states"]
 
 
-@pytest.mark.parametrize("negative_eigenvalues", [False, True])
-@pytest.mark.parametrize("rule", triton_rules())
+@pytest.mark.parametrize("rule, negative_eigenvalues", BACKWARD_RULES)
 def test_backward_every_rule(rule, negative_eigenvalues, launches):
-    if rule == "trapezoid" and negative_eigenvalues:
-        pytest.skip("μ ∈ (−3, 1]: diverges by design (the op warns)")
     inputs = on_device(make_inputs(1, 150, 2, 16, 24, rule=rule, dtype=torch.float32, seed=8))
     if not RULES[rule].needs_beta:
         inputs["beta"] = None

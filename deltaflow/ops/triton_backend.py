@@ -22,7 +22,6 @@ settings.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -45,6 +44,7 @@ try:
     import triton
 
     from deltaflow.ops.triton import (
+        common,  # multiprocessors
         pin_cache_keys,
         states,  # launch settings read at call time (sweepable)
     )
@@ -182,47 +182,52 @@ def _use_two_pass(N: int, H: int, Dv: int, device: torch.device) -> bool:
         return FORWARD_MODE == "two_pass"
     if interpreting():
         return False
-    return N * H * cdiv(Dv, states.FUSED_BV) < _multiprocessors(device)
+    return N * H * cdiv(Dv, states.FUSED_BV) < common.multiprocessors(device)
+
+
+def segment_length(
+    N: int, T: int, packed: bool, n_chunks: int, H: int, Dv: int, block_v: int, sms: int
+) -> int:
+    """Chunks a segment of a state pass of ``block_v`` value columns over ``N`` sequences
+    (``n_chunks`` chunks in all; rows of ``T`` tokens unless ``packed``) on ``sms``
+    multiprocessors, 0: sequential (the decision of ``_segments`` and :func:`dense_segments`)."""
+    if SEQUENCE_PARALLEL_STATES not in ("off", "on", "auto"):
+        raise ValueError(
+            "triton_backend.SEQUENCE_PARALLEL_STATES must be 'off', 'on' or 'auto', got "
+            f"{SEQUENCE_PARALLEL_STATES!r}"
+        )
+    if SEQUENCE_PARALLEL_STATES == "off" or n_chunks == 0:
+        return 0
+    blocks = H * cdiv(Dv, min(block_v, head_block(Dv)))  # programs per sequence
+    if SEQUENCE_PARALLEL_STATES == "auto" and N * blocks >= sms:
+        return 0
+    chunks = SEGMENT_CHUNKS or max(SEGMENT_MIN_CHUNKS, cdiv(n_chunks * blocks, SEGMENT_WAVES * sms))
+    if not SEGMENT_CHUNKS and not packed:  # equal segments: 64 chunks in 2 x 32, not 63 + 1
+        chunks = cdiv(cdiv(T, CHUNK.value), cdiv(cdiv(T, CHUNK.value), chunks))
+    return chunks
+
+
+def dense_segments(B: int, T: int, H: int, Dv: int, sms: int, block_v: int | None = None) -> bool:
+    """Whether ``_segments`` runs the pass of ``block_v`` value columns (None: any of the op's
+    three) over ``B`` rows of ``T`` tokens in segments on ``sms`` multiprocessors (a row of more
+    than one), from shapes alone: benchmarks/kernels.py's warm-up asks."""
+    if block_v is None:  # the forward's, the backward's recomputed and its reverse pass
+        bvs = (states.TWO_PASS_BV, states.BWD_STATES_BV, states.DSTATES_BV)
+        return any(dense_segments(B, T, H, Dv, sms, bv) for bv in bvs)
+    chunks = cdiv(T, CHUNK.value)
+    length = segment_length(B, T, False, B * chunks, H, Dv, block_v, sms)
+    return length > 0 and chunks > length
 
 
 def _segments(
     tables: ChunkTables, B: int, T: int, packed: bool, H: int, Dv: int, block_v: int
 ) -> SegmentTables | None:
     """The segments a state pass of ``block_v`` value columns runs in, or None: sequential."""
-    if SEQUENCE_PARALLEL_STATES not in ("off", "on", "auto"):
-        raise ValueError(
-            "triton_backend.SEQUENCE_PARALLEL_STATES must be 'off', 'on' or 'auto', got "
-            f"{SEQUENCE_PARALLEL_STATES!r}"
-        )
-    if SEQUENCE_PARALLEL_STATES == "off" or tables.n_chunks == 0:
-        return None
-    blocks = H * cdiv(Dv, min(block_v, head_block(Dv)))  # programs per sequence
-    sms = 132 if interpreting() else _multiprocessors(tables.cu_seqlens.device)
+    sms = 132 if interpreting() else common.multiprocessors(tables.cu_seqlens.device)
     N = tables.cu_seqlens.numel() - 1
-    if SEQUENCE_PARALLEL_STATES == "auto" and N * blocks >= sms:
-        return None
-    chunks = SEGMENT_CHUNKS or max(
-        SEGMENT_MIN_CHUNKS, cdiv(tables.n_chunks * blocks, SEGMENT_WAVES * sms)
-    )
-    if not SEGMENT_CHUNKS and not packed:  # equal segments: 64 chunks in 2 x 32, not 63 + 1
-        chunks = cdiv(cdiv(T, CHUNK.value), cdiv(cdiv(T, CHUNK.value), chunks))
-    segments = segment_tables(tables, B, T, packed, chunks)
-    return segments if segments.slots > 0 else None
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """The GPU's multiprocessor count, asked once per device (a few µs a call otherwise).
-    Not cached off the GPU: benchmarks/_launches.py answers for a CPU device while it traces
-    launches, with the count of the GPU it stands in for."""
-    if device.type != "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_multiprocessors(index)
-
-
-@functools.cache
-def _cuda_multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    chunks = segment_length(N, T, packed, tables.n_chunks, H, Dv, block_v, sms)
+    segments = segment_tables(tables, B, T, packed, chunks) if chunks else None
+    return segments if segments is not None and segments.slots > 0 else None
 
 
 def _prepare(

@@ -3,6 +3,7 @@ and the small loads and products the kernels are written with. Equations: docs/d
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -349,3 +350,18 @@ def dot_split(x, y, acc, DT: tl.constexpr, PREC: tl.constexpr):
         hi = y.to(DT)
         acc = tl.dot(x, hi, acc=acc, input_precision=PREC)
         return tl.dot(x, (y - hi.to(tl.float32)).to(DT), acc=acc, input_precision=PREC)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessor count, asked once per device (a few µs a call otherwise).
+    Not cached off the GPU: benchmarks/_launches.py answers for a CPU device while it traces
+    launches, with the count of the GPU it stands in for."""
+    if device.type != "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_multiprocessors(index)
+
+
+@functools.cache
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
