@@ -48,6 +48,7 @@
 # worst.
 set -u
 cd "$(dirname "$0")/.."
+. benchmarks/_call_common.sh  # DELTAFLOW_CALL_TAG, kill_own_spawned
 SMOKE=""
 if [ "${1:-}" = "--smoke" ]; then SMOKE="--smoke"; shift; fi
 OUT_DIR="${1:-gpu_check_$(date +%Y%m%d_%H%M%S)}"
@@ -136,7 +137,7 @@ step check_triton $L_CHECK "$OTHER_CPUS" 0 python3 benchmarks/check_triton.py \
   --out "$OUT_DIR/check_triton.md"
 wait
 # a step cut by its timeout leaves its worker processes behind: none may run beside the timings
-pkill -9 -f "from multiprocessing.spawn import" 2> /dev/null
+kill_own_spawned  # workers of a cut step (this call's alone)
 
 # ---- timed, alone on the machine
 grep -q "^fla_install: exit 0 " "$SUMMARY" && FLA_PATH=/tmp/site:  # (set in a subshell above)

@@ -31,6 +31,7 @@
 # Exit status: 0 when every step exited 0 (check_triton and pytest exit 1 on a failure).
 set -u
 cd "$(dirname "$0")/.."
+. benchmarks/_call_common.sh  # DELTAFLOW_CALL_TAG, kill_own_spawned
 SMOKE=""
 if [ "${1:-}" = "--smoke" ]; then SMOKE="--smoke"; shift; fi
 OUT_DIR="${1:?usage: issue32_call.sh [--smoke] OUT_DIR}"
@@ -146,7 +147,7 @@ if [ "${CHECK:-1}" != 0 ]; then
     --run-after "$GPU_FREE" --out "$OUT_DIR/check_triton.md"
 fi
 wait "$FLA_JOB" "$WARM_JOB" ${TEST_JOB:+"$TEST_JOB"}
-pkill -9 -f "from multiprocessing.spawn import" 2> /dev/null  # workers of a cut step
+kill_own_spawned  # workers of a cut step (this call's alone)
 
 # ---- phase B: timed, alone on the machine
 FLA_ARGS=()
