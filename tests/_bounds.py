@@ -1,76 +1,101 @@
-"""A bounds-checking Triton interpreter for tests: inside :func:`checked`, every address a
-kernel loads or stores under its mask must lie inside one of the storages passed to that launch.
-
-The interpreter reads and writes host memory through raw pointers, so an out-of-bounds access
-there returns garbage or lands in a neighbour silently, where a GPU faults (an illegal memory
-access that poisons the process). This turns it into a recorded hit. It patches three internals
-of ``triton.runtime.interpreter``; :func:`available` says whether this Triton has them."""
+"""Out-of-bounds accesses of Triton kernels run on the CPU interpreter, which does not check them
+itself (a GPU reports them as "illegal memory access", or not at all). :func:`checked_accesses`
+records, for every launch inside it, each load or store of an address (with its mask true) that
+lies outside every tensor argument of that launch (each argument's own extent: a view's
+elements, not its whole storage)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
-
-try:
-    from triton.runtime import interpreter as _interp
-except ImportError:  # pragma: no cover - no Triton
-    _interp = None
-
-_NAMES = ("GridExecutor._init_args_hst", "InterpreterBuilder.create_masked_load",
-          "InterpreterBuilder.create_masked_store")  # fmt: skip
+import torch
 
 
-def available() -> bool:
-    """Whether this Triton's interpreter has the internals :func:`checked` patches."""
-    if _interp is None or not hasattr(_interp, "_get_np_dtype"):
-        return False
-    return all(hasattr(getattr(_interp, c, None), m) for c, m in (n.split(".") for n in _NAMES))
+@dataclass
+class Access:
+    kernel: str
+    op: str  # "load" | "store"
+    count: int  # out-of-bounds elements in this access
+    nearest: str  # the argument whose extent the first bad address is nearest
+    offset: int  # that address minus the argument's start, in bytes
+
+
+@dataclass
+class Report:
+    bad: list[Access] = field(default_factory=list)
+
+    def kernels(self) -> set[str]:
+        return {a.kernel for a in self.bad}
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) in bytes of a tensor view's elements."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 @contextlib.contextmanager
-def checked() -> Iterator[list[tuple[str, str, int]]]:
-    """Yields the list of hits, (kernel, "load" | "store", addresses out of bounds), filled as
-    launches run; the interpreter is restored on exit."""
-    hits: list[tuple[str, str, int]] = []
-    ranges: list[tuple[int, int]] = []
-    kernel = [""]
-    Grid, Builder = _interp.GridExecutor, _interp.InterpreterBuilder
-    init, load, store = Grid._init_args_hst, Builder.create_masked_load, Builder.create_masked_store
+def checked_accesses():
+    """Yield a :class:`Report` that fills with every out-of-bounds load or store of the
+    interpreted launches made inside the block."""
+    from triton.runtime import interpreter as itp
 
-    def init_args(self, args_dev, kwargs):
-        args_hst, kwargs_hst = init(self, args_dev, kwargs)
-        ranges.clear()
-        kernel[0] = self.fn.__name__
-        for arg in [*args_hst, *kwargs_hst.values()]:
-            if hasattr(arg, "untyped_storage"):
-                storage = arg.untyped_storage()
-                ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-        return args_hst, kwargs_hst
+    report = Report()
+    state: dict = {"kernel": None, "ranges": []}
+    builder = type(itp.interpreter_builder)
+    executor_call = itp.GridExecutor.__call__
+    masked_load = builder.create_masked_load
+    masked_store = builder.create_masked_store
 
-    def check(ptrs, mask, what: str) -> None:
-        p = ptrs.data[mask.data.astype(bool)]
-        if p.size:
-            size = np.dtype(_interp._get_np_dtype(ptrs.get_element_ty())).itemsize
-            inside = np.zeros(p.shape, dtype=bool)
-            for lo, hi in ranges:
-                inside |= (p >= lo) & (p + size <= hi)
-            if not inside.all():
-                hits.append((kernel[0], what, int((~inside).sum())))
+    def call(self, *args, **kwargs):
+        ranges = []
+        for name, arg in list(zip(self.arg_names, args)) + list(kwargs.items()):
+            if isinstance(arg, torch.Tensor):
+                ranges.append((name, *_extent(arg)))
+        state["kernel"], state["ranges"] = self.fn.__name__, ranges
+        try:
+            return executor_call(self, *args, **kwargs)
+        finally:
+            state["kernel"], state["ranges"] = None, []
 
-    def checked_load(self, ptrs, mask, other, *args):
-        check(ptrs, mask, "load")
-        return load(self, ptrs, mask, other, *args)
+    def check(op, ptrs, mask):
+        if state["kernel"] is None:
+            return
+        addr = np.asarray(ptrs.data, dtype=np.uint64)
+        on = np.broadcast_to(np.asarray(mask.data, dtype=bool), addr.shape)
+        addr = addr[on].astype(np.int64)
+        if addr.size == 0:
+            return
+        size = np.dtype(itp._get_np_dtype(ptrs.get_element_ty())).itemsize
+        inside = np.zeros(addr.shape, dtype=bool)
+        for _, start, end in state["ranges"]:
+            inside |= (addr >= start) & (addr + size <= end)
+        if inside.all():
+            return
+        first = int(addr[~inside][0])
+        name, start, end = min(
+            state["ranges"], key=lambda r: min(abs(first - r[1]), abs(first - r[2]))
+        )
+        report.bad.append(Access(state["kernel"], op, int((~inside).sum()), name, first - start))
 
-    def checked_store(self, ptrs, value, mask, *args):
-        check(ptrs, mask, "store")
-        return store(self, ptrs, value, mask, *args)
+    def load(self, ptrs, mask, other, cache_policy, is_volatile):
+        check("load", ptrs, mask)
+        return masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
 
-    Grid._init_args_hst = init_args
-    Builder.create_masked_load, Builder.create_masked_store = checked_load, checked_store
+    def store(self, ptrs, value, mask, cache_policy):
+        check("store", ptrs, mask)
+        return masked_store(self, ptrs, value, mask, cache_policy)
+
+    itp.GridExecutor.__call__ = call
+    builder.create_masked_load = load
+    builder.create_masked_store = store
     try:
-        yield hits
+        yield report
     finally:
-        Grid._init_args_hst = init
-        Builder.create_masked_load, Builder.create_masked_store = load, store
+        itp.GridExecutor.__call__ = executor_call
+        builder.create_masked_load = masked_load
+        builder.create_masked_store = masked_store
