@@ -50,7 +50,7 @@ try:
     )
     from deltaflow.ops.triton import rules as rule_table
     from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables, head_block
-    from deltaflow.ops.triton.decode import launch_decode
+    from deltaflow.ops.triton.decode import decode_tokens
     from deltaflow.ops.triton.gradients import launch_gradients, scratch_matrices, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
     from deltaflow.ops.triton.prepare import launch_prepare, launch_rebuild, t_dtype
@@ -533,38 +533,9 @@ def _backward(
     return [None if g is None else g.to(d) for g, d in zip(grads, dtypes)]
 
 
-def _decode(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    beta: Tensor | None,
-    log_decay: Tensor | None,
-    state: Tensor,
-    kernel_id: int,
-    negative_eigenvalues: bool,
-    eps: float,
-    scale: float,
-) -> Tensor:
-    """(1)–(2) token by token: the outputs, ``state`` (fp32) updated in place."""
-    B, T, H, Dk = q.shape
-    o = _output(B, T, H, v.shape[-1], like=q, dtype=v.dtype)
-    launch_decode(
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-        beta=None if beta is None else beta.contiguous(),
-        log_decay=rule_table.op_log_decay(
-            kernel_id, None if log_decay is None else log_decay.contiguous()
-        ),
-        state=state,
-        kernel_id=kernel_id,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
-        scale=scale,
-        o=o,
-    )
-    return o
+def _decode(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+    """(1)–(2) token by token (triton/decode.py): the outputs, ``state`` updated in place."""
+    return decode_tokens(q, k, v, output=_output, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

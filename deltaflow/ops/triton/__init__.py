@@ -33,6 +33,7 @@ STAGES = (
     "outputs",
     "gradients",
     "gradients_lean",
+    "gradients_fused",
     "decode",
 )
 

@@ -4,6 +4,8 @@ host sync, so a model's decode step can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -121,3 +123,40 @@ def launch_decode(
         HAS_DECAY=log_decay is not None,
         num_warps=DECODE_WARPS,
     )
+
+
+def decode_tokens(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    state: Tensor,
+    kernel_id: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    scale: float,
+    output: Callable[..., Tensor],
+) -> Tensor:
+    """The decode op's body: the layer's inputs made contiguous and its log decay the op's
+    (rules.op_log_decay), then :func:`launch_decode` into an ``output(B, T, H, Dv, like=q,
+    dtype=v.dtype)`` buffer (the backend's allocator, which poisons it in checking runs)."""
+    B, T, H, _ = q.shape
+    o = output(B, T, H, v.shape[-1], like=q, dtype=v.dtype)
+    launch_decode(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        beta=None if beta is None else beta.contiguous(),
+        log_decay=rule_table.op_log_decay(
+            kernel_id, None if log_decay is None else log_decay.contiguous()
+        ),
+        state=state,
+        kernel_id=kernel_id,
+        negative_eigenvalues=negative_eigenvalues,
+        eps=eps,
+        scale=scale,
+        o=o,
+    )
+    return o
