@@ -29,6 +29,7 @@ MODULES = {
         "deltaflow.layers.short_conv_triton",
         "deltaflow.layers.conv_norm_triton",
         "deltaflow.ops.triton_backend",
+        "deltaflow.ops.triton.common",  # block floors under trial (issue 32)
         "deltaflow.ops.triton.prepare",  # the kernels' launch settings (issue 32's variants)
         "deltaflow.ops.triton.states",
         "deltaflow.ops.triton.segment_states",
@@ -43,6 +44,7 @@ MODULES = {
 # (a run's warm-up, minutes in), so a typo is caught here instead.
 CHOICES: dict[str, tuple[str, ...]] = {
     "triton_backend.SAVE_FOR_BACKWARD": ("none", "prepare", "states", "t"),
+    "common.FP32_MIN_KEY_BLOCK_WHEN": ("wider_value", "unequal", "narrow"),
     "triton_backend.FORWARD_MODE": ("auto", "fused", "two_pass"),
     "triton_backend.SEQUENCE_PARALLEL_STATES": ("off", "on", "auto"),
     "gradients.GRADS_LEAN": ("off", "on", "auto"),

@@ -5,9 +5,14 @@ PYTHONPATH) and tells which kernel a change made slower.
     python benchmarks/kernel_times.py [--shapes 8x4096x16x128,16x2048x32x64] [--rule delta]
     python benchmarks/kernel_times.py --smoke     # CPU: runs the calls, times nothing (CI)
     python benchmarks/kernel_times.py --set triton_backend.SAVE_FOR_BACKWARD=prepare   # a switch
+    python benchmarks/kernel_times.py --impl fla      # fla's chunk_gated_delta_rule, same inputs
 
 Per kernel name: mean time per call over ``--iters`` profiled calls (torch.profiler, CUDA
 activity), after a warm-up; plus the median wall time per call of the whole op (do_bench).
+Forward + backward returns the gradients (``torch.autograd.grad``), as benchmarks/kernels.py
+times it: no accumulation into ``.grad`` (an elementwise kernel of ~0.28 ms at 67M elements
+that neither implementation's op launches). ``--impl fla`` lists fla's kernels the same way
+(delta with decay only), so the two backward breakdowns can be set side by side.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import json
 from collections import defaultdict
 
 import _settings
-from _common import git_commit, smoke_env, smoke_requested
+from _common import git_commit, load_fla, smoke_env, smoke_requested
 
 if smoke_requested():
     smoke_env()
@@ -73,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rule", default="delta")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--label", default="", help="a name for this tree in the output")
+    parser.add_argument(
+        "--impl",
+        choices=("deltaflow", "fla"),
+        default="deltaflow",
+        help="whose op to time (fla: chunk_gated_delta_rule, delta with decay only)",
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
     _settings.add_settings_arg(parser)
     args = parser.parse_args(argv)
@@ -81,9 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     except _settings.SettingError as e:
         parser.error(str(e))
     _settings.apply(settings)
+    if args.impl == "fla" and (args.smoke or args.rule != "delta"):
+        parser.error("--impl fla times delta with decay on the GPU: no --smoke, --rule delta")
+    fla = None
+    if args.impl == "fla":
+        fla = load_fla("fla.ops.gated_delta_rule:chunk_gated_delta_rule")
+    if args.impl == "fla" and fla is None:
+        return 1
     device = "cpu" if args.smoke else "cuda"
     shapes = [(1, 65, 2, 32)] if args.smoke else parse_shapes(args.shapes)
-    label = args.label or git_commit()
+    label = args.label or (git_commit() if fla is None else "fla")
     # older trees (timed for bisection) have no check_values; pass it where it exists
     extra = (
         {"check_values": False}
@@ -101,18 +119,14 @@ def main(argv: list[str] | None = None) -> int:
             do = torch.randn_like(v)
 
             def fn(q=q, k=k, v=v, beta=beta, ld=ld, do=do, mode=mode):
-                o, _ = deltaflow.delta_rule(
-                    q,
-                    k,
-                    v,
-                    beta,
-                    rule=args.rule,
-                    log_decay=ld,
-                    backend="triton",
-                    **extra,
-                )
+                if fla is not None:  # fla's argument order: q, k, v, g, beta
+                    o, _ = fla(q, k, v, ld if mode != "forward" else ld.float(), beta)
+                else:
+                    o, _ = deltaflow.delta_rule(
+                        q, k, v, beta, rule=args.rule, log_decay=ld, backend="triton", **extra
+                    )
                 if mode != "forward":
-                    o.backward(do)
+                    torch.autograd.grad(o, (q, k, v, beta, ld), do)
 
             if args.smoke:
                 fn()

@@ -171,6 +171,14 @@ SCRIPTS = [
     Script(
         "benchmarks/probe_fp16.py", ("--smoke",), "probe_fp16: done", True, expect=("verdict: ",)
     ),
+    # issue 32's narrow fp32 probe: one head pair, both floors, one process each
+    Script(
+        "benchmarks/probe_narrow_fp32.py",
+        ("--smoke", "--save", "none", "--out", "{tmp}"),
+        "probe: 2 cases, 0 not ok",
+        True,
+        expect=("20x12 unequal none: ok",),
+    ),
     Script("benchmarks/profile_forward.py", ("--smoke",), "profile_forward: done", True),
     Script(
         "benchmarks/tune_backward.py", ("--smoke", "--profile", "--out", "{tmp}"), "wrote", True

@@ -79,15 +79,35 @@ def head_block(n: int, dtype: torch.dtype | None = None) -> int:
 # (wgmma only) were right. 64 runs such heads on the all-wgmma kernels of the 64-column key
 # blocks that check_triton validates in fp32, the extra columns masked (the same sums).
 FP32_WIDE_VALUE_MIN_KEY_BLOCK = 64
+# Which fp32 launches take that floor: "wider_value" (the value block wider than the key
+# block, the fault above), "unequal" (the two blocks differ either way), "narrow" (every key
+# block under it). Under trial (issue 32, session 20): the H200 gave an illegal memory access at
+# fp32 Dk = 20, Dv = 12 (blocks 32 and 16; session 19, call 3), which "wider_value" leaves alone;
+# benchmarks/probe_narrow_fp32.py maps which narrow fp32 heads fault under each choice.
+FP32_MIN_KEY_BLOCK_WHEN = "wider_value"
+FP32_MIN_KEY_BLOCK_CHOICES = ("wider_value", "unequal", "narrow")
 
 
 def key_block(Dk: int, Dv: int, dtype: torch.dtype | None = None) -> int:
     """The key block of a launch over heads of ``Dk`` key and ``Dv`` value columns:
     :func:`head_block` of ``Dk``, and for an fp32 launch (``dtype``: its dot dtype) at least
-    :data:`FP32_WIDE_VALUE_MIN_KEY_BLOCK` where the value head takes a wider block (half-precision
-    launches: :data:`HALF_MIN_BLOCK`'s floor alone)."""
+    :data:`FP32_WIDE_VALUE_MIN_KEY_BLOCK` where :data:`FP32_MIN_KEY_BLOCK_WHEN` says so
+    (half-precision launches: :data:`HALF_MIN_BLOCK`'s floor alone)."""
     block = head_block(Dk, dtype)
-    if dtype not in (torch.bfloat16, torch.float16) and head_block(Dv, dtype) > block:
+    if dtype in (torch.bfloat16, torch.float16):
+        return block
+    when = FP32_MIN_KEY_BLOCK_WHEN
+    if when not in FP32_MIN_KEY_BLOCK_CHOICES:
+        raise ValueError(
+            f"common.FP32_MIN_KEY_BLOCK_WHEN must be one of {', '.join(FP32_MIN_KEY_BLOCK_CHOICES)}"
+            f", got {when!r}"
+        )
+    value = head_block(Dv, dtype)
+    if (
+        (when == "wider_value" and value > block)
+        or (when == "unequal" and value != block)
+        or when == "narrow"
+    ):
         return max(block, FP32_WIDE_VALUE_MIN_KEY_BLOCK)
     return block
 
