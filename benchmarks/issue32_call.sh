@@ -24,6 +24,9 @@
 #   SEQPAR [1]         kernels.py --sequence-parallel (off/on at its shapes)
 #   KTIMES [1]         kernel_times.py at the four shapes (each kernel's time)
 #   KTIMES_SET [""]    --set items for a second kernel_times run (e.g. a variant's)
+#   KTIMES_FLA [0]     kernel_times.py --impl fla: fla's kernels at the same shapes (D = 256
+#                      only when its backward tuned in this call: FLA_256)
+#   PROBE [0]          probe_narrow_fp32.py first, alone (narrow fp32 heads, a process each)
 #   MODEL [""]         "B T" of a model_training.py run (compiled blocks, pure bf16, ours then
 #                      fla's), MODEL_EXTRA its extra flags for ours
 #   PHASE_A_END [380]  seconds: fla's D = 256 tuning and the GPU tests stop here
@@ -95,6 +98,10 @@ if [ -z "$SMOKE" ] && command -v nvidia-smi > /dev/null; then  # a slow step on 
   CLOCKS_PID=$!
 else
   CLOCKS_PID=""
+fi
+
+if [ "${PROBE:-0}" != 0 ]; then  # first: a fault here must not be mistaken for a later step's
+  step probe_narrow_fp32 150 "" python3 benchmarks/probe_narrow_fp32.py --out "$OUT_DIR" $SMOKE
 fi
 
 # ---- phase A: fla's tuning alone on the GPU, the check compiling beside it on the CPU; then
@@ -178,6 +185,12 @@ if [ "${KTIMES:-1}" != 0 ]; then
     step kernel_times_set "$(until_ 120 "$DEADLINE")" "" python3 benchmarks/kernel_times.py \
       "${KTIMES_ARGS[@]}" --set "$KTIMES_SET"
   fi
+fi
+if [ "${KTIMES_FLA:-0}" != 0 ] && [ -n "$FLA_PATH" ]; then
+  FLA_SHAPES=8x4096x16x128,1x32768x16x128,16x2048x32x64
+  [ ${#FLA_ARGS[@]} -gt 0 ] && FLA_SHAPES=$FLA_SHAPES,8x2048x32x256
+  PYTHONPATH=$FLA_PATH$PYTHONPATH step kernel_times_fla "$(until_ 120 "$DEADLINE")" "" python3 \
+    benchmarks/kernel_times.py --impl fla --shapes "$FLA_SHAPES"
 fi
 if [ -n "${MODEL:-}" ]; then
   read -r B T <<< "$MODEL"
