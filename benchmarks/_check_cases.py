@@ -38,6 +38,7 @@ SHAPES = [
     ("T=130 Dk=Dv=16", 1, 130, 16, 16, None),
     ("T=70 Dk=16 Dv=64", 1, 70, 16, 64, None),
     ("T=70 Dk=64 Dv=16", 1, 70, 64, 16, None),
+    ("T=65 Dk=20 Dv=12", 1, 65, 20, 12, None),  # fp32 blocks 32 / 16 faulted (common.py)
 ]
 SMOKE_SHAPES = [("T=65", 1, 65, 32, 16, None)]
 SMOKE_RULES = [

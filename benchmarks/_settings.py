@@ -31,6 +31,7 @@ MODULES = {
         "deltaflow.ops.triton_backend",
         "deltaflow.ops.triton.common",  # block floors under trial (issue 32)
         "deltaflow.ops.triton.prepare",  # the kernels' launch settings (issue 32's variants)
+        "deltaflow.ops.triton.rebuild",
         "deltaflow.ops.triton.states",
         "deltaflow.ops.triton.segment_states",
         "deltaflow.ops.triton.segment_chain",
@@ -45,6 +46,7 @@ MODULES = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "triton_backend.SAVE_FOR_BACKWARD": ("none", "prepare", "states", "t"),
     "common.FP32_MIN_KEY_BLOCK_WHEN": ("wider_value", "unequal", "narrow"),
+    "rebuild.REBUILD_KERNEL": ("lean", "prepare"),
     "triton_backend.FORWARD_MODE": ("auto", "fused", "two_pass"),
     "triton_backend.SEQUENCE_PARALLEL_STATES": ("off", "on", "auto"),
     "gradients.GRADS_LEAN": ("off", "on", "auto"),

@@ -126,6 +126,7 @@ def use_torch_op() -> None:
     """Route the Triton backend's custom ops to the torch backend (CPU, no interpreter)."""
     tb._forward, tb._backward = _forward, _backward
     tb.available = lambda: True
+    tb.SAVE_FOR_BACKWARD = "none"  # the torch bodies keep nothing: the backward recomputes
 
 
 # ------------------------------------------------------------------------------ one draw

@@ -182,7 +182,7 @@ def test_set_types_each_item_by_the_constant_it_names():
         "conv_norm_triton.NOPE=1": "conv_norm_triton has no setting 'NOPE', expected one of BWD_BT",
         "conv_norm_triton.BWD_BT=abc": "BWD_BT is an int (now 16), got 'abc'",
         "conv.TRITON_SHORT_CONV=yes": "is a bool (0/1/true/false; now False), got 'yes'",
-        "triton_backend.SAVE_FOR_BACKWARD=all": "is one of none, prepare, states, t (now 'none')",
+        "triton_backend.SAVE_FOR_BACKWARD=all": "is one of none, prepare, states, t (now 't')",
         "loss.DEFAULT_CHUNK_SIZE=1": "expected one of FUSED_CE_BACKEND",  # bound at import
         "conv_norm_triton.BWD_BT": "is not MODULE.NAME=VALUE",
     }
@@ -204,6 +204,10 @@ def test_set_types_each_item_by_the_constant_it_names():
     assert (
         settings.CHOICES["common.FP32_MIN_KEY_BLOCK_WHEN"]
         == importlib.import_module("deltaflow.ops.triton.common").FP32_MIN_KEY_BLOCK_CHOICES
+    )
+    assert (
+        settings.CHOICES["rebuild.REBUILD_KERNEL"]
+        == importlib.import_module("deltaflow.ops.triton.rebuild").REBUILD_CHOICES
     )
 
 

@@ -31,11 +31,21 @@ KEYED = {
 }
 
 
-def test_key_block_pads_fp32_keys_only_beside_wider_values():
+def test_key_block_pads_fp32_keys_only_beside_other_value_blocks(monkeypatch):
     f32, bf = torch.float32, torch.bfloat16
     assert [common.key_block(16, dv, f32) for dv in (16, 17, 32, 64, 128)] == [16, 64, 64, 64, 64]
-    assert [common.key_block(dk, 16, f32) for dk in (16, 32, 64, 100)] == [16, 32, 64, 128]
+    # a 32-column key block beside a 16-column value block faulted on the H200 (session 20)
+    assert [common.key_block(dk, 16, f32) for dk in (16, 20, 32, 64, 100)] == [16, 64, 64, 64, 128]
     assert common.key_block(32, 32, f32) == 32 and common.key_block(64, 128, f32) == 64
+    assert common.key_block(20, 20, f32) == 32  # equal narrow blocks passed: kept
+    monkeypatch.setattr(common, "FP32_MIN_KEY_BLOCK_WHEN", "wider_value")  # the session-17 rule
+    assert [common.key_block(dk, 16, f32) for dk in (16, 32, 64, 100)] == [16, 32, 64, 128]
+    monkeypatch.setattr(common, "FP32_MIN_KEY_BLOCK_WHEN", "narrow")
+    assert [common.key_block(dk, dk, f32) for dk in (16, 32, 64, 100)] == [64, 64, 64, 128]
+    monkeypatch.setattr(common, "FP32_MIN_KEY_BLOCK_WHEN", "wide")
+    with pytest.raises(ValueError, match="FP32_MIN_KEY_BLOCK_WHEN must be one of"):
+        common.key_block(16, 16, f32)
+    monkeypatch.setattr(common, "FP32_MIN_KEY_BLOCK_WHEN", "unequal")
     assert common.key_block(128, 256, f32) == 128  # wide keys: as before
     # half precision: head_block's 64-column floor already
     assert [common.key_block(dk, dv, bf) for dk, dv in ((16, 16), (16, 64), (64, 16))] == [64] * 3

@@ -98,6 +98,7 @@ def test_against_the_reference_and_none(case, launches, monkeypatch):
         kwargs["cu_seqlens"] = torch.tensor([0, *LENGTHS], device=DEVICE).cumsum(0)
     double = {n: None if t is None else t.double() for n, t in inputs.items()}
     ref, _ = run(double, launches, backend="reference", **kwargs)
+    monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "none")
     off, backward_off = run(inputs, launches, **kwargs)
     monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "t")
     launches.clear()
@@ -170,15 +171,22 @@ def test_custom_op_registration_packed():
     )
 
 
-@pytest.mark.parametrize("tiles", [1, 64])
-def test_rebuild_blocks_give_the_backwards_prepare(monkeypatch, tiles):
-    # Ragged heads of two column tiles each: W and Ũ from one program per tile, or from one per
-    # W and one per Ũ (prepare.REBUILD_TILES), are the backward's prepare's to the last bit.
-    from deltaflow.ops.triton import prepare
+@pytest.mark.parametrize(
+    ("kernel", "tiles", "dtype"),
+    [("prepare", 1, torch.float32), ("prepare", 64, torch.float32), ("lean", 64, torch.float32),
+     ("lean", 64, torch.float16), ("prepare", 64, torch.float16)],
+)  # fmt: skip
+def test_rebuild_blocks_give_the_backwards_prepare(monkeypatch, kernel, tiles, dtype):
+    # Ragged heads of two column tiles each: W and Ũ from the lean rebuild kernel (one program
+    # per chunk and head), or from the prepare kernel's one program per tile or one per W and
+    # one per Ũ (prepare.REBUILD_TILES), are the backward's prepare's to the last bit: fp32
+    # (the fold) and fp16 (T rounded, the strengths apart: the backward's half-precision path).
+    from deltaflow.ops.triton import prepare, rebuild
     from deltaflow.ops.triton.common import chunk_tables
 
     monkeypatch.setattr(prepare, "REBUILD_TILES", tiles)
-    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 70, 2, 100, 72, dtype=torch.float32).items()}
+    monkeypatch.setattr(rebuild, "REBUILD_KERNEL", kernel)
+    x = {n: t.to(DEVICE) for n, t in make_inputs(1, 70, 2, 100, 72, dtype=dtype).items()}
     k, v = x["k"], x["v"]
     common = dict(beta=x["beta"], log_decay=x["log_decay"], kernel_id=RULES["delta"].kernel_id)
     common.update(tables=chunk_tables(None, 1, 70, k.device), negative_eigenvalues=True, eps=1e-6)
@@ -186,5 +194,5 @@ def test_rebuild_blocks_give_the_backwards_prepare(monkeypatch, tiles):
     t = torch.empty(2, 2, 64, 64, device=DEVICE, dtype=prepare.t_dtype(k.dtype, kept_alone=True))
     first_bad = torch.empty(2, 2, device=DEVICE, dtype=torch.int32)
     prepare.launch_prepare(k, v, w=w, u=u, t=t, first_bad=first_bad, **common)
-    prepare.launch_rebuild(k, v, t=t, first_bad=first_bad, w=w2, u=u2, **common)
+    rebuild.launch_rebuild(k, v, t=t, first_bad=first_bad, w=w2, u=u2, **common)
     assert torch.equal(w2, w) and torch.equal(u2, u)

@@ -53,7 +53,8 @@ try:
     from deltaflow.ops.triton.decode import decode_tokens
     from deltaflow.ops.triton.gradients import launch_gradients, scratch_matrices, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
-    from deltaflow.ops.triton.prepare import launch_prepare, launch_rebuild, t_dtype
+    from deltaflow.ops.triton.prepare import launch_prepare, t_dtype
+    from deltaflow.ops.triton.rebuild import launch_rebuild
     from deltaflow.ops.triton.segment_states import (
         SegmentTables,
         launch_segmented_dstates,
@@ -86,7 +87,7 @@ BACKWARD_STATES_FP32 = False
 # launch fewer; "states": W, T, h, U (+1280 B), two fewer (the forward then always runs its
 # two-pass form, whose state pass writes h and U); "t": T and first_bad (+128 B in bf16, fla's
 # own: its A), the backward rebuilds W = T X and Ũ = T Y without the solve (prepare.
-# launch_rebuild; benchmarks/NOTES.md, "Issue 32, session 19"); that T in prepare.t_dtype (the
+# rebuild.py; benchmarks/NOTES.md, "Issue 32, session 19"); that T in prepare.t_dtype (the
 # dot dtype in bf16/fp16, the other modes' fp32). Kept only when autograd will need them.
 # The forward's prepare then runs with the backward's roundings (prepare.BACKWARD_*): the
 # gradients are the same as with "none"; bf16/fp16 outputs round like the backward's prepare.

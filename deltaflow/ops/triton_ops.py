@@ -18,7 +18,7 @@ saves them and hands them to the backward op, which then skips what it would hav
 - ``"states"``: W, T and the forward's state pass's h (S_0 of every chunk) and U: nothing is
   recomputed. ``"states_fp32"``: the same with h in float32 (``BACKWARD_STATES_FP32``).
 - ``"t"``: T and first_bad alone (fla's memory: its A); the backward rebuilds W and Ũ from T
-  (``triton/prepare.py``, ``launch_rebuild``: the prepare kernel without the solve), then runs
+  (``triton/rebuild.py``: the prepare's lines without K Kᵀ and the solve), then runs
   the state pass (benchmarks/NOTES.md, "Issue 32, session 19").
 
 Every slot is returned whatever the mode (an empty tensor where it keeps nothing): one schema.

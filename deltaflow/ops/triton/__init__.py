@@ -4,6 +4,7 @@ each kernel beside its launcher:
 - ``rules.py``: the rule table, every built-in rule's strengths and derivatives by kernel id
 - ``common.py``: the chunk length, the chunk tables of a batch, shared loads and products
 - ``prepare.py``: stage 1, per chunk: the rule's strengths and the UT transform (W, Ũ, T)
+- ``rebuild.py``: the backward's W and Ũ from the forward's kept T (no solve)
 - ``states.py``: stage 2, per sequence: the state passes (fused forward, forward, reverse)
 - ``states_split.py``: the passes with the state in row blocks (``states.STATES_SPLIT_K``: Dk 256)
 - ``segment_states.py``: stage 2 split across segments of each sequence ("auto" by default)
@@ -26,6 +27,7 @@ import importlib
 # The stages in launch order: the order in which pin_cache_keys hashes their kernels.
 STAGES = (
     "prepare",
+    "rebuild",
     "states",
     "states_split",
     "segment_states",

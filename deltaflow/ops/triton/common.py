@@ -81,10 +81,12 @@ def head_block(n: int, dtype: torch.dtype | None = None) -> int:
 FP32_WIDE_VALUE_MIN_KEY_BLOCK = 64
 # Which fp32 launches take that floor: "wider_value" (the value block wider than the key
 # block, the fault above), "unequal" (the two blocks differ either way), "narrow" (every key
-# block under it). Under trial (issue 32, session 20): the H200 gave an illegal memory access at
-# fp32 Dk = 20, Dv = 12 (blocks 32 and 16; session 19, call 3), which "wider_value" leaves alone;
-# benchmarks/probe_narrow_fp32.py maps which narrow fp32 heads fault under each choice.
-FP32_MIN_KEY_BLOCK_WHEN = "wider_value"
+# block under it). The H200 also faulted (illegal memory access) with a 32-column key block
+# beside a 16-column value block, which "wider_value" leaves alone: Dk/Dv = 20/12, 32/16 and
+# 24/12 in both save modes, while 16/12, 20/20, 32/32, 12/20, 48/16, 48/32, 64/12, 16/16, 16/64
+# and 64/16 passed; with "unequal" all 13 passed (benchmarks/probe_narrow_fp32.py, session 20
+# call 1, results/issue32/s20call1/probe.txt).
+FP32_MIN_KEY_BLOCK_WHEN = "unequal"
 FP32_MIN_KEY_BLOCK_CHOICES = ("wider_value", "unequal", "narrow")
 
 

@@ -68,6 +68,11 @@ BACKWARD_FOLD_STRENGTHS = False
 # 1: (8, 4096, 16, 128) 3.543 → 3.391 ms, (1, 32768, 16, 128) 5.895 → 5.734, (8, 2048, 32, 256)
 # 11.709 → 11.080, (16, 2048, 32, 64) 3.342 both (one tile is the whole head there).
 REBUILD_TILES = 64
+# The rebuild's warps and register cap (0: none), apart from the prepare's: its programs are
+# short (one 64 x 64 x 64 product each), so how many an SM holds decides its time (issue 32,
+# session 20: 0.50 ms at (16, 2048, 32, 64) bf16 against fla's recompute_w_u 0.17 ms).
+REBUILD_WARPS = 4
+REBUILD_MAXNREG = 168
 
 
 def t_dtype(dot_dtype: torch.dtype, *, kept_alone: bool) -> torch.dtype:
@@ -94,6 +99,35 @@ def _all_finite(x):
 def _first_bad(finite):
     """Index in the chunk of the first token that is not finite (CHUNK: none)."""
     return tl.min(tl.where(finite, CHUNK, tl.arange(0, CHUNK)), axis=0)
+
+
+@triton.jit
+def chunk_strengths(
+    lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H,
+    HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr,
+):  # fmt: skip
+    """The rule's strengths ``a, b`` of a chunk's tokens from ``λ = ‖k‖²`` (0 past eos and at a
+    token that is not finite), which tokens are finite (``ok``: docs/design.md §8: a token whose
+    key, β, strengths or log α is not finite, x·0 being NaN unless x is, takes no part in any
+    product) and ``γ_i = Σ_{j≤i} log α_j`` over the finite ones. The prepare's and the rebuild's
+    (rebuild.py) one copy: the rebuilt W, Ũ must be the prepare's bit for bit."""
+    b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
+    a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
+    ok = (lam * 0.0 + a * 0.0 + b * 0.0 + b_g * 0.0) == 0.0
+    a = tl.where(ok & mask_t, a, 0.0)
+    b = tl.where(ok & mask_t, b, 0.0)
+    gamma = tl.cumsum(tl.where(ok, b_g, 0.0), axis=0)
+    return a, b, ok, gamma
+
+
+@triton.jit
+def w_operand(b_k, ok, scale, FOLD: tl.constexpr):
+    """The right operand of W's product for a key tile: K as loaded (FOLD: the strengths are
+    in T's columns already) or diag(aΓ) K in fp32; a token that is not finite zeroed."""
+    if FOLD:
+        return tl.where(ok[:, None], b_k, 0.0)
+    else:
+        return tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
 
 
 @triton.jit
@@ -223,16 +257,12 @@ def chunk_prepare_kernel(
         if not T_GIVEN:
             kk += tl.dot(b_k.to(DT), tl.trans(b_k.to(DT)), input_precision=PREC)
 
-    b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
-    a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
-    # Non-finite inputs (docs/design.md §8): a token whose key, β, strengths or log α is not
-    # finite (x·0 is NaN unless x is finite) takes no part in any product; the later stages
-    # make the outputs NaN from the chunk's first such token on.
-    ok = (lam * 0.0 + a * 0.0 + b * 0.0 + b_g * 0.0) == 0.0
+    # a token that is not finite takes no part in any product; the later stages make the
+    # outputs NaN from the chunk's first such token on
+    a, b, ok, gamma = chunk_strengths(
+        lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
+    )
     first_bad = _first_bad(ok)
-    a = tl.where(ok & mask_t, a, 0.0)
-    b = tl.where(ok & mask_t, b, 0.0)
-    gamma = tl.cumsum(tl.where(ok, b_g, 0.0), axis=0)  # γ_i = Σ_{j≤i} log α_j
 
     t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
     if T_GIVEN:  # as this kernel stored it (t_dtype: rounded only where every reader rounds it
@@ -254,11 +284,7 @@ def chunk_prepare_kernel(
         T_dt = T.to(DT)
     for c in range(k_lo, k_hi, TILE):
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-        if FOLD:
-            x = tl.where(ok[:, None], b_k, 0.0)
-        else:
-            x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
-        w = mm(T_dt, x, PREC, DT)
+        w = mm(T_dt, w_operand(b_k, ok, scale, FOLD), PREC, DT)
         store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
 
     # A value tile is checked by the sum of its Ũ tile: only a tile with a non-finite value row
@@ -347,7 +373,7 @@ def launch_rebuild(
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
-    block = _tile(k, v) * REBUILD_TILES
+    block = tile(k, v) * REBUILD_TILES
     _launch(
         (tables.n_chunks * (cdiv(Dk, block) + cdiv(Dv, block)), H),
         k,
@@ -367,8 +393,22 @@ def launch_rebuild(
     )
 
 
-def _tile(k: Tensor, v: Tensor) -> int:
+def tile(k: Tensor, v: Tensor) -> int:
+    """Head columns per step of the column loops (the rebuild's too)."""
     return min(PREPARE_TILE, head_block(max(k.shape[3], v.shape[3]), k.dtype))
+
+
+def backward_settings(dtype: torch.dtype, *, t_given: bool) -> dict[str, bool | str]:
+    """The products' settings of a launch over ``dtype`` inputs: the forward's, or, where T is
+    stored or given (``t_given``) in half precision, the backward's (see above). One place for
+    the prepare and the rebuild (rebuild.py), whose W and Ũ must round alike."""
+    low = PREPARE_LOW_PRECISION_DOTS and dtype != torch.float32
+    backward = t_given and low
+    return {
+        "LOW_PRECISION_DOTS": low,
+        "FOLD": BACKWARD_FOLD_STRENGTHS if backward else PREPARE_FOLD_STRENGTHS,
+        "T_PREC": (BACKWARD_T_PRECISION if backward else None) or dot_precision(dtype),
+    }
 
 
 def _launch(
@@ -390,8 +430,7 @@ def _launch(
     block: int,
 ) -> None:
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
-    low = PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32
-    backward = t is not None and low  # the backward's own settings (see above)
+    settings = backward_settings(k.dtype, t_given=t is not None)
     chunk_prepare_kernel[grid](
         k_ptr=k,
         v_ptr=v,
@@ -408,18 +447,22 @@ def _launch(
         H=H,
         Dk=Dk,
         Dv=Dv,
-        TILE=_tile(k, v),
+        TILE=tile(k, v),
         rule=kernel_id,
         neg=int(negative_eigenvalues),
         HAS_BETA=beta is not None,
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(k.dtype),
-        T_PREC=(BACKWARD_T_PRECISION if backward else None) or dot_precision(k.dtype),
+        T_PREC=settings["T_PREC"],
         DIAG_PREC=PREPARE_DIAG_PRECISION,
-        LOW_PRECISION_DOTS=low,
-        FOLD=BACKWARD_FOLD_STRENGTHS if backward else PREPARE_FOLD_STRENGTHS,
+        LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
+        FOLD=settings["FOLD"],
         T_GIVEN=t_given,
         BLOCK=block,
-        num_warps=PREPARE_WARPS,
-        **({} if PREPARE_MAXNREG is None else {"maxnreg": PREPARE_MAXNREG}),
+        num_warps=REBUILD_WARPS if t_given else PREPARE_WARPS,
+        **_maxnreg(REBUILD_MAXNREG if t_given else PREPARE_MAXNREG),
     )
+
+
+def _maxnreg(cap: int | None) -> dict[str, int]:
+    return {"maxnreg": cap} if cap else {}

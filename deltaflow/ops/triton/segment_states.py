@@ -455,7 +455,7 @@ def launch_segmented_states(
         HAS_S0=initial_state is not None,
         PREC=dot_precision(k.dtype),
         num_warps=states.STATES_WARPS,
-        num_stages=states.STATES_STAGES,
+        num_stages=states.states_stages(key_block(Dk, Dv, k.dtype), split=False),
     )
     entering = chain_segments(
         trans,

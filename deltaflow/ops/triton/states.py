@@ -53,7 +53,14 @@ FUSED_STAGES = 2
 FUSED_STAGES_FP32 = 1  # fp32 operands at D = 256 needed 401 KB of shared memory with 2
 TWO_PASS_BV = 64  # the forward's state pass; 32 crashes in bf16 on Hopper with Triton 3.6
 STATES_WARPS = 4
-STATES_STAGES = 1
+# The forward's and the recomputed state pass's pipeline stages (the next chunk's loads in flight
+# during a latency-bound step), at key blocks up to STATES_STAGES_MAX_BK and not in the split
+# kernels (states_stages). Measured (H200, session 20 call 1, bf16, 2 against 1): (1, 32768, 16,
+# 128) forward 1.509 → 1.371 ms, forward + backward 5.819 → 5.554; (8, 4096, 16, 128) 3.439 →
+# 3.389; (16, 2048, 32, 64) 3.375 → 3.342; but the split kernels at D = 256 11.24 → 11.60 (AOT:
+# one program an SM there instead of two, benchmarks/NOTES.md "session 18").
+STATES_STAGES = 2
+STATES_STAGES_MAX_BK = 128
 BWD_STATES_BV = 64  # the state pass recomputed by the backward
 DSTATES_BV = 64
 DSTATES_WARPS = 4
@@ -313,6 +320,12 @@ def chunk_states_kernel(
     tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S + poison, mask=state_mask)
 
 
+def states_stages(BK: int, *, split: bool) -> int:
+    """Pipeline stages of a forward state pass over key blocks of ``BK`` rows (``split``: the
+    row-block kernels of states_split.py): STATES_STAGES where it was measured to help."""
+    return STATES_STAGES if BK <= STATES_STAGES_MAX_BK and not split else 1
+
+
 def launch_states(
     k: Tensor,
     *,
@@ -356,7 +369,7 @@ def launch_states(
         HAS_S0=initial_state is not None,
         PREC=dot_precision(k.dtype),
         **launch,
-        num_stages=STATES_STAGES,
+        num_stages=states_stages(BK, split="BKS" in launch),
     )
 
 

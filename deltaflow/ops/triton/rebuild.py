@@ -1,0 +1,175 @@
+"""The backward's W and Ũ from the T the forward kept (``triton_backend.SAVE_FOR_BACKWARD =
+"t"``): W = T diag(aΓ) K and Ũ = T diag(b) V, (4) of docs/design.md §3, without the prepare's
+K Kᵀ and solve. The prepare's own lines (prepare.py: ``chunk_strengths``, ``w_operand``, its
+roundings), so the rebuilt W, Ũ are the recomputing backward's bit for bit and the gradients of
+"t" are those of "none".
+
+``chunk_rebuild_kernel`` is the lean form (issue 32, session 20): one program per chunk and head
+writes both W and Ũ, as fla's recompute_w_u does, and holds nothing else. The prepare kernel
+under its ``T_GIVEN`` flag (``REBUILD_KERNEL = "prepare"``) carried the prepare's registers
+(170 a thread at 4 warps, AOT sm_90: three programs an SM) and took 0.50 ms at (16, 2048, 32,
+64) bf16 on the H200 against fla's 0.17 (session 20, call 1): its programs are short, so how
+many an SM holds decides the time.
+
+A value tile with a row that is not finite has that row zeroed before its product, as the
+prepare does when the tile's Ũ is not finite (the same product where every row is finite: a
+non-finite row always makes Ũ non-finite, T's diagonal being 1); the kept ``first_bad`` already
+counts it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from deltaflow.ops.triton import prepare
+from deltaflow.ops.triton.common import (
+    CHUNK,
+    ChunkTables,
+    chunk_bounds,
+    dot_precision,
+    load_rows,
+    mm,
+    store_rows,
+)
+from deltaflow.ops.triton.prepare import chunk_strengths, w_operand
+
+# "lean" (chunk_rebuild_kernel) or "prepare" (the prepare kernel with T_GIVEN, in
+# prepare.REBUILD_TILES column blocks a program).
+REBUILD_KERNEL = "lean"
+REBUILD_CHOICES = ("lean", "prepare")
+# The lean kernel's warps and register cap (0: none).
+LEAN_WARPS = 4
+LEAN_MAXNREG = 0
+
+
+@triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
+def chunk_rebuild_kernel(
+    k_ptr,
+    v_ptr,
+    beta_ptr,
+    g_ptr,
+    t_ptr,
+    w_ptr,
+    u_ptr,
+    cu_seqlens_ptr,
+    chunk_indices_ptr,
+    eps,
+    rule,
+    neg,
+    H: tl.constexpr,
+    Dk: tl.constexpr,
+    Dv: tl.constexpr,
+    TILE: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    PREC: tl.constexpr,
+    LOW_PRECISION_DOTS: tl.constexpr,
+    FOLD: tl.constexpr,
+):
+    """W and Ũ of chunk program_id(0), head program_id(1), from its kept T."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    rows = tl.arange(0, CHUNK)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
+    cols = tl.arange(0, TILE)
+    DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
+    # T first: its load is in flight while λ is summed
+    t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
+    T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :])
+    lam = tl.zeros([CHUNK], dtype=tl.float32)
+    for c in range(0, Dk, TILE):
+        k32 = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk).to(tl.float32)
+        lam += tl.sum(k32 * k32, axis=1)
+    a, b, ok, gamma = chunk_strengths(
+        lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
+    )
+    scale = a * tl.exp(gamma)
+    if FOLD:  # T in fp32 here (prepare.t_dtype)
+        T_dt = (T * scale[None, :]).to(DT)
+    else:
+        T_dt = T.to(DT)
+    for c in range(0, Dk, TILE):  # the keys again: from L1/L2
+        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+        w = mm(T_dt, w_operand(b_k, ok, scale, FOLD), PREC, DT)
+        store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+    if FOLD:
+        T_dt = (T * b[None, :]).to(DT)
+    for c in range(0, Dv, TILE):
+        v32 = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
+        y = v32 if FOLD else b[:, None] * v32
+        finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
+        u = mm(T_dt, tl.where(finite[:, None], y, 0.0), PREC, DT)
+        store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
+
+
+def launch_rebuild(
+    k: Tensor,
+    v: Tensor,
+    *,
+    beta: Tensor | None,
+    log_decay: Tensor | None,
+    tables: ChunkTables,
+    kernel_id: int,
+    negative_eigenvalues: bool,
+    eps: float,
+    t: Tensor,
+    first_bad: Tensor,
+    w: Tensor,
+    u: Tensor,
+) -> None:
+    """Fill ``w`` and ``u`` from ``t`` and ``first_bad`` as prepare.launch_prepare stored them
+    (the forward's, kept): the backward's prepare without K Kᵀ and the solve, the same W and Ũ
+    (the same lines and roundings on the same T)."""
+    if REBUILD_KERNEL not in REBUILD_CHOICES:
+        raise ValueError(
+            f"rebuild.REBUILD_KERNEL must be one of {', '.join(REBUILD_CHOICES)}, "
+            f"got {REBUILD_KERNEL!r}"
+        )
+    if REBUILD_KERNEL == "prepare":
+        prepare.launch_rebuild(
+            k,
+            v,
+            beta=beta,
+            log_decay=log_decay,
+            tables=tables,
+            kernel_id=kernel_id,
+            negative_eigenvalues=negative_eigenvalues,
+            eps=eps,
+            t=t,
+            first_bad=first_bad,
+            w=w,
+            u=u,
+        )
+        return
+    if tables.n_chunks == 0:
+        return
+    H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
+    settings = prepare.backward_settings(k.dtype, t_given=True)
+    chunk_rebuild_kernel[(tables.n_chunks, H)](
+        k_ptr=k,
+        v_ptr=v,
+        beta_ptr=k if beta is None else beta,  # absent pointers are never read: flags say so
+        g_ptr=k if log_decay is None else log_decay,
+        t_ptr=t,
+        w_ptr=w,
+        u_ptr=u,
+        cu_seqlens_ptr=tables.cu_seqlens,
+        chunk_indices_ptr=tables.chunk_indices,
+        eps=eps,
+        rule=kernel_id,
+        neg=int(negative_eigenvalues),
+        H=H,
+        Dk=Dk,
+        Dv=Dv,
+        TILE=prepare.tile(k, v),
+        HAS_BETA=beta is not None,
+        HAS_DECAY=log_decay is not None,
+        PREC=dot_precision(k.dtype),
+        LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
+        FOLD=settings["FOLD"],
+        num_warps=LEAN_WARPS,
+        **({"maxnreg": LEAN_MAXNREG} if LEAN_MAXNREG else {}),
+    )
