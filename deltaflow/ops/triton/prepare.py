@@ -70,6 +70,13 @@ BACKWARD_FOLD_STRENGTHS = False
 REBUILD_TILES = 64
 
 
+def low_precision(dot_dtype: torch.dtype) -> bool:
+    """Whether a launch of ``dot_dtype`` takes the low-precision dots, and with them, T stored,
+    the backward's roundings (BACKWARD_*): the forward's and the backward's prepare then round W
+    and Ũ apart. Otherwise (fp32) both are one compiled kernel, the same W and Ũ."""
+    return PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32
+
+
 def t_dtype(dot_dtype: torch.dtype, *, kept_alone: bool) -> torch.dtype:
     """The dtype T is stored in for the backward. Kept alone (SAVE_FOR_BACKWARD "t", where its
     bytes are the point): the launch's dot dtype where every reader of T rounds it to that
@@ -79,7 +86,7 @@ def t_dtype(dot_dtype: torch.dtype, *, kept_alone: bool) -> torch.dtype:
     before the rounding). The other modes keep fp32, their kernels as the GPU validated them:
     a rounded T there changes the gradient kernels' spills (benchmarks/NOTES.md, "Issue 32,
     session 19"), untimed."""
-    low = PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32
+    low = low_precision(dot_dtype)
     return dot_dtype if kept_alone and low and not BACKWARD_FOLD_STRENGTHS else torch.float32
 
 
@@ -390,7 +397,7 @@ def _launch(
     block: int,
 ) -> None:
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
-    low = PREPARE_LOW_PRECISION_DOTS and k.dtype != torch.float32
+    low = low_precision(k.dtype)
     backward = t is not None and low  # the backward's own settings (see above)
     chunk_prepare_kernel[grid](
         k_ptr=k,
