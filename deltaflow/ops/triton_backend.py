@@ -23,6 +23,7 @@ settings.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -53,13 +54,14 @@ try:
     from deltaflow.ops.triton.decode import decode_tokens
     from deltaflow.ops.triton.gradients import launch_gradients, scratch_matrices, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
-    from deltaflow.ops.triton.prepare import launch_prepare, t_dtype
+    from deltaflow.ops.triton.prepare import launch_prepare, low_precision, t_dtype
     from deltaflow.ops.triton.rebuild import launch_rebuild
     from deltaflow.ops.triton.segment_states import (
         SegmentTables,
         launch_segmented_dstates,
         launch_segmented_states,
         segment_tables,
+        step_blocks,
     )
     from deltaflow.ops.triton.states import launch_dstates, launch_forward, launch_states
 
@@ -112,6 +114,14 @@ SEQUENCE_PARALLEL_STATES = "auto"
 SEGMENT_CHUNKS = 0
 SEGMENT_WAVES = 2
 SEGMENT_MIN_CHUNKS = 4
+# Where the forward runs its state pass in segments and a backward will recompute that pass
+# ("none", "prepare", "t"), the forward keeps the state entering each segment (fp32, Dk x Dv a
+# segment and head: (1, 32768, 16, 128) 9 segments, 18 B per token and head) and the backward's
+# recompute starts each segment from it: segment_states_kernel and the chain run once, not twice
+# (predicted -0.35 to -0.40 ms there; benchmarks/NOTES.md "Issue 32, session 20"). The same
+# gradients to the bit, so only where the recompute would get the same states (kept_segment_rows:
+# else it recomputes them, as with this off).
+KEEP_SEGMENT_STATES = True
 
 
 def _output(*shape: int, like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -169,8 +179,10 @@ def _save_mode(*inputs: Tensor | None) -> str:
             f"{SAVE_FOR_BACKWARD!r}"
         )
     needed = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    if SAVE_FOR_BACKWARD == "none" or not needed:
+    if not needed:
         return "none"
+    if SAVE_FOR_BACKWARD == "none":  # the segments' entering states alone, where kept
+        return "segments" if KEEP_SEGMENT_STATES else "none"
     if SAVE_FOR_BACKWARD == "states" and BACKWARD_STATES_FP32:
         return "states_fp32"  # h as the backward would have stored it
     return SAVE_FOR_BACKWARD
@@ -199,13 +211,29 @@ def segment_length(
         )
     if SEQUENCE_PARALLEL_STATES == "off" or n_chunks == 0:
         return 0
-    blocks = H * cdiv(Dv, min(block_v, head_block(Dv)))  # programs per sequence
+    blocks = _programs(H, Dv, block_v)
     if SEQUENCE_PARALLEL_STATES == "auto" and N * blocks >= sms:
         return 0
     chunks = SEGMENT_CHUNKS or max(SEGMENT_MIN_CHUNKS, cdiv(n_chunks * blocks, SEGMENT_WAVES * sms))
     if not SEGMENT_CHUNKS and not packed:  # equal segments: 64 chunks in 2 x 32, not 63 + 1
         chunks = cdiv(cdiv(T, CHUNK.value), cdiv(cdiv(T, CHUNK.value), chunks))
     return chunks
+
+
+def _programs(H: int, Dv: int, block_v: int) -> int:
+    """Programs a sequence of a state pass of ``block_v`` value columns (segment_length's load)."""
+    return H * cdiv(Dv, min(block_v, head_block(Dv)))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    return 132 if interpreting() else common.multiprocessors(device)  # an H100's off the GPU
+
+
+def _dense_length(B: int, T: int, H: int, Dv: int, sms: int, block_v: int) -> int:
+    """:func:`segment_length` over ``B`` rows of ``T`` tokens, 0 where a row is one segment."""
+    chunks = cdiv(T, CHUNK.value)
+    length = segment_length(B, T, False, B * chunks, H, Dv, block_v, sms)
+    return length if chunks > length > 0 else 0
 
 
 def dense_segments(B: int, T: int, H: int, Dv: int, sms: int, block_v: int | None = None) -> bool:
@@ -215,60 +243,76 @@ def dense_segments(B: int, T: int, H: int, Dv: int, sms: int, block_v: int | Non
     if block_v is None:  # the forward's, the backward's recomputed and its reverse pass
         bvs = (states.TWO_PASS_BV, states.BWD_STATES_BV, states.DSTATES_BV)
         return any(dense_segments(B, T, H, Dv, sms, bv) for bv in bvs)
-    chunks = cdiv(T, CHUNK.value)
-    length = segment_length(B, T, False, B * chunks, H, Dv, block_v, sms)
-    return length > 0 and chunks > length
+    return _dense_length(B, T, H, Dv, sms, block_v) > 0
 
 
 def _segments(
     tables: ChunkTables, B: int, T: int, packed: bool, H: int, Dv: int, block_v: int
 ) -> SegmentTables | None:
     """The segments a state pass of ``block_v`` value columns runs in, or None: sequential."""
-    sms = 132 if interpreting() else common.multiprocessors(tables.cu_seqlens.device)
+    sms = _multiprocessors(tables.cu_seqlens.device)
     N = tables.cu_seqlens.numel() - 1
     chunks = segment_length(N, T, packed, tables.n_chunks, H, Dv, block_v, sms)
     segments = segment_tables(tables, B, T, packed, chunks) if chunks else None
     return segments if segments is not None and segments.slots > 0 else None
 
 
+def kept_segment_rows(save: str, q: Tensor, v: Tensor, cu_seqlens: Tensor | None) -> int:
+    """Rows of the segments' entering states ``save`` keeps (triton_ops.kept_layout), from the
+    inputs' shapes, dtype and device alone; 0: none. Kept where the forward's state pass runs in
+    segments and the backward's recompute would get these very states: from the same W and Ũ
+    (prepare's roundings: "t" and "prepare" run the backward's in the forward; "segments" keeps
+    the forward's own, the same kernel only where it takes no low-precision dots), in the same
+    segments (segment_length reads the value block through _programs), step 1 in the same
+    blocks. Elsewhere the backward recomputes them, as without KEEP_SEGMENT_STATES. A dense
+    batch's segments; for packed ones a bound (their count depends on the offsets' values):
+    Σ max(1, ⌈c_n / L⌉) ≤ N + chunks / L, L being SEGMENT_CHUNKS, or at least both
+    SEGMENT_MIN_CHUNKS and chunks · programs / (SEGMENT_WAVES · multiprocessors)."""
+    (B, T, H, Dk), Dv, names = q.shape, v.shape[-1], SAVE_MODES[save]
+    if not KEEP_SEGMENT_STATES or "entering" not in names:
+        return 0
+    dt, bv, bwd = dot_dtype(q.dtype, Dk, Dv), states.TWO_PASS_BV, states.BWD_STATES_BV
+    if "t" not in names and low_precision(dt):
+        return 0
+
+    def key(b: int) -> tuple[int, tuple[int, int, int]]:  # how the block reaches the states
+        return _programs(H, Dv, b), step_blocks(Dk, Dv, b, dt)
+
+    if bwd != bv and key(bv) != key(bwd):  # the backward's recompute: other segments or blocks
+        return 0
+    sms = _multiprocessors(q.device)
+    if cu_seqlens is None:
+        length = _dense_length(B, T, H, Dv, sms, bv)
+        return B * cdiv(cdiv(T, CHUNK.value), length) if length else 0
+    N, n = cu_seqlens.shape[0] - 1, chunk_rows(B, T, cu_seqlens)
+    if not segment_length(N, T, True, n, H, Dv, bv, sms):
+        return 0
+    if SEGMENT_CHUNKS:
+        return N + n // SEGMENT_CHUNKS
+    return N + min(n // SEGMENT_MIN_CHUNKS, SEGMENT_WAVES * sms // _programs(H, Dv, bv))
+
+
 def _prepare(
     k: Tensor,
     v: Tensor,
     *,
-    beta: Tensor | None,
-    log_decay: Tensor | None,
-    tables: ChunkTables,
-    kernel_id: int,
-    negative_eigenvalues: bool,
-    eps: float,
     store_t: bool,
     t_alone: bool = False,
     rows: int | None = None,
+    **rule: Any,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """(3)–(4): W and Ũ laid out like k and v, T per chunk when asked (``t_alone``: the one
     tensor kept, in prepare.t_dtype's rounded form), and each chunk's first non-finite token
-    (``rows`` per-chunk rows, default the chunk count)."""
+    (``rows`` per-chunk rows, default the chunk count). ``rule``: launch_prepare's β, log α,
+    tables, rule and its flags (the callers' ``rule`` dict)."""
     B, T, H, Dk = k.shape
-    n = rows or max(tables.n_chunks, 1)
+    n = rows or max(rule["tables"].n_chunks, 1)
     w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
     u = _output(B, T, H, v.shape[-1], like=k, dtype=k.dtype)
     t_dt = t_dtype(k.dtype, kept_alone=t_alone)
     t = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=t_dt) if store_t else None
     first_bad = _output(n, H, like=k, dtype=torch.int32)
-    launch_prepare(
-        k,
-        v,
-        beta=beta,
-        log_decay=log_decay,
-        tables=tables,
-        kernel_id=kernel_id,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
-        w=w,
-        u=u,
-        t=t,
-        first_bad=first_bad,
-    )
+    launch_prepare(k, v, w=w, u=u, t=t, first_bad=first_bad, **rule)
     return w, u, t, first_bad
 
 
@@ -286,10 +330,12 @@ def _state_pass(
     rows: int | None = None,
     final_state: Tensor | None = None,
     segments: SegmentTables | None = None,
+    **kept: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(4), (6): the state entering every chunk (h, in ``h_dtype``, default the dot dtype; ``rows``
     chunk rows, default the chunk count), U (v_new) and the final state (into ``final_state``
-    when given); across ``segments`` (``_segments``) when given."""
+    when given); across ``segments`` (``_segments``) when given, the segments' entering states
+    kept or taken as ``kept`` says (launch_segmented_states' ``keep``, ``entering``)."""
     B, T, H, Dk = k.shape
     Dv = u.shape[-1]
     N = tables.cu_seqlens.numel() - 1
@@ -302,7 +348,7 @@ def _state_pass(
     if segments is None:
         launch_states(k, **kwargs)
     else:
-        launch_segmented_states(k, segments=segments, output=_output, **kwargs)
+        launch_segmented_states(k, segments=segments, output=_output, **kept, **kwargs)
     return h, v_new, final_state
 
 
@@ -335,22 +381,17 @@ def _forward(
     rows = chunk_rows(B, T, cu_seqlens) if keep else None
     # Keeping T makes this the backward's prepare (prepare.launch_prepare: T stored, and in half
     # precision the backward's roundings), so the backward gets what it would have recomputed.
-    w, u, t, first_bad = _prepare(
-        k,
-        v,
-        beta=beta,
-        log_decay=log_decay,
-        tables=tables,
-        kernel_id=kernel_id,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
-        store_t="t" in keep,
-        t_alone=save == "t",
-        rows=rows,
-    )
-    found = {"w": w, "u": u, "t": t, "first_bad": first_bad}
+    rule = dict(beta=beta, log_decay=log_decay, tables=tables, kernel_id=kernel_id)
+    rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)
+    w, u, t, first_bad = _prepare(k, v, store_t="t" in keep, t_alone=save == "t", rows=rows, **rule)
     o = _output(B, T, H, Dv, like=q, dtype=v_dtype)
     segments = _segments(tables, B, T, cu_seqlens is not None, H, Dv, states.TWO_PASS_BV)
+    n_kept = kept_segment_rows(save, q, v, cu_seqlens)  # 0: none kept (0 rows if in keep)
+    entering = (
+        _output(n_kept, H, Dk, Dv, like=q, dtype=torch.float32) if "entering" in keep else None
+    )
+    found = {"w": w, "u": u, "t": t, "first_bad": first_bad, "entering": entering}
+    outputs = dict(log_decay=log_decay, first_bad=first_bad, tables=tables, scale=scale, o=o)
     # Keeping h takes the two-pass form whatever its size: only its state pass stores h and U;
     # so does the sequence-parallel state pass (the fused forward is one pass a sequence).
     if "h" in keep or segments is not None or _use_two_pass(N, H, Dv, q.device):
@@ -366,39 +407,21 @@ def _forward(
             h_dtype=torch.float32 if save == "states_fp32" else None,
             rows=rows,
             segments=segments,
+            keep=entering if n_kept else None,
         )
-        launch_outputs(
-            q,
-            k,
-            h=h,
-            v_new=v_new,
-            log_decay=log_decay,
-            first_bad=first_bad,
-            tables=tables,
-            scale=scale,
-            o=o,
-        )
+        launch_outputs(q, k, h=h, v_new=v_new, **outputs)
         found.update(h=h, v_new=v_new)
     else:
         final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
-        launch_forward(
-            q,
-            k,
-            w=w,
-            u=u,
-            log_decay=log_decay,
-            initial_state=s0,
-            first_bad=first_bad,
-            tables=tables,
-            scale=scale,
-            o=o,
-            final_state=final_state,
-        )
+        launch_forward(q, k, w=w, u=u, initial_state=s0, final_state=final_state, **outputs)
     kept = {name: found[name] for name in keep}
     if rows is not None and rows > tables.n_chunks:  # packed sequences: the bound's spare rows
         for name in ("t", "first_bad", "h"):
             if name in kept:
                 kept[name][tables.n_chunks :].zero_()
+    n_seg = 0 if segments is None else segments.fwd_row.numel()
+    if n_kept > n_seg:  # packed sequences: the bound's spare rows (all where none ran segments)
+        entering[n_seg:].zero_()
     return o, final_state, kept
 
 
@@ -438,41 +461,21 @@ def _backward(
     # The recomputed state pass's final state is not needed, nor, without an initial state, its
     # gradient: one buffer takes both (the reverse pass writes it after the state pass).
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
+    rule = dict(beta=beta, log_decay=log_decay, tables=tables, kernel_id=kernel_id)
+    rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)  # prepare's and gradients'
     if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
         w, u, t, first_bad = (kept.get(name) for name in ("w", "u", "t", "first_bad"))
     elif "t" in kept:  # its T alone ("t"): W and Ũ rebuilt from it, no solve
         t, first_bad = kept["t"], kept["first_bad"]
         w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
         u = _output(B, T, H, Dv, like=k, dtype=k.dtype)
-        launch_rebuild(
-            k,
-            v,
-            beta=beta,
-            log_decay=log_decay,
-            tables=tables,
-            kernel_id=kernel_id,
-            negative_eigenvalues=negative_eigenvalues,
-            eps=eps,
-            t=t,
-            first_bad=first_bad,
-            w=w,
-            u=u,
-        )
+        launch_rebuild(k, v, t=t, first_bad=first_bad, w=w, u=u, **rule)
     else:
-        w, u, t, first_bad = _prepare(
-            k,
-            v,
-            beta=beta,
-            log_decay=log_decay,
-            tables=tables,
-            kernel_id=kernel_id,
-            negative_eigenvalues=negative_eigenvalues,
-            eps=eps,
-            store_t=True,
-        )
+        w, u, t, first_bad = _prepare(k, v, store_t=True, **rule)
     if "h" in kept:  # the forward's state pass ("states")
         h, v_new = kept["h"], kept["v_new"]
     else:
+        entering = kept.get("entering")
         h, v_new, _ = _state_pass(
             k,
             w=w,
@@ -485,6 +488,8 @@ def _backward(
             h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
             final_state=None if initial_state is not None else ds0,
             segments=_segments(tables, B, T, packed, H, Dv, states.BWD_STATES_BV),
+            # the forward's, where it kept them (kept_segment_rows: the states this pass gets)
+            entering=entering if entering is not None and entering.shape[0] else None,
         )
     # dh in h's dtype: float32 with BACKWARD_STATES_FP32 (or fp32 inputs), else the dot dtype
     dh = _output(n, H, Dk, Dv, like=q, dtype=h.dtype)
@@ -506,18 +511,12 @@ def _backward(
         q,
         k,
         v,
-        beta=beta,
-        log_decay=log_decay,
         t=t,
         h=h,
         v_new=v_new,
         dh=dh,
         du=du,
         grad_o=do,
-        tables=tables,
-        kernel_id=kernel_id,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
         scale=scale,
         # value side → M_P, M_A (C×C per chunk, dot dtype) and row vectors (fp32; scratch_rows);
         # none for the fused kernel
@@ -528,6 +527,7 @@ def _backward(
         dv=dv,
         dbeta=dbeta,
         dlog_decay=dg,
+        **rule,
     )
     dg = rule_table.layer_log_decay_grad(kernel_id, dg, layer_log_decay)
     grads = [dq, dk, dv, dbeta, dg, ds0 if initial_state is not None else None]

@@ -9,17 +9,26 @@ module when it loads, never the reverse): the backend's switches live beside the
 them, and a checking script may swap those functions (``benchmarks/half_grad_draws.py``).
 
 What the forward keeps for the backward (``save``, from ``triton_backend.SAVE_FOR_BACKWARD``) is
-returned as six extra outputs, in :data:`KEPT`'s order, marked non-differentiable; autograd
+returned as seven extra outputs, in :data:`KEPT`'s order, marked non-differentiable; autograd
 saves them and hands them to the backward op, which then skips what it would have recomputed
 (benchmarks/NOTES.md, "Issue 31/32, session 16"):
 
-- ``"none"``: nothing but the inputs; the backward recomputes prepare and the state pass.
+- ``"none"``: nothing but the inputs (and the op's save where no backward will run: inference);
+  the backward recomputes prepare and the state pass.
+- ``"segments"``: "none" where a backward will run: the segments' entering states alone (see
+  "entering" below).
 - ``"prepare"``: W, Ũ, T and first_bad of the forward's prepare; the backward's state pass stays.
 - ``"states"``: W, T and the forward's state pass's h (S_0 of every chunk) and U: nothing is
   recomputed. ``"states_fp32"``: the same with h in float32 (``BACKWARD_STATES_FP32``).
 - ``"t"``: T and first_bad alone (fla's memory: its A); the backward rebuilds W and Ũ from T
   (``triton/rebuild.py``: the prepare's lines without K Kᵀ and the solve), then runs
   the state pass (benchmarks/NOTES.md, "Issue 32, session 19").
+
+"entering", kept by every mode whose backward recomputes the state pass ("segments", "prepare",
+"t"): the state entering each segment of a forward that ran its state pass in segments
+(``triton_backend.KEEP_SEGMENT_STATES``; 0 rows where it keeps none, ``kept_segment_rows``), from
+which the backward's recompute runs that pass's last step alone (benchmarks/NOTES.md, "Issue 32,
+session 20").
 
 Every slot is returned whatever the mode (an empty tensor where it keeps nothing): one schema.
 """
@@ -33,13 +42,14 @@ from torch import Tensor
 
 from deltaflow.ops.chunk import TRITON_CHUNK_SIZE
 
-KEPT = ("w", "u", "t", "first_bad", "h", "v_new")
+KEPT = ("w", "u", "t", "first_bad", "h", "v_new", "entering")
 SAVE_MODES = {
     "none": (),
-    "prepare": ("w", "u", "t", "first_bad"),
+    "segments": ("entering",),
+    "prepare": ("w", "u", "t", "first_bad", "entering"),
     "states": ("w", "t", "h", "v_new"),
     "states_fp32": ("w", "t", "h", "v_new"),
-    "t": ("t", "first_bad"),
+    "t": ("t", "first_bad", "entering"),
 }
 
 
@@ -98,25 +108,30 @@ def kept_layout(
     save: str, q: Tensor, v: Tensor, cu_seqlens: Tensor | None
 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shape and dtype of each tensor that ``save`` keeps, as the fake forward returns them; the
-    real one allocates the same (its per-chunk rows from :func:`chunk_rows`), which
-    ``torch.library.opcheck`` compares (tests/test_triton_interpret.py)."""
+    real one allocates the same (its per-chunk rows from :func:`chunk_rows`, its per-segment
+    ones from ``triton_backend.kept_segment_rows``), which ``torch.library.opcheck`` compares
+    (tests/test_triton_interpret.py)."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     dt = dot_dtype(q.dtype, Dk, Dv)
     n, C = chunk_rows(B, T, cu_seqlens), TRITON_CHUNK_SIZE
+    backend, names = _backend(), SAVE_MODES[save]
     every = {
         "w": ((B, T, H, Dk), dt),
         "u": ((B, T, H, Dv), dt),
-        "t": ((n, H, C, C), _backend().t_dtype(dt, kept_alone=save == "t")),
+        "t": ((n, H, C, C), backend.t_dtype(dt, kept_alone=save == "t")),
         "first_bad": ((n, H), torch.int32),
         "h": ((n, H, Dk, Dv), torch.float32 if save == "states_fp32" else dt),
         "v_new": ((B, T, H, Dv), dt),
     }
-    return {name: every[name] for name in SAVE_MODES[save]}
+    if "entering" in names:  # the segments' entering states (fp32, as the chain writes them)
+        rows = backend.kept_segment_rows(save, q, v, cu_seqlens)
+        every["entering"] = ((rows, H, Dk, Dv), torch.float32)
+    return {name: every[name] for name in names}
 
 
 def _slots(kept: dict[str, Tensor], like: Tensor) -> tuple[Tensor, ...]:
-    """The six kept slots in KEPT's order, an empty tensor where ``kept`` has none."""
+    """The kept slots in KEPT's order, an empty tensor where ``kept`` has none."""
     return tuple(kept[name] if name in kept else like.new_empty(0) for name in KEPT)
 
 
@@ -134,8 +149,8 @@ def _chunk_fwd(
     scale: float,
     chunk_size: int,
     save: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(o, final_state, *the six kept slots)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, final_state, *the seven kept slots)."""
     backend = _backend()
     backend._check_chunk_size(chunk_size)
     if save not in SAVE_MODES:
@@ -189,6 +204,7 @@ def _chunk_bwd(
     first_bad: Tensor | None,
     h: Tensor | None,
     v_new: Tensor | None,
+    entering: Tensor | None,
     rule: int,
     negative_eigenvalues: bool,
     eps: float,
@@ -200,7 +216,7 @@ def _chunk_bwd(
     ``grad_state`` None: the final state was not used (its gradient is zero)."""
     backend = _backend()
     backend._check_chunk_size(chunk_size)
-    slots = (w, u, t, first_bad, h, v_new)
+    slots = (w, u, t, first_bad, h, v_new, entering)
     grads = backend._backward(
         q,
         k,

@@ -75,6 +75,13 @@ REBUILD_WARPS = 4
 REBUILD_MAXNREG = 168
 
 
+def low_precision(dot_dtype: torch.dtype) -> bool:
+    """Whether a launch of ``dot_dtype`` takes the low-precision dots, and with them, T stored,
+    the backward's roundings (BACKWARD_*): the forward's and the backward's prepare then round W
+    and Ũ apart. Otherwise (fp32) both are one compiled kernel, the same W and Ũ."""
+    return PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32
+
+
 def t_dtype(dot_dtype: torch.dtype, *, kept_alone: bool) -> torch.dtype:
     """The dtype T is stored in for the backward. Kept alone (SAVE_FOR_BACKWARD "t", where its
     bytes are the point): the launch's dot dtype where every reader of T rounds it to that
@@ -84,7 +91,7 @@ def t_dtype(dot_dtype: torch.dtype, *, kept_alone: bool) -> torch.dtype:
     before the rounding). The other modes keep fp32, their kernels as the GPU validated them:
     a rounded T there changes the gradient kernels' spills (benchmarks/NOTES.md, "Issue 32,
     session 19"), untimed."""
-    low = PREPARE_LOW_PRECISION_DOTS and dot_dtype != torch.float32
+    low = low_precision(dot_dtype)
     return dot_dtype if kept_alone and low and not BACKWARD_FOLD_STRENGTHS else torch.float32
 
 
@@ -402,7 +409,7 @@ def backward_settings(dtype: torch.dtype, *, t_given: bool) -> dict[str, bool | 
     """The products' settings of a launch over ``dtype`` inputs: the forward's, or, where T is
     stored or given (``t_given``) in half precision, the backward's (see above). One place for
     the prepare and the rebuild (rebuild.py), whose W and Ũ must round alike."""
-    low = PREPARE_LOW_PRECISION_DOTS and dtype != torch.float32
+    low = low_precision(dtype)
     backward = t_given and low
     return {
         "LOW_PRECISION_DOTS": low,

@@ -115,12 +115,15 @@ def chain_segments(
     rows: Tensor,
     reverse: bool,
     output: Callable[..., Tensor],
+    out: Tensor | None = None,
 ) -> Tensor:
     """The state entering every segment (forward) or the gradient leaving it (reverse),
     ``[segments, H, Dk, Dv]`` fp32, from step 1's ``transitions`` (``[R − 1, N, H, Dk, Dk + Dv]``)
     and ``outer`` (``[N, H, Dk, Dv]`` fp32 or None: 0). ``first`` / ``last``: each sequence's
     first and last segment; ``rows``: the chain row of every segment (the torch form's gather).
-    ``output`` allocates (``triton_backend._output``)."""
+    Written into ``out`` where given (a contiguous buffer of that shape: the forward's kept
+    states, segment_states.launch_segmented_states), else into one ``output`` allocates
+    (``triton_backend._output``)."""
     _, N, H, Dk, width = transitions.shape
     Dv = width - Dk
     if SEGMENT_CHAIN not in ("triton", "torch"):
@@ -128,8 +131,10 @@ def chain_segments(
             f"segment_chain.SEGMENT_CHAIN must be 'triton' or 'torch', got {SEGMENT_CHAIN!r}"
         )
     if SEGMENT_CHAIN == "torch" or Dk > CHAIN_MAX_DK or transitions.dtype != torch.float32:
-        return torch_chain(transitions, outer, rows)
-    out = output(rows.numel(), H, Dk, Dv, like=transitions, dtype=torch.float32)
+        X = torch_chain(transitions, outer, rows)
+        return X if out is None else out.copy_(X)
+    if out is None:
+        out = output(rows.numel(), H, Dk, Dv, like=transitions, dtype=torch.float32)
     BV = min(CHAIN_BV, head_block(Dv))
     segment_chain_kernel[(N * H, cdiv(Dv, BV))](
         trans_ptr=transitions,

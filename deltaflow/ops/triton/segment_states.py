@@ -25,6 +25,9 @@ state leaving it through a Dk × Dk transition: ``S_end = P S_in + S_loc`` (forw
 3. ``states.launch_states`` / ``launch_dstates`` unchanged, with the segments as the sequences:
    each walks its own chunks from its true entering state, writing h, U (dh, dU) where the
    sequential pass writes them.
+
+The forward may keep step 2's entering states (``triton_backend.KEEP_SEGMENT_STATES``): the
+backward's recompute of the same pass then runs step 3 alone.
 """
 
 from __future__ import annotations
@@ -392,9 +395,9 @@ def segment_dstates_kernel(
 
 
 # ---------------------------------------------------------------------------- the launchers
-def _block(Dk: int, Dv: int, block_v: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BV, transition blocks, value blocks): one width for both kinds of columns, with the
-    floors every launcher's blocks take for ``dtype`` (common.head_block)."""
+def step_blocks(Dk: int, Dv: int, block_v: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """Step 1's (BV, transition blocks, value blocks) at ``block_v``: one width for both kinds
+    of columns, with the floors every launcher's blocks take for ``dtype`` (common.head_block)."""
     BV = min(block_v, head_block(Dk, dtype), head_block(Dv, dtype))
     return BV, cdiv(Dk, BV), cdiv(Dv, BV)
 
@@ -414,12 +417,21 @@ def launch_segmented_states(
     v_new: Tensor,
     final_state: Tensor,
     output: Callable[..., Tensor],
+    keep: Tensor | None = None,
+    entering: Tensor | None = None,
 ) -> None:
     """``states.launch_states`` (same outputs) in three steps over ``segments``; ``output``
-    allocates the intermediate buffers (``triton_backend._output``)."""
+    allocates the intermediate buffers (``triton_backend._output``). ``keep``: fp32
+    ``[rows, H, Dk, Dv]``, rows at least the segments', into which the chain writes the state
+    entering each segment (the forward keeps them: ``triton_backend.KEEP_SEGMENT_STATES``).
+    ``entering``: such states, kept by a forward whose steps 1 and 2 the caller knows to give
+    these very states (the backward's recompute): only step 3 runs."""
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     n_seg = segments.fwd_row.numel()
+    for name, x in (("keep", keep), ("entering", entering)):
+        if x is not None and x.shape[0] < n_seg:  # a shape bound (kept_segment_rows) too low
+            raise ValueError(f"{name} has {x.shape[0]} rows for {n_seg} segments")
     common = dict(first_bad=first_bad, block_v=block_v, h=h, v_new=v_new)
     if segments.slots == 0:  # every sequence is one segment: the sequential pass
         launch_states(
@@ -433,46 +445,48 @@ def launch_segmented_states(
             **common,
         )
         return
-    BV, NKB, NVB = _block(Dk, Dv, block_v, k.dtype)
-    trans = output(segments.slots, N, H, Dk, Dk + Dv, like=k, dtype=torch.float32)
-    segment_states_kernel[(segments.slots * N * H, NKB + NVB)](
-        k_ptr=k,
-        w_ptr=w,
-        u_ptr=u,
-        g_ptr=k if log_decay is None else log_decay,
-        s0_ptr=k if initial_state is None else initial_state,
-        trans_ptr=trans,
-        first_bad_ptr=first_bad,
-        bounds_ptr=segments.fwd_bounds,
-        N=N,
-        H=H,
-        Dk=Dk,
-        Dv=Dv,
-        BK=key_block(Dk, Dv, k.dtype),
-        BV=BV,
-        NKB=NKB,
-        HAS_DECAY=log_decay is not None,
-        HAS_S0=initial_state is not None,
-        PREC=dot_precision(k.dtype),
-        num_warps=states.STATES_WARPS,
-        num_stages=states.states_stages(key_block(Dk, Dv, k.dtype), split=False),
-    )
-    entering = chain_segments(
-        trans,
-        initial_state,
-        first=segments.first,
-        last=segments.last,
-        rows=segments.fwd_row,
-        reverse=False,
-        output=output,
-    )
+    if entering is None:  # steps 1 and 2
+        BV, NKB, NVB = step_blocks(Dk, Dv, block_v, k.dtype)
+        trans = output(segments.slots, N, H, Dk, Dk + Dv, like=k, dtype=torch.float32)
+        segment_states_kernel[(segments.slots * N * H, NKB + NVB)](
+            k_ptr=k,
+            w_ptr=w,
+            u_ptr=u,
+            g_ptr=k if log_decay is None else log_decay,
+            s0_ptr=k if initial_state is None else initial_state,
+            trans_ptr=trans,
+            first_bad_ptr=first_bad,
+            bounds_ptr=segments.fwd_bounds,
+            N=N,
+            H=H,
+            Dk=Dk,
+            Dv=Dv,
+            BK=key_block(Dk, Dv, k.dtype),
+            BV=BV,
+            NKB=NKB,
+            HAS_DECAY=log_decay is not None,
+            HAS_S0=initial_state is not None,
+            PREC=dot_precision(k.dtype),
+            num_warps=states.STATES_WARPS,
+            num_stages=states.states_stages(key_block(Dk, Dv, k.dtype), split=False),
+        )
+        entering = chain_segments(
+            trans,
+            initial_state,
+            first=segments.first,
+            last=segments.last,
+            rows=segments.fwd_row,
+            reverse=False,
+            output=output,
+            out=None if keep is None else keep[:n_seg],
+        )
     ends = output(n_seg, H, Dk, Dv, like=k, dtype=torch.float32)
     launch_states(
         k,
         w=w,
         u=u,
         log_decay=log_decay,
-        initial_state=entering,
+        initial_state=entering[:n_seg],
         tables=segments.segments,
         final_state=ends,
         **common,
@@ -511,7 +525,7 @@ def launch_segmented_dstates(
             **common,
         )
         return
-    BV, NKB, NVB = _block(Dk, Dv, states.DSTATES_BV, q.dtype)
+    BV, NKB, NVB = step_blocks(Dk, Dv, states.DSTATES_BV, q.dtype)
     trans = output(segments.slots, N, H, Dk, Dk + Dv, like=q, dtype=torch.float32)
     segment_dstates_kernel[(segments.slots * N * H, NKB + NVB)](
         q_ptr=q,
