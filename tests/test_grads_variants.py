@@ -29,8 +29,10 @@ TOL = 1e-4
 
 @pytest.fixture
 def lean(monkeypatch) -> list[torch.dtype]:
-    """GRADS_LEAN on for the test; the dtypes of the lean launches, which the test checks."""
+    """GRADS_LEAN on for the test (the fused kernel, which comes first, off); the dtypes of the
+    lean launches, which the test checks."""
     monkeypatch.setattr(gradients, "GRADS_LEAN", "on")
+    monkeypatch.setattr(gradients, "GRADS_FUSED", "off")
     launches: list[torch.dtype] = []
     launch = gradients_lean.launch_lean
 

@@ -34,9 +34,11 @@ from deltaflow.ops import triton_ops  # noqa: E402
 from deltaflow.ops.triton import (  # noqa: E402
     common,
     gradients,
+    gradients_fused,
     gradients_lean,
     outputs,
     prepare,
+    rebuild,
     states,
 )
 
@@ -48,15 +50,22 @@ KERNELS = {
     outputs: ["chunk_output_kernel"],
     gradients: ["chunk_grads_v_kernel", "chunk_grads_k_kernel"],
     gradients_lean: ["chunk_grads_v_lean_kernel", "chunk_grads_k_lean_kernel"],
+    gradients_fused: ["chunk_grads_fused_kernel"],
+    rebuild: ["chunk_rebuild_kernel"],  # the backward's W, Ũ from the kept T (the default "t")
 }
 ALL_KERNELS = {n for names in KERNELS.values() for n in names}
 
 
 def launched(Dk: int, Dv: int, dtype: torch.dtype) -> set[str]:
     """ALL_KERNELS as one op launches them at these heads (``dtype``: its kernels' dtype): one of
-    the two pairs of gradient kernels (gradients.use_lean: the lean pair at wide key blocks)."""
-    lean = gradients.use_lean(Dk, Dv, dtype)
-    return ALL_KERNELS - set(KERNELS[gradients if lean else gradients_lean])
+    the gradient kernels (gradients.use_fused: the fused kernel at small half-precision heads;
+    gradients.use_lean: the lean pair at wide key blocks; the plain pair)."""
+    grads = {gradients, gradients_lean, gradients_fused}
+    if gradients.use_fused(Dk, Dv, dtype):
+        used = gradients_fused
+    else:
+        used = gradients_lean if gradients.use_lean(Dk, Dv, dtype) else gradients
+    return ALL_KERNELS - {n for module in grads - {used} for n in KERNELS[module]}
 
 
 NARROW_HEADS = [(16, 16), (16, 64), (64, 16), (32, 32)]

@@ -207,7 +207,7 @@ def test_save_mode_none_keeps_the_segments_states_where_a_backward_runs(monkeypa
     # entering states alone, where kept_segment_rows keeps any), "none" for inference and with
     # the switch off; the other modes name themselves
     x = torch.ones(1, requires_grad=True)
-    assert triton_backend.SAVE_FOR_BACKWARD == "none"
+    monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "none")  # the default is "t"
     assert triton_backend._save_mode(x) == "segments"
     assert triton_backend._save_mode(x.detach()) == "none"
     with torch.no_grad():
@@ -257,10 +257,10 @@ def test_packed_bound_holds(SEGMENT_CHUNKS, monkeypatch):
         for _ in range(8):
             lengths = torch.randint(0, 2000, (N,), generator=g).tolist()
             T = sum(lengths)
-            cu = torch.tensor([0, *lengths]).cumsum(0)
-            q = torch.empty(1, T, 2, 16, device="meta")
+            cu = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+            q = torch.empty(1, T, 2, 16, device=DEVICE)  # a GPU's multiprocessors: not "meta"
             rows = triton_ops.kept_layout("t", q, q, cu)["entering"][0][0]
-            tables = chunk_tables(cu, 1, T, torch.device("cpu"))
+            tables = chunk_tables(cu, 1, T, q.device)
             segments = triton_backend._segments(tables, 1, T, True, 2, 16, states.TWO_PASS_BV)
             if segments is not None:
                 assert 0 < segments.fwd_row.numel() <= rows, (lengths, SEGMENT_CHUNKS)

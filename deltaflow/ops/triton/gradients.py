@@ -69,13 +69,15 @@ GRADS_LEAN_STAGES = 0
 # The fused gradient kernel (gradients_fused.py; issue 32, benchmarks/NOTES.md "Issue 32, session
 # 19"): both sides in one program per (chunk, head), whole heads in one block each, no scratch.
 # "off" | "on" (every launch: any dtype and head width, for tests and trials) | "auto": the
-# half-precision launches whose key and value blocks are both at most FUSED_MAX_BLOCK. Off until
-# the GPU times it: (16, 2048, 32, 64) bf16 is the shape it is for.
-GRADS_FUSED = "off"
+# half-precision launches whose key and value blocks are both at most FUSED_MAX_BLOCK ((16, 2048,
+# 32, 64) bf16 is the shape it is for). "auto" at 4 warps since session 20: forward + backward
+# there 3.187 → 3.083 ms (H200, call 2, with "t"; call 1: 3.375 → 3.264), and 3.155 → 3.051 with
+# the rebuild at 8 warps; 8 warps lost +0.76 ms (session 19, call 3: 320 B of spills).
+GRADS_FUSED = "auto"
 FUSED_MAX_BLOCK = 64
 # Its launch settings (0: Triton's own stages, 3 on Hopper; no register cap). AOT sm_90 counts
 # at D = 64 bf16 in the NOTES section above.
-GRADS_FUSED_WARPS = 8
+GRADS_FUSED_WARPS = 4
 GRADS_FUSED_STAGES = 0
 GRADS_FUSED_MAXNREG = 0
 

@@ -39,8 +39,12 @@ from deltaflow.ops.triton.prepare import chunk_strengths, w_operand
 # prepare.REBUILD_TILES column blocks a program).
 REBUILD_KERNEL = "lean"
 REBUILD_CHOICES = ("lean", "prepare")
-# The lean kernel's warps and register cap (0: none).
-LEAN_WARPS = 4
+# The lean kernel's warps and register cap (0: none). Measured (H200, session 20 call 2, bf16,
+# forward + backward, 8 against 4 warps; 45-61 registers a thread against 84-118): (8, 4096, 16,
+# 128) 3.286 → 3.263 ms, (1, 32768, 16, 128) 5.091 → 5.075, (16, 2048, 32, 64) 3.187 → 3.155,
+# (8, 2048, 32, 256) 11.099 → 11.067. The lean kernel itself against the prepare kernel with
+# T_GIVEN: 0.21 / 0.23 ms against 0.37 / 0.50 at D = 128 / 64 (kernel_times).
+LEAN_WARPS = 8
 LEAN_MAXNREG = 0
 
 
