@@ -428,11 +428,14 @@ def capture(found: dict[str, Tensor], spans: list[tuple[int, int, int]]):
         found.update(t=kw["t"], h=kw["h"], dh=kw["dh"], m=kw["scratch_m"], r=kw["scratch_r"])
         found.update(v_new=chunk_major(kw["v_new"], spans), du=chunk_major(kw["du"], spans))
 
-    tb.launch_prepare, tb.launch_gradients = on_prepare, on_gradients
+    # the recomputing backward ("none"): its prepare is the one captured above; the default "t"
+    # rebuilds the same W, Ũ from a kept T (bit for bit: tests/test_save_t.py)
+    save = tb.SAVE_FOR_BACKWARD
+    tb.launch_prepare, tb.launch_gradients, tb.SAVE_FOR_BACKWARD = on_prepare, on_gradients, "none"
     try:
         yield found
     finally:
-        tb.launch_prepare, tb.launch_gradients = prepare, gradients
+        tb.launch_prepare, tb.launch_gradients, tb.SAVE_FOR_BACKWARD = prepare, gradients, save
     for name, t in found.items():
         found[name] = t.detach().double().cpu()
 

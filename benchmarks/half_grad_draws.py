@@ -127,6 +127,7 @@ def use_torch_op() -> None:
     tb._forward, tb._backward = _forward, _backward
     tb.available = lambda: True
     tb.SAVE_FOR_BACKWARD = "none"  # the torch bodies keep nothing: the backward recomputes
+    tb.KEEP_SEGMENT_STATES = False  # nor the segments' entering states ("none" stays "none")
 
 
 # ------------------------------------------------------------------------------ one draw
