@@ -49,6 +49,10 @@ GRIDS = (
     "i24_lm_length",
     "i24_mod_arith_15k",
     "i24_parity_rawk",
+    # issue 33 (results/issue24/call_mqar_sanity.txt): MQAR under Zoology's protocol
+    "i33_mqar_zoology_attention",
+    "i33_mqar_zoology_transformer",
+    "i33_mqar_zoology_pair",
 )
 # a device folder trained beside its grid's own (two processes never share one runs.jsonl)
 MERGE_INTO = {"mqar_512_w128": "mqar_512", "mqar_512_w256": "mqar_512", "mad_b": "mad"}
@@ -103,6 +107,17 @@ REPORT_ARGS = {
     ).split(),
     "i24_parity_rawk": (
         "--preset state_tracking_uniform --cells parity --variants deltanet,deltanet_rawk --seeds 3"
+    ).split(),
+    "i33_mqar_zoology_attention": (
+        "--preset mqar_512_zoology --variants transformer_zoology --widths 64,128,256 "
+        "--lrs 4.6e-4,2.2e-3"
+    ).split(),
+    "i33_mqar_zoology_transformer": (
+        "--preset mqar_512_zoology --variants transformer --widths 64,128 --lrs 4.6e-4,2.2e-3"
+    ).split(),
+    "i33_mqar_zoology_pair": (
+        "--preset mqar_512_zoology --variants linear_zoology,deltanet --widths 64,128 --lrs 1e-3 "
+        "--seeds 3"
     ).split(),
 }
 NOTE = (

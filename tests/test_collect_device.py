@@ -64,7 +64,10 @@ def test_prepare_carry_builds_runs_from_the_committed_results_alone(tmp_path, mo
     assert not (tmp_path / "runs" / "issue11" / "mad" / "runs.jsonl").exists()  # nothing to give
 
 
-NEXT = Path(__file__).resolve().parents[1] / "results" / "issue11" / "next"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+NEXT = RESULTS / "issue11" / "next"
+# the queued command files: issue 11's next session and issue 24's (and 33's) device calls
+QUEUED = sorted([*NEXT.glob("*.txt"), *(RESULTS / "issue24").glob("call_*.txt")])
 
 
 def command_lines(path: Path) -> list[list[str]]:
@@ -74,7 +77,7 @@ def command_lines(path: Path) -> list[list[str]]:
     return [argv[1:] if argv[0] == "then" else argv for argv in argvs]
 
 
-@pytest.mark.parametrize("path", sorted(NEXT.glob("*.txt")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", QUEUED, ids=lambda p: p.name)
 def test_next_sessions_command_files_parse_and_land_where_collect_device_looks(
     path, tmp_path, monkeypatch, capsys
 ):

@@ -215,6 +215,13 @@ SCRIPTS = [
     Script("experiments/pack_resume.py", ("{tmp}", "{tmp}/resume.tgz"), "resume: 0 runs"),
     Script("experiments/paired_claims.py", ("--out", "{tmp}"), "wrote"),
     Script("experiments/plot_lm_regimes.py", ("--out", "{tmp}"), "wrote"),
+    Script("experiments/mqar_probe.py", ("--steps", "2", "--width", "16"), "steps to 0.99"),
+    Script(
+        "experiments/mqar_probe.py",
+        ("--model", "deltaflow:transformer_zoology", "--recipe", "harness", "--steps", "2"),
+        "steps to 0.99",
+        name="mqar_probe_deltaflow",
+    ),
 ]
 
 

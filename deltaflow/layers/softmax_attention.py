@@ -44,6 +44,8 @@ class SoftmaxAttention(nn.Module):
         rope_theta: RoPE base. window_size: attend to the last ``window_size`` tokens only
             (including the current one); None = full causal attention.
         qk_norm: RMSNorm on q and k per head (stabilizes training at high learning rates).
+        use_rope: False: no rotary embedding (the model adds learned absolute positions
+            instead; ``position_embedding='learned'`` in DeltaFlowConfig).
     """
 
     def __init__(
@@ -57,10 +59,11 @@ class SoftmaxAttention(nn.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         layer_idx: int | None = None,
+        use_rope: bool = True,
     ) -> None:
         super().__init__()
         head_dim = resolve_head_dim(hidden_size, num_heads, head_dim)
-        if head_dim <= 0 or head_dim % 2 != 0:
+        if head_dim <= 0 or (use_rope and head_dim % 2 != 0):
             raise ValueError(f"head_dim must be a positive even number (RoPE), got {head_dim}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
@@ -76,6 +79,7 @@ class SoftmaxAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.rope_theta = float(rope_theta)
+        self.use_rope = use_rope
         self.window_size = window_size
         self.layer_idx = layer_idx
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
@@ -90,7 +94,8 @@ class SoftmaxAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"window={self.window_size}, rope_theta={self.rope_theta}"
+            f"window={self.window_size}, "
+            + (f"rope_theta={self.rope_theta}" if self.use_rope else "no rope")
         )
 
     def forward(
@@ -223,6 +228,8 @@ class SoftmaxAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if not self.use_rope:
+            return q, k, v
         return apply_rope(q, pos, self.rope_theta), apply_rope(k, pos, self.rope_theta), v
 
     def decode_step(self, x: torch.Tensor, state: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """One layer of a DeltaFlow model: the mixer (delta-rule or softmax attention, from the config)
 and the SwiGLU MLP in a pre-norm residual block, with selective activation checkpointing.
 
-    h = h + Mixer(RMSNorm(h));  h = h + MLP(RMSNorm(h))
+    h = h + Mixer(RMSNorm(h));  h = h + MLP(RMSNorm(h))   (the MLP step unless use_mlp=False)
 
 The models that stack these blocks are in :mod:`deltaflow.models.modeling`.
 """
@@ -75,6 +75,7 @@ def build_mixer(config: DeltaFlowConfig, layer_idx: int) -> nn.Module:
             qk_norm=config.attn_qk_norm,
             norm_eps=config.norm_eps,
             layer_idx=layer_idx,
+            use_rope=config.position_embedding == "rope",
         )
     mixer.o_proj._is_residual_out = True
     return mixer
@@ -174,8 +175,12 @@ class DeltaFlowBlock(nn.Module):
         self.layer_idx = layer_idx
         self.mixer_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mixer = build_mixer(config, layer_idx)
-        self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.mlp_hidden_size)
+        # use_mlp=False: a mixer-only block (Zoology's MQAR models); no parameters left unused
+        self.mlp_norm: RMSNorm | None = None
+        self.mlp: SwiGLU | None = None
+        if config.use_mlp:
+            self.mlp_norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
+            self.mlp = SwiGLU(config.hidden_size, config.mlp_hidden_size)
 
     def forward(
         self,
@@ -192,7 +197,7 @@ class DeltaFlowBlock(nn.Module):
             mix = _selective if "mixer" in parts else (lambda fn, *args: fn(*args))
             mlp = _selective if "mlp" in parts else (lambda fn, *args: fn(*args))
             h = h + mix(self._mix, h, attention_mask, cu_seqlens)
-            return h + mlp(self._mlp, h), None
+            return (h + mlp(self._mlp, h) if self.mlp is not None else h), None
         o, state = self.mixer(
             self.mixer_norm(h),
             attention_mask,
@@ -202,7 +207,8 @@ class DeltaFlowBlock(nn.Module):
             mask_prepared=True,
         )
         h = h + o
-        h = h + self.mlp(self.mlp_norm(h))
+        if self.mlp is not None:
+            h = h + self.mlp(self.mlp_norm(h))
         return h, state
 
     def _mix(
@@ -213,4 +219,5 @@ class DeltaFlowBlock(nn.Module):
         return o
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.mlp is not None and self.mlp_norm is not None
         return self.mlp(self.mlp_norm(h))

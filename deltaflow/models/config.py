@@ -15,6 +15,7 @@ from deltaflow.rules import RULES
 from deltaflow.validation import check_bool, check_float, check_known_keys, check_str
 
 MIXER_TYPES = ("delta", "attention", "sliding_attention")
+POSITION_EMBEDDINGS = ("rope", "learned")
 
 
 class DeltaFlowConfig(PretrainedConfig):
@@ -36,6 +37,11 @@ class DeltaFlowConfig(PretrainedConfig):
     Softmax attention: ``attn_num_heads`` (default num_heads), ``attn_num_kv_heads``,
     ``attn_head_dim``, ``rope_theta``, ``sliding_window`` (for 'sliding_attention'),
     ``attn_qk_norm``.
+
+    Positions: ``position_embedding`` 'rope' (rotary, in every softmax-attention layer) or
+    'learned' (absolute embeddings of ``max_position_embeddings`` positions added to the token
+    embeddings, no RoPE: Zoology's attention baseline). ``use_mlp=False`` drops the SwiGLU
+    from every block (mixer only, as Zoology's MQAR models).
 
     Init: normal(0, ``initializer_range``); residual out-projections (mixer ``o_proj``, MLP
     ``down_proj``) use std / sqrt(2·num_layers) when ``rescale_residual``.
@@ -83,6 +89,9 @@ class DeltaFlowConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         sliding_window: int | None = None,
         attn_qk_norm: bool = False,
+        position_embedding: str = "rope",
+        max_position_embeddings: int | None = None,
+        use_mlp: bool = True,
         intermediate_size: int | None = None,
         norm_eps: float = 1e-5,
         initializer_range: float = 0.02,
@@ -144,6 +153,9 @@ class DeltaFlowConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.sliding_window = sliding_window
         self.attn_qk_norm = attn_qk_norm
+        self.position_embedding = position_embedding
+        self.max_position_embeddings = max_position_embeddings
+        self.use_mlp = use_mlp
         self.intermediate_size = intermediate_size
         self.norm_eps = norm_eps
         self.initializer_range = initializer_range
@@ -204,7 +216,7 @@ class DeltaFlowConfig(PretrainedConfig):
             check_bool(name, getattr(self, name))
         for name in _FLOAT_ARGS:  # numeric strings (YAML 1.1 reads "1e-6" as one) are converted
             setattr(self, name, check_float(name, getattr(self, name)))
-        for name in ("rule", "beta_activation", "backend"):
+        for name in ("rule", "beta_activation", "backend", "position_embedding"):
             check_str(name, getattr(self, name))
 
         def positive_int(name: str, allow_none: bool = False) -> None:
@@ -220,6 +232,19 @@ class DeltaFlowConfig(PretrainedConfig):
             positive_int(name, allow_none=True)
         for name in ("attn_num_heads", "attn_num_kv_heads", "attn_head_dim", "sliding_window"):
             positive_int(name, allow_none=True)
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(
+                f"position_embedding must be one of {POSITION_EMBEDDINGS}, got "
+                f"{self.position_embedding!r}"
+            )
+        learned = self.position_embedding == "learned"
+        if learned:
+            positive_int("max_position_embeddings")
+        elif self.max_position_embeddings is not None:  # would be silently unused
+            raise ValueError(
+                "max_position_embeddings sizes learned positions: give it with "
+                "position_embedding='learned' only"
+            )
         if self.rule not in RULES:
             raise ValueError(f"unknown rule {self.rule!r}; known rules: {', '.join(sorted(RULES))}")
         if self.beta_activation not in BETA_ACTIVATIONS:
@@ -265,7 +290,7 @@ class DeltaFlowConfig(PretrainedConfig):
                 )
             if heads % kv != 0:
                 raise ValueError(f"attn_num_kv_heads ({kv}) must divide attn_num_heads ({heads})")
-            if (self.attn_head_dim or self.hidden_size // heads) % 2 != 0:
+            if not learned and (self.attn_head_dim or self.hidden_size // heads) % 2 != 0:
                 raise ValueError("the softmax-attention head dim must be even (RoPE)")
         if "sliding_attention" in self.mixer_types and self.sliding_window is None:
             raise ValueError("mixer_types has 'sliding_attention' but sliding_window is None")
@@ -287,6 +312,7 @@ _BOOL_ARGS = (
     "use_short_conv",
     "use_output_gate",
     "attn_qk_norm",
+    "use_mlp",
     "rescale_residual",
     "labels_are_shifted",
     "use_cache",

@@ -138,7 +138,8 @@ def decode_step(model: torch.nn.Module, input_ids: Tensor, cache: StaticDecodeCa
     h = backbone.embed_tokens(input_ids)
     for block, state in zip(backbone.layers, cache.layers):
         h = h + block.mixer.decode_step(block.mixer_norm(h), state)
-        h = h + block.mlp(block.mlp_norm(h))
+        if block.mlp is not None:
+            h = h + block.mlp(block.mlp_norm(h))
     return model.lm_head(backbone.norm(h))
 
 
@@ -344,6 +345,9 @@ def static_generate(
     rest.pop("use_cache", None)
     problems = _unsupported(config)
     problems += [f"{k}=..." for k, v in rest.items() if v is not None]
+    if getattr(model.config, "position_embedding", "rope") != "rope":
+        # the one-token step (decode_step) adds no learned position: transformers' loop does
+        problems.append(f"position_embedding={model.config.position_embedding!r}")
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
         problems.append("input_ids must be a [B, T] tensor with T >= 1 (no inputs_embeds)")
     if problems:

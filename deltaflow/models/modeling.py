@@ -19,9 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-from torch.utils.checkpoint import (
-    checkpoint,
-)
+from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
@@ -30,6 +28,7 @@ from deltaflow.layers.conv import ShortConvolution
 from deltaflow.layers.delta_attention import DeltaAttention
 from deltaflow.layers.mask import prepare_cu_seqlens, prepare_padding_mask
 from deltaflow.layers.norm import RMSNorm
+from deltaflow.layers.positions import LearnedPositions
 from deltaflow.layers.softmax_attention import SoftmaxAttention
 from deltaflow.models.block import (  # noqa: F401 (SwiGLU, build_mixer: their old home)
     DeltaFlowBlock,
@@ -165,6 +164,7 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
     def __init__(self, config: DeltaFlowConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = LearnedPositions.of(config)  # None unless 'learned'
         self.layers = nn.ModuleList(DeltaFlowBlock(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.gradient_checkpointing = False
@@ -216,6 +216,7 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = DeltaFlowCache(self.config.num_layers)
         past = past_key_values.seen_tokens if past_key_values is not None else 0
+        whole_mask = attention_mask  # [B, past + T] while decoding (learned positions)
         if attention_mask is not None:
             # transformers passes the mask of past + current tokens while decoding.
             if attention_mask.dim() == 2 and attention_mask.shape[1] == past + T and past > 0:
@@ -242,6 +243,8 @@ class DeltaFlowModel(DeltaFlowPreTrainedModel):
             # trainer marks its training steps itself.
             torch.compiler.cudagraph_mark_step_begin()
         h = inputs_embeds
+        if self.embed_positions is not None:
+            h = self.embed_positions.add_to(h, past, attention_mask, whole_mask, cu_seqlens)
         all_hidden: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
             if output_hidden_states:
