@@ -468,7 +468,7 @@ def launch_segmented_states(
             HAS_S0=initial_state is not None,
             PREC=dot_precision(k.dtype),
             num_warps=states.STATES_WARPS,
-            num_stages=states.states_stages(key_block(Dk, Dv, k.dtype), split=False),
+            num_stages=states.pass_stages(key_block(Dk, Dv, k.dtype), split=False),
         )
         entering = chain_segments(
             trans,
@@ -548,7 +548,7 @@ def launch_segmented_dstates(
         HAS_DST=grad_final_state is not None,
         PREC=dot_precision(q.dtype),
         num_warps=states.DSTATES_WARPS,
-        num_stages=states.DSTATES_STAGES,
+        num_stages=states.pass_stages(key_block(Dk, Dv, q.dtype), split=False, reverse=True),
     )
     leaving = chain_segments(
         trans,

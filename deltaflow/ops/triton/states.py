@@ -55,7 +55,7 @@ TWO_PASS_BV = 64  # the forward's state pass; 32 crashes in bf16 on Hopper with 
 STATES_WARPS = 4
 # The forward's and the recomputed state pass's pipeline stages (the next chunk's loads in flight
 # during a latency-bound step), at key blocks up to STATES_STAGES_MAX_BK and not in the split
-# kernels (states_stages). Measured (H200, session 20 call 1, bf16, 2 against 1): (1, 32768, 16,
+# kernels (pass_stages). Measured (H200, session 20 call 1, bf16, 2 against 1): (1, 32768, 16,
 # 128) forward 1.509 → 1.371 ms, forward + backward 5.819 → 5.554; (8, 4096, 16, 128) 3.439 →
 # 3.389; (16, 2048, 32, 64) 3.375 → 3.342; but the split kernels at D = 256 11.24 → 11.60 (AOT:
 # one program an SM there instead of two, benchmarks/NOTES.md "session 18").
@@ -64,7 +64,12 @@ STATES_STAGES_MAX_BK = 128
 BWD_STATES_BV = 64  # the state pass recomputed by the backward
 DSTATES_BV = 64
 DSTATES_WARPS = 4
-DSTATES_STAGES = 1
+# The reverse pass's, at key blocks up to DSTATES_STAGES_MAX_BK (pass_stages). Measured (H200,
+# session 20 call 1, bf16, forward + backward, 2 against 1 at every block): (16, 2048, 32, 64)
+# 3.375 → 3.331 ms, but (8, 4096, 16, 128) 3.439 → 3.636 (AOT: one program an SM at D = 128)
+# and D = 256 out of shared memory (237 KB).
+DSTATES_STAGES = 2
+DSTATES_STAGES_MAX_BK = 64
 # Issue 32 (benchmarks/NOTES.md, "session 18: the state passes' registers and D=256"): the three
 # passes with the state held as row blocks of STATES_SPLIT_K key rows (states_split.py), for a
 # launch whose key block is wider than that; 0 keeps the kernels above for every launch. 64
@@ -320,10 +325,13 @@ def chunk_states_kernel(
     tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S + poison, mask=state_mask)
 
 
-def states_stages(BK: int, *, split: bool) -> int:
-    """Pipeline stages of a forward state pass over key blocks of ``BK`` rows (``split``: the
-    row-block kernels of states_split.py): STATES_STAGES where it was measured to help."""
-    return STATES_STAGES if BK <= STATES_STAGES_MAX_BK and not split else 1
+def pass_stages(BK: int, *, split: bool, reverse: bool = False) -> int:
+    """Pipeline stages of a state pass (``reverse``: the reverse pass) over key blocks of ``BK``
+    rows (``split``: the row-block kernels of states_split.py): STATES_STAGES / DSTATES_STAGES
+    where they were measured to help, else 1."""
+    stages, max_bk = (DSTATES_STAGES, DSTATES_STAGES_MAX_BK) if reverse else (
+        STATES_STAGES, STATES_STAGES_MAX_BK)  # fmt: skip
+    return stages if BK <= max_bk and not split else 1
 
 
 def launch_states(
@@ -369,7 +377,7 @@ def launch_states(
         HAS_S0=initial_state is not None,
         PREC=dot_precision(k.dtype),
         **launch,
-        num_stages=states_stages(BK, split="BKS" in launch),
+        num_stages=pass_stages(BK, split="BKS" in launch),
     )
 
 
@@ -527,5 +535,5 @@ def launch_dstates(
         HAS_DST=grad_final_state is not None,
         PREC=dot_precision(q.dtype),
         **launch,
-        num_stages=DSTATES_STAGES,
+        num_stages=pass_stages(BK, split="BKS" in launch, reverse=True),
     )
