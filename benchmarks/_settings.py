@@ -46,7 +46,6 @@ MODULES = {
 CHOICES: dict[str, tuple[str, ...]] = {
     "triton_backend.SAVE_FOR_BACKWARD": ("none", "prepare", "states", "t"),
     "common.FP32_MIN_KEY_BLOCK_WHEN": ("wider_value", "unequal", "narrow"),
-    "rebuild.REBUILD_KERNEL": ("lean", "prepare"),
     "triton_backend.FORWARD_MODE": ("auto", "fused", "two_pass"),
     "triton_backend.SEQUENCE_PARALLEL_STATES": ("off", "on", "auto"),
     "gradients.GRADS_LEAN": ("off", "on", "auto"),

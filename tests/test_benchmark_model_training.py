@@ -205,10 +205,6 @@ def test_set_types_each_item_by_the_constant_it_names():
         settings.CHOICES["common.FP32_MIN_KEY_BLOCK_WHEN"]
         == importlib.import_module("deltaflow.ops.triton.common").FP32_MIN_KEY_BLOCK_CHOICES
     )
-    assert (
-        settings.CHOICES["rebuild.REBUILD_KERNEL"]
-        == importlib.import_module("deltaflow.ops.triton.rebuild").REBUILD_CHOICES
-    )
 
 
 def test_model_training_applies_and_records_set(tmp_path, capsys):

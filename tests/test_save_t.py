@@ -1,7 +1,7 @@
 """``triton_backend.SAVE_FOR_BACKWARD = "t"`` (issue 32, session 19): the forward keeps T and
-first_bad alone, and the backward rebuilds W = T X and Ũ = T Y from T (``prepare.launch_rebuild``:
-the prepare kernel without the solve) instead of solving (3) again. Against the float64
-token-by-token reference, and against "none" (the same kernel and roundings on the same T: the
+first_bad alone, and the backward rebuilds W = T X and Ũ = T Y from T (``rebuild.launch_rebuild``:
+the prepare's lines without the solve) instead of solving (3) again. Against the float64
+token-by-token reference, and against "none" (the same lines and roundings on the same T: the
 gradients are equal), on the GPU or the CPU interpreter. Tiny shapes: the interpreter is slow."""
 
 from __future__ import annotations
@@ -171,21 +171,14 @@ def test_custom_op_registration_packed():
     )
 
 
-@pytest.mark.parametrize(
-    ("kernel", "tiles", "dtype"),
-    [("prepare", 1, torch.float32), ("prepare", 64, torch.float32), ("lean", 64, torch.float32),
-     ("lean", 64, torch.float16), ("prepare", 64, torch.float16)],
-)  # fmt: skip
-def test_rebuild_blocks_give_the_backwards_prepare(monkeypatch, kernel, tiles, dtype):
-    # Ragged heads of two column tiles each: W and Ũ from the lean rebuild kernel (one program
-    # per chunk and head), or from the prepare kernel's one program per tile or one per W and
-    # one per Ũ (prepare.REBUILD_TILES), are the backward's prepare's to the last bit: fp32
-    # (the fold) and fp16 (T rounded, the strengths apart: the backward's half-precision path).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rebuild_gives_the_backwards_prepare(dtype):
+    # Ragged heads of two column tiles each: W and Ũ rebuilt from a kept T are the backward's
+    # prepare's to the last bit: fp32 (the fold) and fp16 (T rounded, the strengths apart: the
+    # backward's half-precision path).
     from deltaflow.ops.triton import prepare, rebuild
     from deltaflow.ops.triton.common import chunk_tables
 
-    monkeypatch.setattr(prepare, "REBUILD_TILES", tiles)
-    monkeypatch.setattr(rebuild, "REBUILD_KERNEL", kernel)
     x = {n: t.to(DEVICE) for n, t in make_inputs(1, 70, 2, 100, 72, dtype=dtype).items()}
     k, v = x["k"], x["v"]
     common = dict(beta=x["beta"], log_decay=x["log_decay"], kernel_id=RULES["delta"].kernel_id)
@@ -194,5 +187,5 @@ def test_rebuild_blocks_give_the_backwards_prepare(monkeypatch, kernel, tiles, d
     t = torch.empty(2, 2, 64, 64, device=DEVICE, dtype=prepare.t_dtype(k.dtype, kept_alone=True))
     first_bad = torch.empty(2, 2, device=DEVICE, dtype=torch.int32)
     prepare.launch_prepare(k, v, w=w, u=u, t=t, first_bad=first_bad, **common)
-    rebuild.launch_rebuild(k, v, t=t, first_bad=first_bad, w=w2, u=u2, **common)
+    rebuild.launch_rebuild(k, v, t=t, w=w2, u=u2, **common)
     assert torch.equal(w2, w) and torch.equal(u2, u)

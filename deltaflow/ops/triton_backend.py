@@ -88,7 +88,7 @@ BACKWARD_STATES_FP32 = False
 # "prepare": W, Ũ, T, first_bad (+768 B per token and head at Dk = Dv = 128 in bf16), one
 # launch fewer; "states": W, T, h, U (+1280 B), two fewer (the forward then always runs its
 # two-pass form, whose state pass writes h and U); "t": T and first_bad (+128 B in bf16, fla's
-# own: its A), the backward rebuilds W = T X and Ũ = T Y without the solve (prepare.
+# own: its A), the backward rebuilds W = T X and Ũ = T Y without the solve (triton/
 # rebuild.py; benchmarks/NOTES.md, "Issue 32, session 19"); that T in prepare.t_dtype (the
 # dot dtype in bf16/fp16, the other modes' fp32). Kept only when autograd will need them.
 # The forward's prepare then runs with the backward's roundings (prepare.BACKWARD_*): the
@@ -118,7 +118,7 @@ SEGMENT_MIN_CHUNKS = 4
 # ("none", "prepare", "t"), the forward keeps the state entering each segment (fp32, Dk x Dv a
 # segment and head: (1, 32768, 16, 128) 9 segments, 18 B per token and head) and the backward's
 # recompute starts each segment from it: segment_states_kernel and the chain run once, not twice
-# (predicted -0.35 to -0.40 ms there; benchmarks/NOTES.md "Issue 32, session 20"). The same
+# (H200, session 20 call 2: forward + backward 5.443 → 5.094 ms there, bf16). The same
 # gradients to the bit, so only where the recompute would get the same states (kept_segment_rows:
 # else it recomputes them, as with this off).
 KEEP_SEGMENT_STATES = True
@@ -469,7 +469,7 @@ def _backward(
         t, first_bad = kept["t"], kept["first_bad"]
         w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
         u = _output(B, T, H, Dv, like=k, dtype=k.dtype)
-        launch_rebuild(k, v, t=t, first_bad=first_bad, w=w, u=u, **rule)
+        launch_rebuild(k, v, t=t, w=w, u=u, **rule)
     else:
         w, u, t, first_bad = _prepare(k, v, store_t=True, **rule)
     if "h" in kept:  # the forward's state pass ("states")

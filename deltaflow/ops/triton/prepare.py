@@ -6,8 +6,8 @@ in-chunk decay ``γ``, ``A`` (3), ``T = (I + A)⁻¹`` as one CHUNK × CHUNK mat
 ``W = T diag(aΓ) K`` and ``Ũ = T diag(b) V`` (4) as plain products, one column tile at a time,
 written in k's and v's layout; for the backward also ``T`` itself. And each chunk's first token
 with a non-finite input (docs/design.md §8), which the later stages turn into NaN outputs from
-that token on. Given a kept ``T`` (``triton_backend.SAVE_FOR_BACKWARD = "t"``), the same kernel
-only rebuilds ``W`` and ``Ũ`` from it (:func:`launch_rebuild`): no ``K Kᵀ``, no solve.
+that token on. Given a kept ``T`` (``triton_backend.SAVE_FOR_BACKWARD = "t"``), rebuild.py
+rebuilds ``W`` and ``Ũ`` from it with this file's jit lines (no ``K Kᵀ``, no solve).
 
 Register budget is the design constraint: a program holds ``T`` and one TILE-wide column block,
 never the whole chunk's keys or W (the previous block-substitution form held four sub-blocks of
@@ -26,7 +26,6 @@ from deltaflow.ops.triton.common import (
     CHUNK,
     SUB,
     ChunkTables,
-    cdiv,
     chunk_bounds,
     decay_matrix,
     dot_precision,
@@ -60,19 +59,6 @@ PREPARE_FOLD_STRENGTHS = True
 # the forward's settings (the same compiled kernel).
 BACKWARD_T_PRECISION: str | None = "pair"  # None: the inputs' (the forward's)
 BACKWARD_FOLD_STRENGTHS = False
-# The rebuild from a kept T (launch_rebuild): TILE-wide column tiles of W or of Ũ a program
-# writes. 1: one program per chunk, head and tile (at D = 128, four a chunk and head), each
-# reading T and all of the chunk's keys (λ) again, from L2 after the first (the grid puts a
-# chunk's programs side by side); more: fewer, longer programs (64: one for W, one for Ũ).
-# Measured (H200, session 19 call 3, bf16, SAVE_FOR_BACKWARD="t", forward + backward): 64 against
-# 1: (8, 4096, 16, 128) 3.543 → 3.391 ms, (1, 32768, 16, 128) 5.895 → 5.734, (8, 2048, 32, 256)
-# 11.709 → 11.080, (16, 2048, 32, 64) 3.342 both (one tile is the whole head there).
-REBUILD_TILES = 64
-# The rebuild's warps and register cap (0: none), apart from the prepare's: its programs are
-# short (one 64 x 64 x 64 product each), so how many an SM holds decides its time (issue 32,
-# session 20: 0.50 ms at (16, 2048, 32, 64) bf16 against fla's recompute_w_u 0.17 ms).
-REBUILD_WARPS = 4
-REBUILD_MAXNREG = 168
 
 
 def low_precision(dot_dtype: torch.dtype) -> bool:
@@ -192,11 +178,6 @@ def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PAIR: tl
 # store_t, the rule's kernel id and the negative-eigenvalue flag are runtime arguments, not
 # compile-time ones: forward and backward, and every rule, share one compiled kernel per head
 # size and dtype (check_triton's compile work, benchmarks/NOTES.md issue 30).
-# T_GIVEN (the rebuild from a kept T) is a flag of this kernel, not a second kernel: the
-# strengths, the non-finite masks, X = diag(aΓ) K and Y = diag(b) V, the fold and the Ũ tiles'
-# non-finite recompute are this kernel's lines, and the rebuilt W, Ũ must be the recomputing
-# backward's bit for bit (the gradients of "t" are those of "none"); a copy would have to track
-# every change to them. The flag removes K Kᵀ, A and the solve at compile time.
 @triton.jit(do_not_specialize=["store_t", "rule", "neg"])
 def chunk_prepare_kernel(
     k_ptr,
@@ -224,28 +205,11 @@ def chunk_prepare_kernel(
     DIAG_PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
-    T_GIVEN: tl.constexpr,
-    BLOCK: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages.
-    T_GIVEN: T read from ``t_ptr``; a program writes BLOCK columns of W (key block j) or of
-    Ũ (value block j − the key blocks) and no first_bad (kept). Program (chunk · blocks + j,
-    head): a chunk's blocks run side by side, so all but the first read its T and its keys
-    (λ) from L2; chunks on the first grid axis, which takes 2³¹ − 1 (the others 65535)."""
-    # The columns of W and Ũ this program writes: all of them, or one block of either.
-    if T_GIVEN:
-        KEY_BLOCKS: tl.constexpr = (Dk + BLOCK - 1) // BLOCK
-        BLOCKS: tl.constexpr = KEY_BLOCKS + (Dv + BLOCK - 1) // BLOCK
-        i_c, j, i_h = tl.program_id(0) // BLOCKS, tl.program_id(0) % BLOCKS, tl.program_id(1)
-        on_keys = j < KEY_BLOCKS
-        k_lo = j * BLOCK
-        k_hi = tl.where(on_keys, tl.minimum(k_lo + BLOCK, Dk), k_lo)
-        v_lo = (j - KEY_BLOCKS) * BLOCK
-        v_hi = tl.where(on_keys, v_lo, tl.minimum(v_lo + BLOCK, Dv))
-    else:
-        i_c, i_h = tl.program_id(0), tl.program_id(1)
-        k_lo, k_hi, v_lo, v_hi = 0, Dk, 0, Dv
+    Chunks on the first grid axis, which takes 2³¹ − 1 (the others 65535)."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
@@ -261,8 +225,7 @@ def chunk_prepare_kernel(
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
         k32 = b_k.to(tl.float32)
         lam += tl.sum(k32 * k32, axis=1)
-        if not T_GIVEN:
-            kk += tl.dot(b_k.to(DT), tl.trans(b_k.to(DT)), input_precision=PREC)
+        kk += tl.dot(b_k.to(DT), tl.trans(b_k.to(DT)), input_precision=PREC)
 
     # a token that is not finite takes no part in any product; the later stages make the
     # outputs NaN from the chunk's first such token on
@@ -271,15 +234,10 @@ def chunk_prepare_kernel(
     )
     first_bad = _first_bad(ok)
 
-    t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
-    if T_GIVEN:  # as this kernel stored it (t_dtype: rounded only where every reader rounds it
-        # to DT first, so T.to(DT) below is the recomputing prepare's T_dt)
-        T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :])
-    else:
-        # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
-        pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
-        A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
-        T = _unit_lower_inverse(A, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty)
+    # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
+    pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
+    A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
+    T = _unit_lower_inverse(A, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty)
     # (4) W = T diag(aΓ) K and Ũ = T diag(b) V. FOLD: the strengths scale T's columns before
     # its one rounding to DT, so K and V enter the products as loaded (exact); otherwise T and
     # diag(aΓ) K, diag(b) V are rounded apart (fla's way: benchmarks/bf16_floor.py knobs T_W,
@@ -289,7 +247,7 @@ def chunk_prepare_kernel(
         T_dt = (T * scale[None, :]).to(DT)
     else:
         T_dt = T.to(DT)
-    for c in range(k_lo, k_hi, TILE):
+    for c in range(0, Dk, TILE):
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
         w = mm(T_dt, w_operand(b_k, ok, scale, FOLD), PREC, DT)
         store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
@@ -298,7 +256,7 @@ def chunk_prepare_kernel(
     # (rare) is recomputed with those rows zeroed, lowering first_bad.
     if FOLD:
         T_dt = (T * b[None, :]).to(DT)
-    for c in range(v_lo, v_hi, TILE):
+    for c in range(0, Dv, TILE):
         b_v = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
         v32 = b_v.to(tl.float32)
         if FOLD:
@@ -311,10 +269,10 @@ def chunk_prepare_kernel(
             u = mm(T_dt, tl.where(finite[:, None], y, 0.0), PREC, DT)
             first_bad = tl.minimum(first_bad, _first_bad(finite))
         store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
-    if not T_GIVEN:
-        tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
+    tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
 
     if store_t != 0:  # T itself ([chunk, head, CHUNK, CHUNK], t_dtype) for the backward
+        t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
         tl.store(t_base + rows[:, None] * CHUNK + rows[None, :], T.to(t_ptr.dtype.element_ty))
 
 
@@ -338,107 +296,9 @@ def launch_prepare(
     never written nor read. Given ``t``, this is the backward's prepare (its roundings)."""
     if tables.n_chunks == 0:
         return
-    _launch(
-        (tables.n_chunks, k.shape[2]),
-        k,
-        v,
-        beta=beta,
-        log_decay=log_decay,
-        tables=tables,
-        kernel_id=kernel_id,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
-        w=w,
-        u=u,
-        t=t,
-        first_bad=first_bad,
-        t_given=False,
-        block=0,
-    )
-
-
-def launch_rebuild(
-    k: Tensor,
-    v: Tensor,
-    *,
-    beta: Tensor | None,
-    log_decay: Tensor | None,
-    tables: ChunkTables,
-    kernel_id: int,
-    negative_eigenvalues: bool,
-    eps: float,
-    t: Tensor,
-    first_bad: Tensor,
-    w: Tensor,
-    u: Tensor,
-) -> None:
-    """Fill ``w`` and ``u`` from ``t`` and ``first_bad`` as :func:`launch_prepare` stored them
-    (the forward's, kept): the backward's prepare without K Kᵀ and the solve, the same W and Ũ
-    (the same kernel and roundings on the same T). A program per chunk, head and block of
-    REBUILD_TILES tiles of W's or Ũ's columns: it reads T, the chunk's keys (λ for the
-    strengths) and its block's keys or values (the kernel's docstring: the grid's order)."""
-    if tables.n_chunks == 0:
-        return
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
-    block = tile(k, v) * REBUILD_TILES
-    _launch(
-        (tables.n_chunks * (cdiv(Dk, block) + cdiv(Dv, block)), H),
-        k,
-        v,
-        beta=beta,
-        log_decay=log_decay,
-        tables=tables,
-        kernel_id=kernel_id,
-        negative_eigenvalues=negative_eigenvalues,
-        eps=eps,
-        w=w,
-        u=u,
-        t=t,
-        first_bad=first_bad,
-        t_given=True,
-        block=block,
-    )
-
-
-def tile(k: Tensor, v: Tensor) -> int:
-    """Head columns per step of the column loops (the rebuild's too)."""
-    return min(PREPARE_TILE, head_block(max(k.shape[3], v.shape[3]), k.dtype))
-
-
-def backward_settings(dtype: torch.dtype, *, t_given: bool) -> dict[str, bool | str]:
-    """The products' settings of a launch over ``dtype`` inputs: the forward's, or, where T is
-    stored or given (``t_given``) in half precision, the backward's (see above). One place for
-    the prepare and the rebuild (rebuild.py), whose W and Ũ must round alike."""
-    low = low_precision(dtype)
-    backward = t_given and low
-    return {
-        "LOW_PRECISION_DOTS": low,
-        "FOLD": BACKWARD_FOLD_STRENGTHS if backward else PREPARE_FOLD_STRENGTHS,
-        "T_PREC": (BACKWARD_T_PRECISION if backward else None) or dot_precision(dtype),
-    }
-
-
-def _launch(
-    grid: tuple[int, ...],
-    k: Tensor,
-    v: Tensor,
-    *,
-    beta: Tensor | None,
-    log_decay: Tensor | None,
-    tables: ChunkTables,
-    kernel_id: int,
-    negative_eigenvalues: bool,
-    eps: float,
-    w: Tensor,
-    u: Tensor,
-    t: Tensor | None,
-    first_bad: Tensor,
-    t_given: bool,
-    block: int,
-) -> None:
-    H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
-    settings = backward_settings(k.dtype, t_given=t is not None)
-    chunk_prepare_kernel[grid](
+    settings = backward_settings(k.dtype, t_kept=t is not None)
+    chunk_prepare_kernel[(tables.n_chunks, H)](
         k_ptr=k,
         v_ptr=v,
         beta_ptr=k if beta is None else beta,  # absent pointers are never read: flags say so
@@ -450,7 +310,7 @@ def _launch(
         cu_seqlens_ptr=tables.cu_seqlens,
         chunk_indices_ptr=tables.chunk_indices,
         eps=eps,
-        store_t=int(t is not None and not t_given),
+        store_t=int(t is not None),
         H=H,
         Dk=Dk,
         Dv=Dv,
@@ -464,12 +324,24 @@ def _launch(
         DIAG_PREC=PREPARE_DIAG_PRECISION,
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
-        T_GIVEN=t_given,
-        BLOCK=block,
-        num_warps=REBUILD_WARPS if t_given else PREPARE_WARPS,
-        **_maxnreg(REBUILD_MAXNREG if t_given else PREPARE_MAXNREG),
+        num_warps=PREPARE_WARPS,
+        **({} if PREPARE_MAXNREG is None else {"maxnreg": PREPARE_MAXNREG}),
     )
 
 
-def _maxnreg(cap: int | None) -> dict[str, int]:
-    return {"maxnreg": cap} if cap else {}
+def tile(k: Tensor, v: Tensor) -> int:
+    """Head columns per step of the column loops (the rebuild's too)."""
+    return min(PREPARE_TILE, head_block(max(k.shape[3], v.shape[3]), k.dtype))
+
+
+def backward_settings(dtype: torch.dtype, *, t_kept: bool) -> dict[str, bool | str]:
+    """The products' settings of a launch over ``dtype`` inputs: the forward's, or, where T is
+    stored or given (``t_kept``) in half precision, the backward's (see above). One place for
+    the prepare and the rebuild (rebuild.py), whose W and Ũ must round alike."""
+    low = low_precision(dtype)
+    backward = t_kept and low
+    return {
+        "LOW_PRECISION_DOTS": low,
+        "FOLD": BACKWARD_FOLD_STRENGTHS if backward else PREPARE_FOLD_STRENGTHS,
+        "T_PREC": (BACKWARD_T_PRECISION if backward else None) or dot_precision(dtype),
+    }

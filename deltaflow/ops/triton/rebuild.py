@@ -4,12 +4,12 @@ K Kᵀ and solve. The prepare's own lines (prepare.py: ``chunk_strengths``, ``w_
 roundings), so the rebuilt W, Ũ are the recomputing backward's bit for bit and the gradients of
 "t" are those of "none".
 
-``chunk_rebuild_kernel`` is the lean form (issue 32, session 20): one program per chunk and head
-writes both W and Ũ, as fla's recompute_w_u does, and holds nothing else. The prepare kernel
-under its ``T_GIVEN`` flag (``REBUILD_KERNEL = "prepare"``) carried the prepare's registers
-(170 a thread at 4 warps, AOT sm_90: three programs an SM) and took 0.50 ms at (16, 2048, 32,
-64) bf16 on the H200 against fla's 0.17 (session 20, call 1): its programs are short, so how
-many an SM holds decides the time.
+One program per chunk and head writes both W and Ũ, as fla's recompute_w_u does, and holds
+nothing else (issue 32, session 20). Until then the prepare kernel rebuilt them under a
+``T_GIVEN`` flag, carrying the prepare's registers (170 a thread at 4 warps, AOT sm_90: three
+programs an SM): 0.50 ms at (16, 2048, 32, 64) bf16 on the H200 against fla's 0.17 (call 1);
+this kernel 0.23 ms, and 0.21 against 0.37 at (8, 4096, 16, 128) (call 2; benchmarks/NOTES.md).
+Its programs are short, so how many an SM holds decides the time.
 
 A value tile with a row that is not finite has that row zeroed before its product, as the
 prepare does when the tile's Ũ is not finite (the same product where every row is finite: a
@@ -35,17 +35,12 @@ from deltaflow.ops.triton.common import (
 )
 from deltaflow.ops.triton.prepare import chunk_strengths, w_operand
 
-# "lean" (chunk_rebuild_kernel) or "prepare" (the prepare kernel with T_GIVEN, in
-# prepare.REBUILD_TILES column blocks a program).
-REBUILD_KERNEL = "lean"
-REBUILD_CHOICES = ("lean", "prepare")
-# The lean kernel's warps and register cap (0: none). Measured (H200, session 20 call 2, bf16,
-# forward + backward, 8 against 4 warps; 45-61 registers a thread against 84-118): (8, 4096, 16,
-# 128) 3.286 → 3.263 ms, (1, 32768, 16, 128) 5.091 → 5.075, (16, 2048, 32, 64) 3.187 → 3.155,
-# (8, 2048, 32, 256) 11.099 → 11.067. The lean kernel itself against the prepare kernel with
-# T_GIVEN: 0.21 / 0.23 ms against 0.37 / 0.50 at D = 128 / 64 (kernel_times).
-LEAN_WARPS = 8
-LEAN_MAXNREG = 0
+# Warps and register cap (0: none). Measured (H200, session 20 call 2, bf16, forward + backward,
+# 8 against 4 warps; 45-61 registers a thread against 84-118, AOT): (8, 4096, 16, 128) 3.286 →
+# 3.263 ms, (1, 32768, 16, 128) 5.091 → 5.075, (16, 2048, 32, 64) 3.187 → 3.155, (8, 2048, 32,
+# 256) 11.099 → 11.067.
+REBUILD_WARPS = 8
+REBUILD_MAXNREG = 0
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -120,38 +115,16 @@ def launch_rebuild(
     negative_eigenvalues: bool,
     eps: float,
     t: Tensor,
-    first_bad: Tensor,
     w: Tensor,
     u: Tensor,
 ) -> None:
-    """Fill ``w`` and ``u`` from ``t`` and ``first_bad`` as prepare.launch_prepare stored them
-    (the forward's, kept): the backward's prepare without K Kᵀ and the solve, the same W and Ũ
-    (the same lines and roundings on the same T)."""
-    if REBUILD_KERNEL not in REBUILD_CHOICES:
-        raise ValueError(
-            f"rebuild.REBUILD_KERNEL must be one of {', '.join(REBUILD_CHOICES)}, "
-            f"got {REBUILD_KERNEL!r}"
-        )
-    if REBUILD_KERNEL == "prepare":
-        prepare.launch_rebuild(
-            k,
-            v,
-            beta=beta,
-            log_decay=log_decay,
-            tables=tables,
-            kernel_id=kernel_id,
-            negative_eigenvalues=negative_eigenvalues,
-            eps=eps,
-            t=t,
-            first_bad=first_bad,
-            w=w,
-            u=u,
-        )
-        return
+    """Fill ``w`` and ``u`` from ``t`` as prepare.launch_prepare stored it (the forward's, kept;
+    the kept ``first_bad`` already counts the rows this zeroes): the backward's prepare without
+    K Kᵀ and the solve, the same W and Ũ (the same lines and roundings on the same T)."""
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
-    settings = prepare.backward_settings(k.dtype, t_given=True)
+    settings = prepare.backward_settings(k.dtype, t_kept=True)
     chunk_rebuild_kernel[(tables.n_chunks, H)](
         k_ptr=k,
         v_ptr=v,
@@ -174,6 +147,6 @@ def launch_rebuild(
         PREC=dot_precision(k.dtype),
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
-        num_warps=LEAN_WARPS,
-        **({"maxnreg": LEAN_MAXNREG} if LEAN_MAXNREG else {}),
+        num_warps=REBUILD_WARPS,
+        **({"maxnreg": REBUILD_MAXNREG} if REBUILD_MAXNREG else {}),
     )
