@@ -114,13 +114,51 @@ def chunk_strengths(
 
 
 @triton.jit
-def w_operand(b_k, ok, scale, FOLD: tl.constexpr):
-    """The right operand of W's product for a key tile: K as loaded (FOLD: the strengths are
-    in T's columns already) or diag(aΓ) K in fp32; a token that is not finite zeroed."""
-    if FOLD:
-        return tl.where(ok[:, None], b_k, 0.0)
+def store_w(
+    T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H,
+    Dk: tl.constexpr, TILE: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
+    DT: tl.constexpr,
+):  # fmt: skip
+    """(4) W = T diag(aΓ) K, TILE key columns at a time, written in k's layout (a token that is
+    not finite zeroed). FOLD: the strengths scale T's columns before its one rounding to DT, so
+    K enters the product as loaded (exact); otherwise T and diag(aΓ) K are rounded apart (fla's
+    way: benchmarks/bf16_floor.py knobs T_W, X). Returns T rounded to DT (Ũ's left operand
+    without the fold). The prepare's and the rebuild's one copy."""
+    cols = tl.arange(0, TILE)
+    scale = a * tl.exp(gamma)
+    if FOLD:  # T in fp32 here (t_dtype)
+        T_dt = (T * scale[None, :]).to(DT)
     else:
-        return tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
+        T_dt = T.to(DT)
+    for c in range(0, Dk, TILE):
+        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+        if FOLD:
+            x = tl.where(ok[:, None], b_k, 0.0)
+        else:
+            x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
+        w = mm(T_dt, x, PREC, DT)
+        store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+    return T_dt
+
+
+@triton.jit
+def u_left(T, T_dt, b, FOLD: tl.constexpr, DT: tl.constexpr):
+    """Ũ = T diag(b) V's left operand: T diag(b) rounded once (FOLD), or ``T_dt``, T rounded as
+    :func:`store_w` returned it (diag(b) V then rounded apart: Y's rounding alone was the
+    H100's D=256 dβ error, issue 30 item 4)."""
+    if FOLD:
+        return (T * b[None, :]).to(DT)
+    else:
+        return T_dt
+
+
+@triton.jit
+def u_right(v32, b, FOLD: tl.constexpr):
+    """Ũ's right operand for a value tile (fp32): V as loaded (FOLD) or diag(b) V."""
+    if FOLD:
+        return v32
+    else:
+        return b[:, None] * v32
 
 
 @triton.jit
@@ -238,31 +276,15 @@ def chunk_prepare_kernel(
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
     T = _unit_lower_inverse(A, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty)
-    # (4) W = T diag(aΓ) K and Ũ = T diag(b) V. FOLD: the strengths scale T's columns before
-    # its one rounding to DT, so K and V enter the products as loaded (exact); otherwise T and
-    # diag(aΓ) K, diag(b) V are rounded apart (fla's way: benchmarks/bf16_floor.py knobs T_W,
-    # X, Y; Y's rounding alone was the H100's D=256 dβ error, issue 30 item 4).
-    scale = a * tl.exp(gamma)
-    if FOLD:  # T in fp32 here (t_dtype)
-        T_dt = (T * scale[None, :]).to(DT)
-    else:
-        T_dt = T.to(DT)
-    for c in range(0, Dk, TILE):
-        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-        w = mm(T_dt, w_operand(b_k, ok, scale, FOLD), PREC, DT)
-        store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-
+    # (4) W = T diag(aΓ) K and Ũ = T diag(b) V (FOLD: store_w)
+    T_dt = store_w(T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD, PREC, DT)
     # A value tile is checked by the sum of its Ũ tile: only a tile with a non-finite value row
     # (rare) is recomputed with those rows zeroed, lowering first_bad.
-    if FOLD:
-        T_dt = (T * b[None, :]).to(DT)
+    T_dt = u_left(T, T_dt, b, FOLD, DT)
     for c in range(0, Dv, TILE):
         b_v = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
         v32 = b_v.to(tl.float32)
-        if FOLD:
-            y = v32
-        else:
-            y = b[:, None] * v32
+        y = u_right(v32, b, FOLD)
         u = mm(T_dt, y, PREC, DT)
         if not _all_finite(u):
             finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0

@@ -1,8 +1,8 @@
 """The backward's W and Ũ from the T the forward kept (``triton_backend.SAVE_FOR_BACKWARD =
 "t"``): W = T diag(aΓ) K and Ũ = T diag(b) V, (4) of docs/design.md §3, without the prepare's
-K Kᵀ and solve. The prepare's own lines (prepare.py: ``chunk_strengths``, ``w_operand``, its
-roundings), so the rebuilt W, Ũ are the recomputing backward's bit for bit and the gradients of
-"t" are those of "none".
+K Kᵀ and solve. The prepare's own lines (prepare.py: ``chunk_strengths``, ``store_w``,
+``u_left``, ``u_right``: its roundings), so the rebuilt W, Ũ are the recomputing backward's
+bit for bit and the gradients of "t" are those of "none".
 
 One program per chunk and head writes both W and Ũ, as fla's recompute_w_u does, and holds
 nothing else (issue 32, session 20). Until then the prepare kernel rebuilt them under a
@@ -33,7 +33,7 @@ from deltaflow.ops.triton.common import (
     mm,
     store_rows,
 )
-from deltaflow.ops.triton.prepare import chunk_strengths, w_operand
+from deltaflow.ops.triton.prepare import chunk_strengths, store_w, u_left, u_right
 
 # Warps and register cap (0: none). Measured (H200, session 20 call 2, bf16, forward + backward,
 # 8 against 4 warps; 45-61 registers a thread against 84-118, AOT): (8, 4096, 16, 128) 3.286 →
@@ -85,20 +85,12 @@ def chunk_rebuild_kernel(
     a, b, ok, gamma = chunk_strengths(
         lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
     )
-    scale = a * tl.exp(gamma)
-    if FOLD:  # T in fp32 here (prepare.t_dtype)
-        T_dt = (T * scale[None, :]).to(DT)
-    else:
-        T_dt = T.to(DT)
-    for c in range(0, Dk, TILE):  # the keys again: from L1/L2
-        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-        w = mm(T_dt, w_operand(b_k, ok, scale, FOLD), PREC, DT)
-        store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-    if FOLD:
-        T_dt = (T * b[None, :]).to(DT)
+    # the keys again (from L1/L2)
+    T_dt = store_w(T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD, PREC, DT)
+    T_dt = u_left(T, T_dt, b, FOLD, DT)
     for c in range(0, Dv, TILE):
         v32 = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
-        y = v32 if FOLD else b[:, None] * v32
+        y = u_right(v32, b, FOLD)
         finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
         u = mm(T_dt, tl.where(finite[:, None], y, 0.0), PREC, DT)
         store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
