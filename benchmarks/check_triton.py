@@ -1,7 +1,7 @@
 """GPU correctness check of the Triton backend against float64, whole, in parallel workers.
 
     python benchmarks/check_triton.py [--workers N] [--compile-workers N] [--gpu-memory GB]
-        [--dtype bf16|fp16|fp32|both|all] [--only TEXT,...] [--out FILE]
+        [--dtype bf16|fp16|fp32|both|all] [--only TEXT,...] [--set MODULE.NAME=VALUE] [--out FILE]
     python benchmarks/check_triton.py --plan       # the cases and their kernels, no GPU needed
     python benchmarks/check_triton.py --smoke      # CPU, Triton interpreter, tiny shapes (CI)
 
@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+import _settings
 from _check_schedule import (
     BASE_GB,
     batches,
@@ -113,9 +114,11 @@ def compile_one(kind: str, args: tuple, key) -> tuple[float, dict]:
     return compile_task(key, lambda handler: trace(kind, args, handler))
 
 
-def _init_worker(smoke: bool, bwd_states_fp32: bool = False) -> None:
+def _init_worker(smoke: bool, bwd_states_fp32: bool = False, settings: dict | None = None) -> None:
     if smoke:
         smoke_env()
+    # --set's launch settings, in every process (the trace, the compile and the case workers)
+    _settings.apply(settings or {})
     # a dozen processes share one GPU: allocate in growable segments, hold no spare blocks
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     # as many processes as cores: one CPU thread each (spinning thread pools oversubscribe)
@@ -205,7 +208,7 @@ def plan(dtypes: list[str], smoke: bool, device: str) -> list[tuple[str, tuple]]
     return cases
 
 
-def report(rows, device_name, wall, waited, workers, smoke) -> tuple[str, bool]:
+def report(rows, device_name, wall, waited, workers, smoke, settings=None) -> tuple[str, bool]:
     cols = ["o", "o fused", "state"] + [f"d{n}" for n in NAMES] + ["bf16 floor"]
     all_ok = all(r[5] for r in rows)
     lines = [
@@ -214,6 +217,9 @@ def report(rows, device_name, wall, waited, workers, smoke) -> tuple[str, bool]:
         "",
         f"wall time: {wall:.0f} s ({workers} worker processes{', smoke mode' if smoke else ''}"
         + (f"; not counted: {waited:.0f} s waiting for the GPU, --run-after)" if waited else ")"),
+        "",
+        "settings (--set): "
+        + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings else "the defaults"),
         "",
         "‖Δ‖/‖ref‖ vs float64; tolerance bf16 5e-3, fp16 1e-3, fp32 1e-4; outputs poisoned "
         "before every launch. bf16 floor (cases over tolerance): the float64 result recomputed "
@@ -302,7 +308,12 @@ def main(argv: list[str] | None = None) -> int:
         default="bf16",
         help="dtype of the backward's stored states (triton_backend.BACKWARD_STATES_FP32)",
     )
+    _settings.add_settings_arg(parser)
     args = parser.parse_args(argv)
+    try:
+        settings = _settings.parse(args.set)
+    except _settings.SettingError as e:
+        parser.error(f"--set {e}")
     for flag in ("workers", "compile_workers", "batch"):
         if getattr(args, flag) < 1:
             parser.error(
@@ -324,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:  # comma-separated alternatives
         wanted = args.only.split(",")
         cases = [c for c in cases if any(w in describe(*c) for w in wanted)]
-    init_args = (args.smoke, args.bwd_states == "fp32")
+        if not cases:  # a check of nothing would report ALL OK
+            parser.error(f"--only {args.only!r} matches no case (--plan lists them)")
+    init_args = (args.smoke, args.bwd_states == "fp32", settings)
     if args.plan:
         _init_worker(*init_args)
         print_plan(cases, [trace(*case) for case in cases])
@@ -392,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         on_result,
     )
     wall = time.perf_counter() - start - waited
-    text, all_ok = report(rows, name, wall, waited, args.workers, args.smoke)
+    text, all_ok = report(rows, name, wall, waited, args.workers, args.smoke, settings)
     print(text)
     out = args.out
     if out is None and not args.smoke:

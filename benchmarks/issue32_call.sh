@@ -9,6 +9,8 @@
 #
 # Environment (defaults in brackets):
 #   CHECK [1]          check_triton.py --dtype all, whole (its cases wait for fla's tuning)
+#   CHECK_SET [""]     --set items of a second check_triton.py --dtype all after it: a variant's
+#                      kernels checked before it becomes a default (report check_set.md)
 #   PYTEST [""]        test files run on the GPU beside the check's cases ("" = none)
 #   PYTEST_WORKERS [6] pytest-xdist workers when its wheel is in .whl/ (GPU tests are bound by
 #                      compiling kernels on the CPU: ~250 s for four files in one process)
@@ -152,6 +154,10 @@ fi
 if [ "${CHECK:-1}" != 0 ]; then
   step check_triton 420 "$OTHER_CPUS" python3 benchmarks/check_triton.py "${CHECK_ARGS[@]}" \
     --run-after "$GPU_FREE" --out "$OUT_DIR/check_triton.md"
+fi
+if [ -n "${CHECK_SET:-}" ]; then
+  step check_set "$(until_ 420 "$PHASE_A_END")" "$OTHER_CPUS" python3 benchmarks/check_triton.py \
+    "${CHECK_ARGS[@]}" --set "$CHECK_SET" --run-after "$GPU_FREE" --out "$OUT_DIR/check_set.md"
 fi
 wait "$FLA_JOB" "$WARM_JOB" ${TEST_JOB:+"$TEST_JOB"}
 kill_own_spawned  # workers of a cut step (this call's alone)

@@ -66,3 +66,29 @@ def test_plan_flag_prints_each_cases_specializations_on_a_cpu() -> None:
     assert len(first) == len(set(first))  # each specialization is first launched once
     summary = re.search(r"^plan: (\d+) cases, (\d+) specializations", out, flags=re.M)
     assert summary and int(summary[1]) == len(blocks) and int(summary[2]) == len(first)
+
+
+def _check_triton(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run(
+        [sys.executable, "benchmarks/check_triton.py", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_set_reaches_the_traced_launches_and_bad_flags_are_refused() -> None:
+    # --set checks a variant's kernels (issue 32): the plan's reverse pass takes its value block
+    proc = _check_triton("--plan", "--only", "T=65 delta", "--set", "states.DSTATES_BV=32")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    dstates = re.findall(r"chunk_dstates_kernel\[.*", proc.stdout)
+    assert dstates and all(" BV=32 " in line for line in dstates), dstates
+    proc = _check_triton("--plan", "--set", "states.NO_SUCH=1")
+    assert proc.returncode == 2 and "has no setting 'NO_SUCH'" in proc.stderr, proc.stderr
+    proc = _check_triton("--plan", "--only", "no such case")  # not "ALL OK (0/0 cases)"
+    assert proc.returncode == 2 and "matches no case" in proc.stderr, proc.stderr
