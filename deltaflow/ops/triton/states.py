@@ -61,14 +61,22 @@ STATES_WARPS = 4
 # one program an SM there instead of two, benchmarks/NOTES.md "session 18").
 STATES_STAGES = 2
 STATES_STAGES_MAX_BK = 128
+# At key blocks up to NARROW_MAX_BK (Dk ≤ 64) both state passes hold a [64, BV] state: a third
+# stage fits beside it. Measured (H200, session 21 call 1, bf16, forward + backward, 3 against 2
+# stages): (16, 2048, 32, 64) 2.974 → 2.944 ms for this pass, 2.974 → 2.922 for the reverse
+# pass (DSTATES_STAGES); at D = 128 the third stage loses (3.22 → 3.36, (1, 32768) forward 1.35
+# → 1.71: shared memory for one program an SM).
+STATES_STAGES_NARROW = 3
+NARROW_MAX_BK = 64
 BWD_STATES_BV = 64  # the state pass recomputed by the backward
 DSTATES_BV = 64
 DSTATES_WARPS = 4
 # The reverse pass's, at key blocks up to DSTATES_STAGES_MAX_BK (pass_stages). Measured (H200,
 # session 20 call 1, bf16, forward + backward, 2 against 1 at every block): (16, 2048, 32, 64)
 # 3.375 → 3.331 ms, but (8, 4096, 16, 128) 3.439 → 3.636 (AOT: one program an SM at D = 128)
-# and D = 256 out of shared memory (237 KB).
-DSTATES_STAGES = 2
+# and D = 256 out of shared memory (237 KB). 3 against 2 (session 21 call 1): (16, 2048, 32,
+# 64) 2.974 → 2.922.
+DSTATES_STAGES = 3
 DSTATES_STAGES_MAX_BK = 64
 # Issue 32 (benchmarks/NOTES.md, "session 18: the state passes' registers and D=256"): the three
 # passes with the state held as row blocks of STATES_SPLIT_K key rows (states_split.py), for a
@@ -328,10 +336,15 @@ def chunk_states_kernel(
 def pass_stages(BK: int, *, split: bool, reverse: bool = False) -> int:
     """Pipeline stages of a state pass (``reverse``: the reverse pass) over key blocks of ``BK``
     rows (``split``: the row-block kernels of states_split.py): STATES_STAGES / DSTATES_STAGES
-    where they were measured to help, else 1."""
-    stages, max_bk = (DSTATES_STAGES, DSTATES_STAGES_MAX_BK) if reverse else (
-        STATES_STAGES, STATES_STAGES_MAX_BK)  # fmt: skip
-    return stages if BK <= max_bk and not split else 1
+    where they were measured to help (the forward's STATES_STAGES_NARROW at the narrowest
+    blocks), else 1."""
+    if split:
+        return 1
+    if reverse:
+        return DSTATES_STAGES if BK <= DSTATES_STAGES_MAX_BK else 1
+    if BK <= NARROW_MAX_BK:
+        return STATES_STAGES_NARROW
+    return STATES_STAGES if BK <= STATES_STAGES_MAX_BK else 1
 
 
 def launch_states(
