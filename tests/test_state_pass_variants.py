@@ -23,6 +23,7 @@ if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 from deltaflow.ops.triton import states  # noqa: E402
+from deltaflow.ops.triton.common import key_block  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
@@ -45,12 +46,14 @@ class _Spy:
 
     def __init__(self, kernel, name: str, calls: list):
         self.kernel, self.name, self.calls = kernel, name, calls
+        self.value_blocks: list = []  # each launch's BV
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
 
         def run(*args, **kwargs):
             self.calls.append((self.name, kwargs.get("BKS")))
+            self.value_blocks.append(kwargs.get("BV"))
             return launch(*args, **kwargs)
 
         return run
@@ -197,6 +200,22 @@ def test_wide_head_blocks_not_split_below_the_switch(split):
     calls = split(64)
     assert_matches_reference(inputs_for("delta", 1, 70, 64, 32, seed=3), rule="delta")
     assert calls == [(n, None) for n in KERNELS[:3]]
+
+
+@pytest.mark.parametrize("Dk, Dv", [(DK4, 32), (100 if DEVICE == "cpu" else 200, 72)])
+def test_reverse_pass_split_alone_at_its_own_value_block(Dk, Dv, split, monkeypatch):
+    # DSTATES_SPLIT_K / DSTATES_SPLIT_BV: the reverse pass alone in row blocks, at its own value
+    # block (fla's [64, 32] blocks on a GPU; the fp32 floor's 16 columns here), the forward's
+    # and the recomputed state pass unsplit
+    calls = split(0)
+    monkeypatch.setattr(states, "DSTATES_SPLIT_K", ROWS)
+    monkeypatch.setattr(states, "DSTATES_SPLIT_BV", ROWS // 2)
+    x = inputs_for("gated_efla", 1, 130, Dk, Dv, initial_state=True, seed=Dk + Dv)
+    assert_matches_reference(x, rule="gated_efla")
+    rows = states.split_rows(key_block(Dk, Dv, torch.float32), torch.float32, ROWS)
+    assert rows  # (100, 72): a key block of 128 in blocks of 32, its fourth holding 4 real rows
+    assert calls == [(KERNELS[0], None), (KERNELS[1], None), ("split_dstates_kernel", rows)]
+    assert states.split_dstates_kernel.value_blocks == [ROWS // 2]
 
 
 def test_sequence_parallel_passes(split, monkeypatch):

@@ -95,24 +95,37 @@ STATES_SPLIT_K = 128
 # products, the mix Triton 3.6 got wrong on the H100 in fp32 (common.FP32_WIDE_VALUE_MIN_KEY_BLOCK).
 # The interpreter's tests lower it to reach several blocks at small heads.
 SPLIT_MIN_ROWS = 64
+# The reverse pass's own rows per block (0: STATES_SPLIT_K's) and value columns when it runs
+# split (DSTATES_BV otherwise), for fla's decomposition of its reverse pass: [64, 32] state
+# blocks (fla's autotuner picks 32 columns there at D = 128 and 256: 0.48 against 0.60 ms at
+# (8, 4096, 16, 128)). 32 columns beside a 128-row key block are miscompiled in bf16 (Triton
+# 3.6, H200, session 21 call 1: faults, or dh wrong at Dk = 100), while every 64-row key block
+# was right at 32 columns (benchmarks/NOTES.md, "session 21").
+DSTATES_SPLIT_K = 0
+DSTATES_SPLIT_BV = 64
+# A register cap for the reverse pass (0: none): ptxas fills 246-255 a thread at 4 warps
+# whatever the blocks (AOT sm_90), two programs an SM; 168 leaves room for three.
+DSTATES_MAXNREG = 0
 # The split kernels' warps: SPLIT_WARPS where the key block is at most 128 rows, SPLIT_WIDE_WARPS
 # where it is wider (Dk = 256; 8 warps hold its [256, BV] fp32 state in twice the registers).
 SPLIT_WARPS = 4
 SPLIT_WIDE_WARPS = 4
 
 
-def split_rows(BK: int, dtype: torch.dtype) -> int:
+def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
     """The rows of one state block of the split kernels for a key block of ``BK`` rows and dot
-    dtype ``dtype``, or 0: the one-accumulator kernels (``STATES_SPLIT_K`` off, or not below BK)."""
-    if STATES_SPLIT_K <= 0:
+    dtype ``dtype``, or 0: the one-accumulator kernels (``split_k``, by default
+    ``STATES_SPLIT_K``, off, or not below BK)."""
+    split_k = STATES_SPLIT_K if split_k is None else split_k
+    if split_k <= 0:
         return 0
-    rows = max(STATES_SPLIT_K, BK // 4, SPLIT_MIN_ROWS, head_block(1, dtype))
+    rows = max(split_k, BK // 4, SPLIT_MIN_ROWS, head_block(1, dtype))
     return rows if rows < BK else 0
 
 
-def _split_launch(BK: int, dtype: torch.dtype) -> dict:
+def _split_launch(BK: int, dtype: torch.dtype, split_k: int | None = None) -> dict:
     """The split kernels' extra launch arguments (``BKS`` and their warps), or {}: none."""
-    rows = split_rows(BK, dtype)
+    rows = split_rows(BK, dtype, split_k)
     if not rows:
         return {}
     return dict(BKS=rows, num_warps=SPLIT_WIDE_WARPS if BK > 128 else SPLIT_WARPS)
@@ -522,9 +535,12 @@ def launch_dstates(
     None: the final state was not used (its gradient is zero, and no zeros are read)."""
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
-    BV = min(head_block(Dv, q.dtype), DSTATES_BV)
     BK = key_block(Dk, Dv, q.dtype)
-    launch = {"num_warps": DSTATES_WARPS, **_split_launch(BK, q.dtype)}
+    split = _split_launch(BK, q.dtype, DSTATES_SPLIT_K or STATES_SPLIT_K)
+    BV = min(head_block(Dv, q.dtype), DSTATES_SPLIT_BV if split else DSTATES_BV)
+    launch = {"num_warps": DSTATES_WARPS, **split}
+    if DSTATES_MAXNREG:
+        launch["maxnreg"] = DSTATES_MAXNREG
     kernel = split_dstates_kernel if "BKS" in launch else chunk_dstates_kernel
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
