@@ -22,7 +22,7 @@ triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from deltaflow.ops.triton import states  # noqa: E402
+from deltaflow.ops.triton import segment_states, states  # noqa: E402
 from deltaflow.ops.triton.common import key_block  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -221,6 +221,9 @@ def test_reverse_pass_split_alone_at_its_own_value_block(Dk, Dv, split, monkeypa
 def test_sequence_parallel_passes(split, monkeypatch):
     # the segmented passes' step 3 is launch_states / launch_dstates: split there too
     calls = split(ROWS)
+    # the reverse pass's step 3 at its own rows (segment_states.SEGMENT_DSTATES_SPLIT_K: 64 on
+    # a GPU, where the interpreter's head of four 16-row blocks would not split)
+    monkeypatch.setattr(segment_states, "SEGMENT_DSTATES_SPLIT_K", ROWS)
     monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "on")
     monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 1)
     x = inputs_for("delta", 1, 200, DK4, 32, seed=9)

@@ -24,7 +24,8 @@ state leaving it through a Dk × Dk transition: ``S_end = P S_in + S_loc`` (forw
    (``segment_chain.py``; ``segment_chain.SEGMENT_CHAIN = "torch"``: ``segments.chain`` itself).
 3. ``states.launch_states`` / ``launch_dstates`` unchanged, with the segments as the sequences:
    each walks its own chunks from its true entering state, writing h, U (dh, dU) where the
-   sequential pass writes them.
+   sequential pass writes them (the reverse pass in its own blocks and register cap:
+   ``SEGMENT_DSTATES_SPLIT_K``, ``SEGMENT_DSTATES_MAXNREG``).
 
 The forward may keep step 2's entering states (``triton_backend.KEEP_SEGMENT_STATES``): the
 backward's recompute of the same pass then runs step 3 alone.
@@ -221,6 +222,17 @@ def segment_tables(
     while len(_segment_cache) > SEGMENT_CACHE_SIZE:
         _segment_cache.popitem(last=False)
     return built
+
+
+# Step 3 of the reverse pass (states.launch_dstates over the segments): key rows per state
+# block (0: the pass's own) and a register cap (0: the pass's). Its launches hold many more
+# programs than a sequence-long pass (segments × heads × value blocks), so three an SM beat two
+# with fewer spills. Measured (H200, session 21 call 3, bf16, forward + backward, every reverse
+# pass at 64 rows capped at 168 registers): (1, 32768, 16, 128), segmented, 5.050 → 4.850 ms,
+# while the sequence-long passes lost (8, 4096, 16, 128) 3.228 → 3.494, D = 256 10.99 → 11.54:
+# hence for step 3 alone.
+SEGMENT_DSTATES_SPLIT_K = 64
+SEGMENT_DSTATES_MAXNREG = 168
 
 
 # ---------------------------------------------------------------------------- step 1 (kernels)
@@ -566,6 +578,8 @@ def launch_segmented_dstates(
         grad_final_state=leaving,
         tables=segments.segments,
         d_initial_state=starts,
+        split_k=SEGMENT_DSTATES_SPLIT_K,
+        maxnreg=SEGMENT_DSTATES_MAXNREG,
         **common,
     )
     torch.index_select(starts, 0, segments.first, out=d_initial_state)

@@ -529,18 +529,22 @@ def launch_dstates(
     dh: Tensor,
     du: Tensor,
     d_initial_state: Tensor,
+    split_k: int = 0,
+    maxnreg: int = 0,
 ) -> None:
     """(7)–(8) from each sequence's end: ``dh`` (the state's gradient leaving every chunk),
     ``du`` (dU, like v) and ``d_initial_state`` ([N, H, Dk, Dv] fp32). ``grad_final_state``
-    None: the final state was not used (its gradient is zero, and no zeros are read)."""
+    None: the final state was not used (its gradient is zero, and no zeros are read).
+    ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: DSTATES_SPLIT_K's
+    or STATES_SPLIT_K's rows, DSTATES_MAXNREG): the segments' step 3 takes its own."""
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BK = key_block(Dk, Dv, q.dtype)
-    split = _split_launch(BK, q.dtype, DSTATES_SPLIT_K or STATES_SPLIT_K)
+    split = _split_launch(BK, q.dtype, split_k or DSTATES_SPLIT_K or STATES_SPLIT_K)
     BV = min(head_block(Dv, q.dtype), DSTATES_SPLIT_BV if split else DSTATES_BV)
     launch = {"num_warps": DSTATES_WARPS, **split}
-    if DSTATES_MAXNREG:
-        launch["maxnreg"] = DSTATES_MAXNREG
+    if maxnreg or DSTATES_MAXNREG:
+        launch["maxnreg"] = maxnreg or DSTATES_MAXNREG
     kernel = split_dstates_kernel if "BKS" in launch else chunk_dstates_kernel
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
