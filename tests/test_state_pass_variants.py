@@ -231,6 +231,20 @@ def test_sequence_parallel_passes(split, monkeypatch):
     assert calls == [("split_states_kernel", ROWS)] * 2 + [("split_dstates_kernel", ROWS)]
 
 
+def test_segments_step_3_in_its_own_blocks_and_register_cap(split, monkeypatch):
+    # SEGMENT_STATES_* / SEGMENT_DSTATES_*: the segments' step 3 split (and capped) while a
+    # sequence-long pass would not be (STATES_SPLIT_K off)
+    calls = split(0)
+    for name, value in [("STATES_SPLIT_K", ROWS), ("STATES_MAXNREG", 168),
+                        ("DSTATES_SPLIT_K", ROWS), ("DSTATES_MAXNREG", 168)]:  # fmt: skip
+        monkeypatch.setattr(segment_states, f"SEGMENT_{name}", value)
+    monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "on")
+    monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 1)
+    x = inputs_for("kaczmarz", 1, 200, DK4, 32, initial_state=True, seed=10)
+    assert_matches_reference(x, rule="kaczmarz")
+    assert calls == [("split_states_kernel", ROWS)] * 2 + [("split_dstates_kernel", ROWS)]
+
+
 @pytest.mark.parametrize("mode, name, value", [("fused", "k", NAN), ("two_pass", "v", INF)])
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 def test_nonfinite_stays_causal(mode, name, value, split, monkeypatch):

@@ -24,8 +24,8 @@ state leaving it through a Dk × Dk transition: ``S_end = P S_in + S_loc`` (forw
    (``segment_chain.py``; ``segment_chain.SEGMENT_CHAIN = "torch"``: ``segments.chain`` itself).
 3. ``states.launch_states`` / ``launch_dstates`` unchanged, with the segments as the sequences:
    each walks its own chunks from its true entering state, writing h, U (dh, dU) where the
-   sequential pass writes them (the reverse pass in its own blocks and register cap:
-   ``SEGMENT_DSTATES_SPLIT_K``, ``SEGMENT_DSTATES_MAXNREG``).
+   sequential pass writes them (in their own blocks and register cap: ``SEGMENT_STATES_*``,
+   ``SEGMENT_DSTATES_*``).
 
 The forward may keep step 2's entering states (``triton_backend.KEEP_SEGMENT_STATES``): the
 backward's recompute of the same pass then runs step 3 alone.
@@ -233,6 +233,10 @@ def segment_tables(
 # hence for step 3 alone.
 SEGMENT_DSTATES_SPLIT_K = 64
 SEGMENT_DSTATES_MAXNREG = 168
+# The same for the forward-side pass's step 3 (the forward's and the backward's recompute: one
+# setting, so both compute the same h). Untimed (session 21: no device time left): off.
+SEGMENT_STATES_SPLIT_K = 0
+SEGMENT_STATES_MAXNREG = 0
 
 
 # ---------------------------------------------------------------------------- step 1 (kernels)
@@ -501,6 +505,8 @@ def launch_segmented_states(
         initial_state=entering[:n_seg],
         tables=segments.segments,
         final_state=ends,
+        split_k=SEGMENT_STATES_SPLIT_K,
+        maxnreg=SEGMENT_STATES_MAXNREG,
         **common,
     )
     torch.index_select(ends, 0, segments.last, out=final_state)

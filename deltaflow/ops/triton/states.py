@@ -373,14 +373,20 @@ def launch_states(
     h: Tensor,
     v_new: Tensor,
     final_state: Tensor,
+    split_k: int = 0,
+    maxnreg: int = 0,
 ) -> None:
     """(4), (6) sequentially per sequence: ``h`` (S_0 of every chunk, [chunks, H, Dk, Dv]),
-    ``v_new`` (U, like v) and ``final_state``, in value blocks of ``block_v`` columns."""
+    ``v_new`` (U, like v) and ``final_state``, in value blocks of ``block_v`` columns.
+    ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: STATES_SPLIT_K's
+    rows, no cap): the segments' step 3 may take its own."""
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, k.dtype), block_v)
     BK = key_block(Dk, Dv, k.dtype)
-    launch = {"num_warps": STATES_WARPS, **_split_launch(BK, k.dtype)}
+    launch = {"num_warps": STATES_WARPS, **_split_launch(BK, k.dtype, split_k or STATES_SPLIT_K)}
+    if maxnreg:
+        launch["maxnreg"] = maxnreg
     kernel = split_states_kernel if "BKS" in launch else chunk_states_kernel
     kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
