@@ -96,11 +96,12 @@ STATES_SPLIT_K = 128
 # The interpreter's tests lower it to reach several blocks at small heads.
 SPLIT_MIN_ROWS = 64
 # The reverse pass's own rows per block (0: STATES_SPLIT_K's) and value columns when it runs
-# split (DSTATES_BV otherwise), for fla's decomposition of its reverse pass: [64, 32] state
-# blocks (fla's autotuner picks 32 columns there at D = 128 and 256: 0.48 against 0.60 ms at
-# (8, 4096, 16, 128)). 32 columns beside a 128-row key block are miscompiled in bf16 (Triton
-# 3.6, H200, session 21 call 1: faults, or dh wrong at Dk = 100), while every 64-row key block
-# was right at 32 columns (benchmarks/NOTES.md, "session 21").
+# split (DSTATES_BV otherwise): fla's decomposition of its reverse pass is [64, 32] state blocks
+# (its autotuner picks 32 columns at D = 128 and 256). Not ours (benchmarks/NOTES.md, "session
+# 21"): at 32 columns every half-precision launch with a key head ≥ 128 faults or gives a wrong
+# dh (Triton 3.6, H200), in one block (call 1) or in 64-row blocks (call 3), fp32 and key heads
+# ≤ 64 being right; and the [64, 32] split pass took 1.05 ms against 0.545 at (8, 4096, 16, 128).
+# 64-row blocks at 64 columns: +0.09 ms there, −0.17 at D = 256 (call 3).
 DSTATES_SPLIT_K = 0
 DSTATES_SPLIT_BV = 64
 # A register cap for the reverse pass (0: none): ptxas fills 246-255 a thread at 4 warps
