@@ -42,9 +42,9 @@ def fused(monkeypatch) -> list[torch.dtype]:
     launches: list[torch.dtype] = []
     launch = gradients_fused.launch_fused
 
-    def counted(*args, **kwargs) -> None:
-        launches.append(kwargs["q"].dtype)
-        launch(*args, **kwargs)
+    def counted(pointers: dict, *args) -> None:
+        launches.append(pointers["q_ptr"].dtype)
+        launch(pointers, *args)
 
     monkeypatch.setattr(gradients_fused, "launch_fused", counted)
     return launches

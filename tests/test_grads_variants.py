@@ -36,9 +36,9 @@ def lean(monkeypatch) -> list[torch.dtype]:
     launches: list[torch.dtype] = []
     launch = gradients_lean.launch_lean
 
-    def counted(*args, **kwargs) -> None:
-        launches.append(kwargs["q"].dtype)
-        launch(*args, **kwargs)
+    def counted(pointers: dict, *args) -> None:
+        launches.append(pointers["q_ptr"].dtype)
+        launch(pointers, *args)
 
     monkeypatch.setattr(gradients_lean, "launch_lean", counted)
     return launches

@@ -11,6 +11,8 @@ part through a and b).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -452,6 +454,24 @@ def chunk_grads_k_kernel(
     )  # fmt: skip
 
 
+def pointer_params(kernel: Any) -> tuple[str, ...]:
+    """``kernel``'s tensor parameters (its ``*_ptr`` arguments; a ``triton.jit`` function, or the
+    interpreter's), in its signature's order: the entries of ``launch_gradients``' ``pointers``
+    it takes, so that each gradient kernel's list of tensors is its signature and nowhere else.
+    Read once, at import: a test may stand a recorder in for the kernel afterwards."""
+    return tuple(name for name in kernel.arg_names if name.endswith("_ptr"))
+
+
+def take(pointers: dict[str, Tensor], params: tuple[str, ...]) -> dict[str, Tensor]:
+    """The launch keywords of the tensors ``params`` (``pointer_params``) names."""
+    return {name: pointers[name] for name in params}
+
+
+# Each kernel's tensors, from its signature
+V_POINTERS = pointer_params(chunk_grads_v_kernel)
+K_POINTERS = pointer_params(chunk_grads_k_kernel)
+
+
 def launch_gradients(
     q: Tensor,
     k: Tensor,
@@ -486,11 +506,31 @@ def launch_gradients(
         return
     H, Dk, Dv = q.shape[2], q.shape[3], v.shape[3]
     fp32 = q.dtype == torch.float32
-    common = dict(
+    # Every gradient kernel's tensors by parameter name, each kernel taking those its signature
+    # names (pointer_params); the rest of a launch's keywords are its settings below
+    pointers = dict(
+        q_ptr=q,
+        k_ptr=k,
+        v_ptr=v,
         beta_ptr=q if beta is None else beta,  # absent pointers are never read: flags say so
         g_ptr=q if log_decay is None else log_decay,
+        t_ptr=t,
+        h_ptr=h,
+        dh_ptr=dh,
+        v_new_ptr=v_new,
+        du_ptr=du,
+        do_ptr=grad_o,
+        m_ptr=scratch_m,
+        r_ptr=scratch_r,
+        dq_ptr=dq,
+        dk_ptr=dk,
+        dv_ptr=dv,
+        dbeta_ptr=q if dbeta is None else dbeta,
+        dg_ptr=q if dlog_decay is None else dlog_decay,
         cu_seqlens_ptr=tables.cu_seqlens,
         chunk_indices_ptr=tables.chunk_indices,
+    )
+    common = dict(
         scale=scale,
         eps=eps,
         H=H,
@@ -516,9 +556,7 @@ def launch_gradients(
         options = {**key_side, "BV": head_block(Dv, q.dtype), "num_warps": GRADS_FUSED_WARPS}
         options.update({"num_stages": GRADS_FUSED_STAGES} if GRADS_FUSED_STAGES else {})
         options.update({"maxnreg": GRADS_FUSED_MAXNREG} if GRADS_FUSED_MAXNREG else {})
-        outputs = dict(dq=dq, dk=dk, dv=dv, dbeta=dbeta, dlog_decay=dlog_decay)
-        launch_fused(options, grid, q=q, k=k, v=v, t=t, h=h, v_new=v_new, dh=dh, du=du,
-                     grad_o=grad_o, **outputs)  # fmt: skip
+        launch_fused(pointers, options, grid)
         return
     if h.dtype == torch.float32:  # fp32 states: narrower value blocks (shared memory)
         key_side["BV"] = min(head_block(Dv, q.dtype), GRADS_BV_FP32)
@@ -530,58 +568,9 @@ def launch_gradients(
                              f"take {LEAN_ROWS.value} (scratch_rows)")  # fmt: skip
         stages = {"num_stages": GRADS_LEAN_STAGES} if GRADS_LEAN_STAGES else {}
         v_options = {"maxnreg": GRADS_LEAN_V_MAXNREG} if GRADS_LEAN_V_MAXNREG else {}
-        launch_lean(
-            {**common, **stages, **v_options},
-            {**key_side, **stages},
-            grid,
-            q=q,
-            k=k,
-            v=v,
-            t=t,
-            h=h,
-            v_new=v_new,
-            dh=dh,
-            du=du,
-            grad_o=grad_o,
-            scratch_m=scratch_m,
-            scratch_r=scratch_r,
-            dq=dq,
-            dk=dk,
-            dv=dv,
-            dbeta=dbeta,
-            dlog_decay=dlog_decay,
-        )
+        launch_lean(pointers, {**common, **stages, **v_options}, {**key_side, **stages}, grid)
         return
     if not fp32 and GRADS_K_HALF_WARPS:  # the plain key side (the lean pair returned above)
         key_side["num_warps"] = GRADS_K_HALF_WARPS
-    chunk_grads_v_kernel[grid](
-        q_ptr=q,
-        k_ptr=k,
-        v_ptr=v,
-        t_ptr=t,
-        v_new_ptr=v_new,
-        du_ptr=du,
-        do_ptr=grad_o,
-        dv_ptr=dv,
-        m_ptr=scratch_m,
-        r_ptr=scratch_r,
-        **common,
-        **v_options,
-    )
-    chunk_grads_k_kernel[grid](
-        q_ptr=q,
-        k_ptr=k,
-        t_ptr=t,
-        h_ptr=h,
-        dh_ptr=dh,
-        v_new_ptr=v_new,
-        du_ptr=du,
-        do_ptr=grad_o,
-        m_ptr=scratch_m,
-        r_ptr=scratch_r,
-        dq_ptr=dq,
-        dk_ptr=dk,
-        dbeta_ptr=q if dbeta is None else dbeta,
-        dg_ptr=q if dlog_decay is None else dlog_decay,
-        **key_side,
-    )
+    chunk_grads_v_kernel[grid](**take(pointers, V_POINTERS), **common, **v_options)
+    chunk_grads_k_kernel[grid](**take(pointers, K_POINTERS), **key_side)

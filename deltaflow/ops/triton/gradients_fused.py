@@ -33,6 +33,8 @@ from deltaflow.ops.triton.gradients import (
     _state_block,
     _value_block,
     _value_tail,
+    pointer_params,
+    take,
 )
 
 
@@ -121,41 +123,12 @@ def chunk_grads_fused_kernel(
     )  # fmt: skip
 
 
-def launch_fused(
-    options: dict,
-    grid: tuple[int, int],
-    *,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    t: Tensor,
-    h: Tensor,
-    v_new: Tensor,
-    dh: Tensor,
-    du: Tensor,
-    grad_o: Tensor,
-    dq: Tensor,
-    dk: Tensor,
-    dv: Tensor,
-    dbeta: Tensor | None,
-    dlog_decay: Tensor | None,
-) -> None:
-    """The fused kernel over ``grid`` (chunks, heads); ``options``: ``gradients.launch_gradients``'
-    launch arguments for it (whole-head blocks, the fused launch settings)."""
-    chunk_grads_fused_kernel[grid](
-        q_ptr=q,
-        k_ptr=k,
-        v_ptr=v,
-        t_ptr=t,
-        h_ptr=h,
-        dh_ptr=dh,
-        v_new_ptr=v_new,
-        du_ptr=du,
-        do_ptr=grad_o,
-        dq_ptr=dq,
-        dk_ptr=dk,
-        dv_ptr=dv,
-        dbeta_ptr=q if dbeta is None else dbeta,
-        dg_ptr=q if dlog_decay is None else dlog_decay,
-        **options,
-    )
+# Its tensors, from its signature (both sides' but the scratch; gradients.pointer_params)
+FUSED_POINTERS = pointer_params(chunk_grads_fused_kernel)
+
+
+def launch_fused(pointers: dict[str, Tensor], options: dict, grid: tuple[int, int]) -> None:
+    """The fused kernel over ``grid`` (chunks, heads); ``pointers``, ``options``:
+    ``gradients.launch_gradients``' tensors and its launch settings for it (whole-head blocks,
+    the fused launch settings)."""
+    chunk_grads_fused_kernel[grid](**take(pointers, FUSED_POINTERS), **options)

@@ -44,7 +44,12 @@ from deltaflow.ops.triton.common import (
     dot_split,
     load_rows,
 )
-from deltaflow.ops.triton.gradients import _chunk_keys, _load_t_transposed
+from deltaflow.ops.triton.gradients import (
+    _chunk_keys,
+    _load_t_transposed,
+    pointer_params,
+    take,
+)
 
 LEAN_ROWS = tl.constexpr(8)  # rows of the row scratch (module docstring)
 
@@ -292,59 +297,18 @@ def chunk_grads_k_lean_kernel(
         tl.store(dg_ptr + offs_t * H + i_h, d_log_alpha.to(dg_ptr.dtype.element_ty), mask=mask_t)
 
 
+# Each kernel's tensors, from its signature (gradients.pointer_params)
+V_LEAN_POINTERS = pointer_params(chunk_grads_v_lean_kernel)
+K_LEAN_POINTERS = pointer_params(chunk_grads_k_lean_kernel)
+
+
 def launch_lean(
-    value_side: dict,
-    key_side: dict,
-    grid: tuple[int, int],
-    *,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    t: Tensor,
-    h: Tensor,
-    v_new: Tensor,
-    dh: Tensor,
-    du: Tensor,
-    grad_o: Tensor,
-    scratch_m: Tensor,
-    scratch_r: Tensor,
-    dq: Tensor,
-    dk: Tensor,
-    dv: Tensor,
-    dbeta: Tensor | None,
-    dlog_decay: Tensor | None,
+    pointers: dict[str, Tensor], value_side: dict, key_side: dict, grid: tuple[int, int]
 ) -> None:
-    """Both lean kernels over ``grid`` (chunks, heads): ``value_side`` and ``key_side`` are
-    ``gradients.launch_gradients``' launch arguments for its two kernels (the key side's
-    kernel takes no β, ε or negative-eigenvalue flag: the value side's rows carry the rule)."""
-    chunk_grads_v_lean_kernel[grid](
-        q_ptr=q,
-        k_ptr=k,
-        v_ptr=v,
-        t_ptr=t,
-        v_new_ptr=v_new,
-        du_ptr=du,
-        do_ptr=grad_o,
-        dv_ptr=dv,
-        m_ptr=scratch_m,
-        r_ptr=scratch_r,
-        **value_side,
-    )
-    key_side = {n: x for n, x in key_side.items() if n not in ("beta_ptr", "eps", "neg")}
-    chunk_grads_k_lean_kernel[grid](
-        q_ptr=q,
-        k_ptr=k,
-        t_ptr=t,
-        h_ptr=h,
-        dh_ptr=dh,
-        v_new_ptr=v_new,
-        du_ptr=du,
-        do_ptr=grad_o,
-        m_ptr=scratch_m,
-        r_ptr=scratch_r,
-        dq_ptr=dq,
-        dk_ptr=dk,
-        dbeta_ptr=q if dbeta is None else dbeta,
-        dg_ptr=q if dlog_decay is None else dlog_decay,
-        **key_side,
-    )
+    """Both lean kernels over ``grid`` (chunks, heads): ``pointers``, ``value_side`` and
+    ``key_side`` are ``gradients.launch_gradients``' tensors and the launch settings of its two
+    kernels (the key side's kernel takes no β, ε or negative-eigenvalue flag: the value side's
+    rows carry the rule)."""
+    chunk_grads_v_lean_kernel[grid](**take(pointers, V_LEAN_POINTERS), **value_side)
+    key_side = {n: x for n, x in key_side.items() if n not in ("eps", "neg")}
+    chunk_grads_k_lean_kernel[grid](**take(pointers, K_LEAN_POINTERS), **key_side)
