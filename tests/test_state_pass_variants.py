@@ -203,13 +203,13 @@ def test_wide_head_blocks_not_split_below_the_switch(split):
 
 
 @pytest.mark.parametrize("Dk, Dv", [(DK4, 32), (100 if DEVICE == "cpu" else 200, 72)])
-def test_reverse_pass_split_alone_at_its_own_value_block(Dk, Dv, split, monkeypatch):
-    # DSTATES_SPLIT_K / DSTATES_SPLIT_BV: the reverse pass alone in row blocks, at its own value
-    # block (fla's [64, 32] blocks on a GPU; the fp32 floor's 16 columns here), the forward's
-    # and the recomputed state pass unsplit
+def test_reverse_pass_split_alone(Dk, Dv, split, monkeypatch):
+    # DSTATES_SPLIT_K: the reverse pass alone in row blocks, the forward's and the recomputed
+    # state pass unsplit; its value block (DSTATES_BV, here the fp32 floor's 16 columns) reaches
+    # the split launch
     calls = split(0)
     monkeypatch.setattr(states, "DSTATES_SPLIT_K", ROWS)
-    monkeypatch.setattr(states, "DSTATES_SPLIT_BV", ROWS // 2)
+    monkeypatch.setattr(states, "DSTATES_BV", ROWS // 2)
     x = inputs_for("gated_efla", 1, 130, Dk, Dv, initial_state=True, seed=Dk + Dv)
     assert_matches_reference(x, rule="gated_efla")
     rows = states.split_rows(key_block(Dk, Dv, torch.float32), torch.float32, ROWS)

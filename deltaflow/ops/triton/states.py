@@ -95,15 +95,13 @@ STATES_SPLIT_K = 128
 # products, the mix Triton 3.6 got wrong on the H100 in fp32 (common.FP32_WIDE_VALUE_MIN_KEY_BLOCK).
 # The interpreter's tests lower it to reach several blocks at small heads.
 SPLIT_MIN_ROWS = 64
-# The reverse pass's own rows per block (0: STATES_SPLIT_K's) and value columns when it runs
-# split (DSTATES_BV otherwise): fla's decomposition of its reverse pass is [64, 32] state blocks
-# (its autotuner picks 32 columns at D = 128 and 256). Not ours (benchmarks/NOTES.md, "session
-# 21"): at 32 columns every half-precision launch with a key head ≥ 128 faults or gives a wrong
-# dh (Triton 3.6, H200), in one block (call 1) or in 64-row blocks (call 3), fp32 and key heads
-# ≤ 64 being right; and the [64, 32] split pass took 1.05 ms against 0.545 at (8, 4096, 16, 128).
-# 64-row blocks at 64 columns: +0.09 ms there, −0.17 at D = 256 (call 3).
+# The reverse pass's own rows per block (0: STATES_SPLIT_K's). 64-row blocks (call 3, session
+# 21): +0.09 ms at (8, 4096, 16, 128), −0.17 at D = 256. fla's reverse pass holds [64, 32]
+# blocks (its autotuner picks 32 columns at D = 128 and 256); ours cannot (benchmarks/NOTES.md,
+# "session 21"): at DSTATES_BV = 32 every half-precision launch with a key head ≥ 128 faults or
+# gives a wrong dh (Triton 3.6, H200), in one block (call 1) or in 64-row blocks (call 3), fp32
+# and key heads ≤ 64 being right; and the [64, 32] split pass took 1.05 ms against 0.545.
 DSTATES_SPLIT_K = 0
-DSTATES_SPLIT_BV = 64
 # A register cap for the reverse pass (0: none): ptxas fills 246-255 a thread at 4 warps
 # whatever the blocks (AOT sm_90), two programs an SM; 168 leaves room for three.
 DSTATES_MAXNREG = 0
@@ -547,8 +545,8 @@ def launch_dstates(
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BK = key_block(Dk, Dv, q.dtype)
+    BV = min(head_block(Dv, q.dtype), DSTATES_BV)
     split = _split_launch(BK, q.dtype, split_k or DSTATES_SPLIT_K or STATES_SPLIT_K)
-    BV = min(head_block(Dv, q.dtype), DSTATES_SPLIT_BV if split else DSTATES_BV)
     launch = {"num_warps": DSTATES_WARPS, **split}
     if maxnreg or DSTATES_MAXNREG:
         launch["maxnreg"] = maxnreg or DSTATES_MAXNREG
