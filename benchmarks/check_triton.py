@@ -114,10 +114,11 @@ def compile_one(kind: str, args: tuple, key) -> tuple[float, dict]:
     return compile_task(key, lambda handler: trace(kind, args, handler))
 
 
-def _init_worker(smoke: bool, bwd_states_fp32: bool = False, settings: dict | None = None) -> None:
+def _init_worker(smoke: bool, settings: dict | None = None) -> None:
     if smoke:
         smoke_env()
-    # --set's launch settings, in every process (the trace, the compile and the case workers)
+    # --set's (and --bwd-states') settings, in every process (the trace, the compile and the
+    # case workers)
     _settings.apply(settings or {})
     # a dozen processes share one GPU: allocate in growable segments, hold no spare blocks
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -127,7 +128,6 @@ def _init_worker(smoke: bool, bwd_states_fp32: bool = False, settings: dict | No
     from deltaflow.ops import triton_backend
 
     triton_backend.POISON_OUTPUTS = True
-    triton_backend.BACKWARD_STATES_FP32 = bwd_states_fp32
     import triton
 
     triton.knobs.compilation.listener = _on_compile
@@ -218,7 +218,7 @@ def report(rows, device_name, wall, waited, workers, smoke, settings=None) -> tu
         f"wall time: {wall:.0f} s ({workers} worker processes{', smoke mode' if smoke else ''}"
         + (f"; not counted: {waited:.0f} s waiting for the GPU, --run-after)" if waited else ")"),
         "",
-        "settings (--set): "
+        "settings (--set, --bwd-states): "
         + (", ".join(f"{k}={v}" for k, v in settings.items()) if settings else "the defaults"),
         "",
         "‖Δ‖/‖ref‖ vs float64; tolerance bf16 5e-3, fp16 1e-3, fp32 1e-4; outputs poisoned "
@@ -305,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bwd-states",
         choices=["fp32", "bf16"],
-        default="bf16",
-        help="dtype of the backward's stored states (triton_backend.BACKWARD_STATES_FP32)",
+        default=None,
+        help="dtype of the backward's stored states: --set triton_backend.BACKWARD_STATES_FP32 "
+        "by name (default: the module's, bf16)",
     )
     _settings.add_settings_arg(parser)
     args = parser.parse_args(argv)
@@ -314,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = _settings.parse(args.set)
     except _settings.SettingError as e:
         parser.error(f"--set {e}")
+    if args.bwd_states is not None:  # one of the settings, under its own name
+        fp32, key = args.bwd_states == "fp32", "triton_backend.BACKWARD_STATES_FP32"
+        if settings.get(key, fp32) != fp32:
+            parser.error(f"--bwd-states {args.bwd_states} contradicts --set {key}={settings[key]}")
+        settings[key] = fp32
     for flag in ("workers", "compile_workers", "batch"):
         if getattr(args, flag) < 1:
             parser.error(
@@ -337,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if any(w in describe(*c) for w in wanted)]
         if not cases:  # a check of nothing would report ALL OK
             parser.error(f"--only {args.only!r} matches no case (--plan lists them)")
-    init_args = (args.smoke, args.bwd_states == "fp32", settings)
+    init_args = (args.smoke, settings)
     if args.plan:
         _init_worker(*init_args)
         print_plan(cases, [trace(*case) for case in cases])

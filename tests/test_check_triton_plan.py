@@ -92,3 +92,16 @@ def test_set_reaches_the_traced_launches_and_bad_flags_are_refused() -> None:
     assert proc.returncode == 2 and "has no setting 'NO_SUCH'" in proc.stderr, proc.stderr
     proc = _check_triton("--plan", "--only", "no such case")  # not "ALL OK (0/0 cases)"
     assert proc.returncode == 2 and "matches no case" in proc.stderr, proc.stderr
+
+
+def test_bwd_states_is_that_setting_by_name() -> None:
+    # --bwd-states fp32: the backward's fp32 states narrow the key-side gradient kernel's value
+    # block in the traced launches; against --set's value of the same setting it is refused
+    proc = _check_triton("--plan", "--only", "T=65 delta", "--bwd-states", "fp32")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    grads_k = re.findall(r"chunk_grads_k_lean_kernel\[.*bfloat16.*", proc.stdout)
+    assert grads_k and all(" BV=32 " in line for line in grads_k), grads_k
+    proc = _check_triton(
+        "--plan", "--bwd-states", "fp32", "--set", "triton_backend.BACKWARD_STATES_FP32=0"
+    )
+    assert proc.returncode == 2 and "contradicts" in proc.stderr, proc.stderr
