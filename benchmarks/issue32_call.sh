@@ -31,6 +31,10 @@
 #   PROBE [0]          probe_narrow_fp32.py first, alone (narrow fp32 heads, a process each)
 #   MODEL [""]         "B T" of a model_training.py run (compiled blocks, pure bf16, ours then
 #                      fla's), MODEL_EXTRA its extra flags for ours
+#   NCU [""]           BxTxHxD,... shapes for Nsight Compute, last: one forward + backward a
+#                      shape (kernel_times.py --profile-once), ours then fla's (ncu_fla.csv),
+#                      each kernel's speed of light, occupancy, warp stalls, memory and compute
+#                      sections as CSV (ncu.csv); NCU_SET: --set items for ours there
 #   PHASE_A_END [380]  seconds: fla's D = 256 tuning and the GPU tests stop here
 #   DEADLINE [575]     seconds: every timed step stops here (the device allows 600)
 # Exit status: 0 when every step exited 0 (check_triton and pytest exit 1 on a failure).
@@ -70,7 +74,7 @@ fi
 if [ -n "$SMOKE" ]; then
   # CI runs the check's smoke in gpu_check.sh's and --sequence-parallel's on its own: here the
   # schedule only
-  CHECK=${CHECK:-0} SEQPAR=${SEQPAR:-0}
+  CHECK=${CHECK:-0} SEQPAR=${SEQPAR:-0} NCU=${NCU:-smoke}  # ncu's step without ncu
   CHECK_ARGS=(--smoke --workers 2) PHASE_A_END=100000 DEADLINE=100000
   KTIMES_ARGS=(--smoke)
 else
@@ -210,6 +214,21 @@ if [ -n "${MODEL:-}" ]; then
   if [ -n "$FLA_PATH" ]; then
     PYTHONPATH=$FLA_PATH$PYTHONPATH step model_fla "$(until_ 150 "$DEADLINE")" "" python3 \
       benchmarks/model_training.py --skip-deltaflow "${TRAIN[@]}" --out "$OUT_DIR/model_fla"
+  fi
+fi
+if [ -n "${NCU:-}" ]; then  # hardware counters (Firecracker machines; clocks left alone)
+  NCU_BIN=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | head -1)
+  NCU_ARGS=(--profile-from-start off --clock-control none --csv --page details)
+  for section in SpeedOfLight Occupancy LaunchStats WarpStateStats ComputeWorkloadAnalysis \
+    MemoryWorkloadAnalysis; do NCU_ARGS+=(--section "$section"); done
+  DRIVER=(python3 benchmarks/kernel_times.py --profile-once --shapes "$NCU")
+  OURS=("$NCU_BIN" "${NCU_ARGS[@]}" --log-file "$OUT_DIR/ncu.csv" "${DRIVER[@]}")
+  [ -n "$SMOKE" ] && OURS=(python3 benchmarks/kernel_times.py --smoke --profile-once)
+  [ -n "${NCU_SET:-}" ] && OURS+=(--set "$NCU_SET")
+  step ncu "$(until_ 150 "$DEADLINE")" "" "${OURS[@]}"
+  if [ -n "$FLA_PATH" ] && [ -z "$SMOKE" ]; then
+    PYTHONPATH=$FLA_PATH$PYTHONPATH step ncu_fla "$(until_ 150 "$DEADLINE")" "" "$NCU_BIN" \
+      "${NCU_ARGS[@]}" --log-file "$OUT_DIR/ncu_fla.csv" "${DRIVER[@]}" --impl fla
   fi
 fi
 [ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2> /dev/null

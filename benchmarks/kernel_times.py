@@ -6,6 +6,7 @@ PYTHONPATH) and tells which kernel a change made slower.
     python benchmarks/kernel_times.py --smoke     # CPU: runs the calls, times nothing (CI)
     python benchmarks/kernel_times.py --set triton_backend.SAVE_FOR_BACKWARD=prepare   # a switch
     python benchmarks/kernel_times.py --impl fla      # fla's chunk_gated_delta_rule, same inputs
+    ncu --profile-from-start off ... python benchmarks/kernel_times.py --profile-once  # ncu
 
 Per kernel name: mean time per call over ``--iters`` profiled calls (torch.profiler, CUDA
 activity), after a warm-up; plus the median wall time per call of the whole op (do_bench).
@@ -13,6 +14,9 @@ Forward + backward returns the gradients (``torch.autograd.grad``), as benchmark
 times it: no accumulation into ``.grad`` (an elementwise kernel of ~0.28 ms at 67M elements
 that neither implementation's op launches). ``--impl fla`` lists fla's kernels the same way
 (delta with decay only), so the two backward breakdowns can be set side by side.
+``--profile-once``: no timing; after a warm-up (compiles, fla's autotuning), one forward +
+backward a shape inside cudaProfilerStart/Stop, the range a profiler started with
+``--profile-from-start off`` (Nsight Compute: issue32_call.sh's NCU step) sees, and nothing else.
 """
 
 from __future__ import annotations
@@ -85,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         help="whose op to time (fla: chunk_gated_delta_rule, delta with decay only)",
     )
     parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny")
+    parser.add_argument(
+        "--profile-once",
+        action="store_true",
+        help="no timing: one warmed-up forward + backward a shape in a profiler range (ncu)",
+    )
     _settings.add_settings_arg(parser)
     args = parser.parse_args(argv)
     try:
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = []
     for B, T, H, D in shapes:
-        for mode in ("forward", "forward+backward"):
+        for mode in ("forward+backward",) if args.profile_once else ("forward", "forward+backward"):
             q, k, v, beta, ld = inputs(B, T, H, D, device, grad=mode != "forward")
             do = torch.randn_like(v)
 
@@ -131,6 +140,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.smoke:
                 fn()
                 continue
+            if args.profile_once:  # warmed up outside the range, then one call inside it
+                for _ in range(2):
+                    fn()
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStart()
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStop()
+                print(f"{label} {(B, T, H, D)} {mode}: profiled once")
+                continue
             import triton.testing
 
             wall = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -142,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"    {ms:8.3f} ms  {name}")
     if args.smoke:
         print("smoke ok")
-    else:
+    elif not args.profile_once:
         print("JSON " + json.dumps({"label": label, "results": results}))
     return 0
 

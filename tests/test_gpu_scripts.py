@@ -128,7 +128,12 @@ SCRIPTS = [
         "0 step(s) failed",
         True,
         runner=("bash",),
-        expect=("kernels_warm: exit 0 in ", "kernels: exit 0 in ", "kernel_times: exit 0 in "),
+        expect=(
+            "kernels_warm: exit 0 in ",
+            "kernels: exit 0 in ",
+            "kernel_times: exit 0 in ",
+            "ncu: exit 0 in ",  # its profiled range's driver, kernel_times.py --profile-once
+        ),
     ),
     # the op's host time with no-op launches (no interpreter), its syncs, the model step's
     Script(

@@ -102,6 +102,14 @@ SPLIT_MIN_ROWS = 64
 # gives a wrong dh (Triton 3.6, H200), in one block (call 1) or in 64-row blocks (call 3), fp32
 # and key heads ≤ 64 being right; and the [64, 32] split pass took 1.05 ms against 0.545.
 DSTATES_SPLIT_K = 0
+# The state pass's own rows per block (0: STATES_SPLIT_K's), the forward's two-pass form and the
+# backward's recompute (AOT sm_90 bf16 D = 256: 64 rows 255 registers / 16 B spill / 16 KB,
+# against 128 rows' 255 / 224 / 32 KB); untimed alone.
+STATES_PASS_SPLIT_K = 0
+# The passes' own rows (DSTATES_SPLIT_K, STATES_PASS_SPLIT_K) apply to key blocks wider than
+# this only (0: every key block they split). 128 keeps D = 128 whole (the reverse pass in
+# 64-row blocks loses 0.09 ms there) and splits D = 256.
+SPLIT_OWN_ABOVE_BK = 0
 # A register cap for the reverse pass (0: none): ptxas fills 246-255 a thread at 4 warps
 # whatever the blocks (AOT sm_90), two programs an SM; 168 leaves room for three.
 DSTATES_MAXNREG = 0
@@ -109,6 +117,11 @@ DSTATES_MAXNREG = 0
 # where it is wider (Dk = 256; 8 warps hold its [256, BV] fp32 state in twice the registers).
 SPLIT_WARPS = 4
 SPLIT_WIDE_WARPS = 4
+# The split kernels' pipeline stages, the state pass's and the reverse pass's (the fused forward
+# takes FUSED_STAGES). 2 in all three at once lost at D = 256 (11.24 → 11.60 ms, session 20: one
+# program an SM); each pass alone is untimed.
+SPLIT_STATES_STAGES = 1
+SPLIT_DSTATES_STAGES = 1
 
 
 def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
@@ -347,11 +360,11 @@ def chunk_states_kernel(
 
 def pass_stages(BK: int, *, split: bool, reverse: bool = False) -> int:
     """Pipeline stages of a state pass (``reverse``: the reverse pass) over key blocks of ``BK``
-    rows (``split``: the row-block kernels of states_split.py): STATES_STAGES / DSTATES_STAGES
-    where they were measured to help (the forward's STATES_STAGES_NARROW at the narrowest
-    blocks), else 1."""
+    rows (``split``: the row-block kernels of states_split.py, SPLIT_STATES_STAGES /
+    SPLIT_DSTATES_STAGES): STATES_STAGES / DSTATES_STAGES where they were measured to help (the
+    forward's STATES_STAGES_NARROW at the narrowest blocks), else 1."""
     if split:
-        return 1
+        return SPLIT_DSTATES_STAGES if reverse else SPLIT_STATES_STAGES
     if reverse:
         return DSTATES_STAGES if BK <= DSTATES_STAGES_MAX_BK else 1
     if BK <= NARROW_MAX_BK:
@@ -377,13 +390,15 @@ def launch_states(
 ) -> None:
     """(4), (6) sequentially per sequence: ``h`` (S_0 of every chunk, [chunks, H, Dk, Dv]),
     ``v_new`` (U, like v) and ``final_state``, in value blocks of ``block_v`` columns.
-    ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: STATES_SPLIT_K's
-    rows, no cap): the segments' step 3 may take its own."""
+    ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: STATES_PASS_SPLIT_K's
+    or STATES_SPLIT_K's rows, no cap): the segments' step 3 may take its own."""
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, k.dtype), block_v)
     BK = key_block(Dk, Dv, k.dtype)
-    launch = {"num_warps": STATES_WARPS, **_split_launch(BK, k.dtype, split_k or STATES_SPLIT_K)}
+    own = STATES_PASS_SPLIT_K if BK > SPLIT_OWN_ABOVE_BK else 0
+    split = _split_launch(BK, k.dtype, split_k or own or STATES_SPLIT_K)
+    launch = {"num_warps": STATES_WARPS, **split}
     if maxnreg:
         launch["maxnreg"] = maxnreg
     kernel = split_states_kernel if "BKS" in launch else chunk_states_kernel
@@ -546,7 +561,8 @@ def launch_dstates(
     N = tables.cu_seqlens.numel() - 1
     BK = key_block(Dk, Dv, q.dtype)
     BV = min(head_block(Dv, q.dtype), DSTATES_BV)
-    split = _split_launch(BK, q.dtype, split_k or DSTATES_SPLIT_K or STATES_SPLIT_K)
+    own = DSTATES_SPLIT_K if BK > SPLIT_OWN_ABOVE_BK else 0
+    split = _split_launch(BK, q.dtype, split_k or own or STATES_SPLIT_K)
     launch = {"num_warps": DSTATES_WARPS, **split}
     if maxnreg or DSTATES_MAXNREG:
         launch["maxnreg"] = maxnreg or DSTATES_MAXNREG
