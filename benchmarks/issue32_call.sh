@@ -221,6 +221,13 @@ if [ -n "${NCU:-}" ]; then  # hardware counters (Firecracker machines; clocks le
   NCU_ARGS=(--profile-from-start off --clock-control none --csv --page details)
   for section in SpeedOfLight Occupancy LaunchStats WarpStateStats ComputeWorkloadAnalysis \
     MemoryWorkloadAnalysis; do NCU_ARGS+=(--section "$section"); done
+  METRICS=smsp__inst_executed.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
+  for stall in long_scoreboard short_scoreboard wait barrier mio_throttle math_pipe_throttle \
+    lg_throttle not_selected selected dispatch_stall no_instruction branch_resolving membar \
+    sleeping drain misc tex_throttle imc_miss; do  # why warps wait (ncu_table.py ranks them)
+    METRICS+=,smsp__average_warps_issue_stalled_${stall}_per_issue_active.ratio
+  done
+  NCU_ARGS+=(--metrics "$METRICS")
   DRIVER=(python3 benchmarks/kernel_times.py --profile-once --shapes "$NCU")
   OURS=("$NCU_BIN" "${NCU_ARGS[@]}" --log-file "$OUT_DIR/ncu.csv" "${DRIVER[@]}")
   [ -n "$SMOKE" ] && OURS=(python3 benchmarks/kernel_times.py --smoke --profile-once)
