@@ -34,7 +34,8 @@
 #   NCU [""]           BxTxHxD,... shapes for Nsight Compute, last: one forward + backward a
 #                      shape (kernel_times.py --profile-once), ours then fla's (ncu_fla.csv),
 #                      each kernel's speed of light, occupancy, warp stalls, memory and compute
-#                      sections as CSV (ncu.csv); NCU_SET: --set items for ours there
+#                      sections as CSV (ncu.csv); NCU_SET: --set items for ours there;
+#                      NCU_FLA [1]: 0 leaves fla's out
 #   PHASE_A_END [380]  seconds: fla's D = 256 tuning and the GPU tests stop here
 #   DEADLINE [575]     seconds: every timed step stops here (the device allows 600)
 # Exit status: 0 when every step exited 0 (check_triton and pytest exit 1 on a failure).
@@ -233,7 +234,7 @@ if [ -n "${NCU:-}" ]; then  # hardware counters (Firecracker machines; clocks le
   [ -n "$SMOKE" ] && OURS=(python3 benchmarks/kernel_times.py --smoke --profile-once)
   [ -n "${NCU_SET:-}" ] && OURS+=(--set "$NCU_SET")
   step ncu "$(until_ 150 "$DEADLINE")" "" "${OURS[@]}"
-  if [ -n "$FLA_PATH" ] && [ -z "$SMOKE" ]; then
+  if [ -n "$FLA_PATH" ] && [ -z "$SMOKE" ] && [ "${NCU_FLA:-1}" != 0 ]; then
     PYTHONPATH=$FLA_PATH$PYTHONPATH step ncu_fla "$(until_ 150 "$DEADLINE")" "" "$NCU_BIN" \
       "${NCU_ARGS[@]}" --log-file "$OUT_DIR/ncu_fla.csv" "${DRIVER[@]}" --impl fla
   fi

@@ -202,6 +202,16 @@ def test_wide_head_blocks_not_split_below_the_switch(split):
     assert calls == [(n, None) for n in KERNELS[:3]]
 
 
+def test_reverse_pass_rows_by_default():
+    # the reverse pass in 64-row blocks at D = 256 only (DSTATES_SPLIT_ABOVE_BK), 128-row blocks
+    # nowhere else: D = 128 and narrower stay whole, in every dtype
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert states.split_rows(256, dtype, states.dstates_split_k(256)) == 64
+        assert states.split_rows(256, dtype) == 128  # the other passes'
+        for BK in (16, 32, 64, 128):
+            assert states.split_rows(BK, dtype, states.dstates_split_k(BK)) == 0, (BK, dtype)
+
+
 @pytest.mark.parametrize("Dk, Dv", [(DK4, 32), (100 if DEVICE == "cpu" else 200, 72)])
 def test_reverse_pass_split_alone(Dk, Dv, split, monkeypatch):
     # DSTATES_SPLIT_K: the reverse pass alone in row blocks, the forward's and the recomputed
@@ -209,6 +219,7 @@ def test_reverse_pass_split_alone(Dk, Dv, split, monkeypatch):
     # the split launch
     calls = split(0)
     monkeypatch.setattr(states, "DSTATES_SPLIT_K", ROWS)
+    monkeypatch.setattr(states, "DSTATES_SPLIT_ABOVE_BK", 0)  # at every key block (128 by default)
     monkeypatch.setattr(states, "DSTATES_BV", ROWS // 2)
     x = inputs_for("gated_efla", 1, 130, Dk, Dv, initial_state=True, seed=Dk + Dv)
     assert_matches_reference(x, rule="gated_efla")

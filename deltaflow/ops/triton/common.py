@@ -374,6 +374,13 @@ def dot_split(x, y, acc, DT: tl.constexpr, PREC: tl.constexpr):
         return tl.dot(x, (y - hi.to(tl.float32)).to(DT), acc=acc, input_precision=PREC)
 
 
+@triton.jit
+def scaled_grad_o(b_do, gamma, scale):
+    """scale·diag(Γ) dO in fp32: the reverse pass's right operand of (7)'s outputs term
+    Qᵀ (scale·diag(Γ) dO) (states.dstate_add_outputs), before dot_split's hi + lo."""
+    return b_do.to(tl.float32) * (scale * tl.exp(gamma))[:, None]
+
+
 def multiprocessors(device: torch.device) -> int:
     """The GPU's multiprocessor count, asked once per device (a few µs a call otherwise).
     Not cached off the GPU: benchmarks/_launches.py answers for a CPU device while it traces

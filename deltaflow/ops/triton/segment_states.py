@@ -53,6 +53,7 @@ from deltaflow.ops.triton.common import (
     head_block,
     key_block,
     load_rows,
+    scaled_grad_o,
 )
 from deltaflow.ops.triton.segment_chain import chain_segments
 from deltaflow.ops.triton.states import (
@@ -403,7 +404,8 @@ def segment_dstates_kernel(
             b_q = load_rows(q_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
             b_do = load_rows(do_ptr, offs_t, mask_t, i_h, col, mask_col, H, Dv).to(DT)
             dU = du_add_outputs(dU, b_q, b_k, b_do, gamma, scale, DT, PREC)
-            G_carry = dstate_add_outputs(G_carry, b_q, b_do, gamma, scale, DT, PREC)
+            do_gamma = scaled_grad_o(b_do, gamma, scale)
+            G_carry = dstate_add_outputs(G_carry, b_q, do_gamma, DT, PREC)
         G = dstate_finish(G_carry, b_w, dU, DT, PREC)
     out_col = tl.where(is_value, Dk, 0) + col
     out_offs = (i_sh.to(tl.int64) * Dk + offs_k[:, None]) * (Dk + Dv) + out_col[None, :]

@@ -35,6 +35,7 @@ from deltaflow.ops.triton.common import (
     head_block,
     key_block,
     load_rows,
+    scaled_grad_o,
 )
 from deltaflow.ops.triton.states_split import (
     split_dstates_kernel,
@@ -95,21 +96,18 @@ STATES_SPLIT_K = 128
 # products, the mix Triton 3.6 got wrong on the H100 in fp32 (common.FP32_WIDE_VALUE_MIN_KEY_BLOCK).
 # The interpreter's tests lower it to reach several blocks at small heads.
 SPLIT_MIN_ROWS = 64
-# The reverse pass's own rows per block (0: STATES_SPLIT_K's). 64-row blocks (call 3, session
-# 21): +0.09 ms at (8, 4096, 16, 128), −0.17 at D = 256. fla's reverse pass holds [64, 32]
-# blocks (its autotuner picks 32 columns at D = 128 and 256); ours cannot (benchmarks/NOTES.md,
-# "session 21"): at DSTATES_BV = 32 every half-precision launch with a key head ≥ 128 faults or
-# gives a wrong dh (Triton 3.6, H200), in one block (call 1) or in 64-row blocks (call 3), fp32
-# and key heads ≤ 64 being right; and the [64, 32] split pass took 1.05 ms against 0.545.
-DSTATES_SPLIT_K = 0
-# The state pass's own rows per block (0: STATES_SPLIT_K's), the forward's two-pass form and the
-# backward's recompute (AOT sm_90 bf16 D = 256: 64 rows 255 registers / 16 B spill / 16 KB,
-# against 128 rows' 255 / 224 / 32 KB); untimed alone.
-STATES_PASS_SPLIT_K = 0
-# The passes' own rows (DSTATES_SPLIT_K, STATES_PASS_SPLIT_K) apply to key blocks wider than
-# this only (0: every key block they split). 128 keeps D = 128 whole (the reverse pass in
-# 64-row blocks loses 0.09 ms there) and splits D = 256.
-SPLIT_OWN_ABOVE_BK = 0
+# The reverse pass's own rows per block (0: STATES_SPLIT_K's), at key blocks wider than
+# DSTATES_SPLIT_ABOVE_BK rows (0: at every key block it splits). 64 above 128: D = 256 in four
+# blocks (H200, session 22 call 1, bf16, forward + backward 11.101 → 10.949 ms; split_dstates
+# 2.65 → 2.56), D = 128 whole (64-row blocks there: +0.09, session 21 call 3). fla's reverse
+# pass holds [64, 32] blocks (its autotuner picks 32 columns at D = 128 and 256); ours cannot
+# (benchmarks/NOTES.md, "session 21"): at DSTATES_BV = 32 every half-precision launch with a
+# key head ≥ 128 faults or gives a wrong dh (Triton 3.6, H200), in one block (call 1) or in
+# 64-row blocks (call 3), fp32 and key heads ≤ 64 being right; and the [64, 32] split pass took
+# 1.05 ms against 0.545. The state pass in 64-row blocks at D = 256 lost (+0.20, session 22
+# call 1), as did the split passes at 2 stages (+0.35 for the state pass's alone).
+DSTATES_SPLIT_K = 64
+DSTATES_SPLIT_ABOVE_BK = 128
 # A register cap for the reverse pass (0: none): ptxas fills 246-255 a thread at 4 warps
 # whatever the blocks (AOT sm_90), two programs an SM; 168 leaves room for three.
 DSTATES_MAXNREG = 0
@@ -117,11 +115,6 @@ DSTATES_MAXNREG = 0
 # where it is wider (Dk = 256; 8 warps hold its [256, BV] fp32 state in twice the registers).
 SPLIT_WARPS = 4
 SPLIT_WIDE_WARPS = 4
-# The split kernels' pipeline stages, the state pass's and the reverse pass's (the fused forward
-# takes FUSED_STAGES). 2 in all three at once lost at D = 256 (11.24 → 11.60 ms, session 20: one
-# program an SM); each pass alone is untimed.
-SPLIT_STATES_STAGES = 1
-SPLIT_DSTATES_STAGES = 1
 
 
 def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
@@ -218,9 +211,10 @@ def chunk_forward_kernel(
         b_o = row_scale[:, None] * tl.dot(b_q.to(DT), S.to(DT), input_precision=PREC)
         b_o += tl.dot(P.to(DT), U.to(DT), input_precision=PREC)
         tl.store(o_ptr + v_offs, (scale * b_o).to(o_ptr.dtype.element_ty), mask=v_mask)
-        # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U
-        k_to_end = (b_k.to(tl.float32) * tl.exp(gamma_last - gamma)[:, None]).to(DT)
-        S = tl.exp(gamma_last) * S + tl.dot(tl.trans(k_to_end), U.to(DT), input_precision=PREC)
+        # (6) S_C = Γ_C S_0 + Kᵀ diag(e^{γ_C − γ_j}) U, as the state pass: the decay on U's
+        # [C, BV] rows, the keys exact (was K̃ rounded, a [C, BK] fp32 temporary: spilled at
+        # D = 128; issue 32, session 22)
+        S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
 
     tl.store(sT_ptr + state_offs, S + poison, mask=state_mask)
@@ -360,11 +354,11 @@ def chunk_states_kernel(
 
 def pass_stages(BK: int, *, split: bool, reverse: bool = False) -> int:
     """Pipeline stages of a state pass (``reverse``: the reverse pass) over key blocks of ``BK``
-    rows (``split``: the row-block kernels of states_split.py, SPLIT_STATES_STAGES /
-    SPLIT_DSTATES_STAGES): STATES_STAGES / DSTATES_STAGES where they were measured to help (the
-    forward's STATES_STAGES_NARROW at the narrowest blocks), else 1."""
+    rows (``split``: the row-block kernels of states_split.py): STATES_STAGES / DSTATES_STAGES
+    where they were measured to help (the forward's STATES_STAGES_NARROW at the narrowest
+    blocks), else 1."""
     if split:
-        return SPLIT_DSTATES_STAGES if reverse else SPLIT_STATES_STAGES
+        return 1
     if reverse:
         return DSTATES_STAGES if BK <= DSTATES_STAGES_MAX_BK else 1
     if BK <= NARROW_MAX_BK:
@@ -390,15 +384,13 @@ def launch_states(
 ) -> None:
     """(4), (6) sequentially per sequence: ``h`` (S_0 of every chunk, [chunks, H, Dk, Dv]),
     ``v_new`` (U, like v) and ``final_state``, in value blocks of ``block_v`` columns.
-    ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: STATES_PASS_SPLIT_K's
-    or STATES_SPLIT_K's rows, no cap): the segments' step 3 may take its own."""
+    ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: STATES_SPLIT_K's
+    rows, no cap): the segments' step 3 may take its own."""
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, k.dtype), block_v)
     BK = key_block(Dk, Dv, k.dtype)
-    own = STATES_PASS_SPLIT_K if BK > SPLIT_OWN_ABOVE_BK else 0
-    split = _split_launch(BK, k.dtype, split_k or own or STATES_SPLIT_K)
-    launch = {"num_warps": STATES_WARPS, **split}
+    launch = {"num_warps": STATES_WARPS, **_split_launch(BK, k.dtype, split_k or STATES_SPLIT_K)}
     if maxnreg:
         launch["maxnreg"] = maxnreg
     kernel = split_states_kernel if "BKS" in launch else chunk_states_kernel
@@ -445,11 +437,14 @@ def du_add_outputs(dU, b_q, b_k, b_do, gamma, scale, DT: tl.constexpr, PREC: tl.
 
 
 @triton.jit
-def dstate_add_outputs(G_carry, b_q, b_do, gamma, scale, DT: tl.constexpr, PREC: tl.constexpr):
-    """G_carry + scale·(diag(Γ) Q)ᵀ dO of (7), with Γq not rounded to DT (fla keeps it fp32: the
-    rounding it added was noise the bf16 floor does not have; issue 30 item 4)."""
-    q_gamma = b_q.to(tl.float32) * (scale * tl.exp(gamma))[:, None]
-    return dot_split(tl.trans(q_gamma), b_do, G_carry, DT, PREC)
+def dstate_add_outputs(G_carry, b_q, do_gamma, DT: tl.constexpr, PREC: tl.constexpr):
+    """G_carry + scale·(diag(Γ) Q)ᵀ dO of (7), computed as Qᵀ (scale·diag(Γ) dO) with the
+    scaled dO (``scaled_grad_o``, fp32) not rounded to DT: it enters as hi + lo, as fla keeps
+    Γq in fp32 (a rounding there was noise the bf16 floor does not have; issue 30 item 4). The
+    row scale sits on dO's [C, BV] rather than Q's [C, BK] (issue 32, session 22): the same sum
+    and accuracy class (Q exact, the scaled side to ~16 bits), half the fp32 registers at
+    D = 128 and one split for all of a split pass's row blocks."""
+    return dot_split(tl.trans(b_q), do_gamma, G_carry, DT, PREC)
 
 
 @triton.jit
@@ -530,10 +525,17 @@ def chunk_dstates_kernel(
             mask=mask_t[:, None] & mask_v[None, :],
         )
         # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU
-        G_carry = dstate_add_outputs(tl.exp(gamma_last) * G, b_q, b_do, gamma, scale, DT, PREC)
+        do_gamma = scaled_grad_o(b_do, gamma, scale)
+        G_carry = dstate_add_outputs(tl.exp(gamma_last) * G, b_q, do_gamma, DT, PREC)
         G = dstate_finish(G_carry, b_w, dU, DT, PREC)
 
     tl.store(ds0_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, G, mask=state_mask)
+
+
+def dstates_split_k(BK: int) -> int:
+    """The reverse pass's rows per block over a key block of ``BK`` rows, for split_rows:
+    DSTATES_SPLIT_K above DSTATES_SPLIT_ABOVE_BK rows, else STATES_SPLIT_K."""
+    return DSTATES_SPLIT_K if DSTATES_SPLIT_K and BK > DSTATES_SPLIT_ABOVE_BK else STATES_SPLIT_K
 
 
 def launch_dstates(
@@ -555,14 +557,13 @@ def launch_dstates(
     """(7)–(8) from each sequence's end: ``dh`` (the state's gradient leaving every chunk),
     ``du`` (dU, like v) and ``d_initial_state`` ([N, H, Dk, Dv] fp32). ``grad_final_state``
     None: the final state was not used (its gradient is zero, and no zeros are read).
-    ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: DSTATES_SPLIT_K's
-    or STATES_SPLIT_K's rows, DSTATES_MAXNREG): the segments' step 3 takes its own."""
+    ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: dstates_split_k's
+    rows, DSTATES_MAXNREG): the segments' step 3 takes its own."""
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BK = key_block(Dk, Dv, q.dtype)
     BV = min(head_block(Dv, q.dtype), DSTATES_BV)
-    own = DSTATES_SPLIT_K if BK > SPLIT_OWN_ABOVE_BK else 0
-    split = _split_launch(BK, q.dtype, split_k or own or STATES_SPLIT_K)
+    split = _split_launch(BK, q.dtype, split_k or dstates_split_k(BK))
     launch = {"num_warps": DSTATES_WARPS, **split}
     if maxnreg or DSTATES_MAXNREG:
         launch["maxnreg"] = maxnreg or DSTATES_MAXNREG

@@ -19,10 +19,9 @@ from L1/L2 the second time, not from memory):
   (rounding is symmetric: ``(−x).to(DT) == −(x.to(DT))``), so it too accumulates in place.
 
 The roundings are those of ``states.py``: the same operands rounded to the dot dtype DT once
-each (the state, U scaled by its decay to the chunk's end, dU, Pᵀ's scale·P, Γq as hi + lo);
-only fp32 accumulation orders differ. One exception, by choice: the fused forward here updates
-the state as ``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys exact) instead of
-rounding decay-scaled keys; the two-pass form already did that, so both forms now agree.
+each (the state, U scaled by its decay to the chunk's end, dU, Pᵀ's scale·P, the scaled dO as
+hi + lo); only fp32 accumulation orders differ. Every form updates the state as
+``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys exact).
 
 Equations, poison (non-finite causality) and launch grid as in ``states.py``, whose launchers
 call these kernels with the same arguments plus ``BKS``.
@@ -39,6 +38,7 @@ from deltaflow.ops.triton.common import (
     decay_matrix,
     dot_split,
     load_rows,
+    scaled_grad_o,
 )
 
 
@@ -371,14 +371,14 @@ def _dstates_in(
 
 @triton.jit
 def _dstate_block(
-    G, du_neg, b_do, q_scale, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, i_b,
+    G, du_neg, do_gamma, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, i_b,
     H: tl.constexpr, Dk: tl.constexpr, BKS: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """(7) on one row block: Γ_C G_b + (scale·diag(Γ) Q_b)ᵀ dO − W_bᵀ dU, in G_b's tile
-    (states.dstate_add_outputs' Γq as hi + lo, then dstate_finish with dU negated)."""
+    """(7) on one row block: Γ_C G_b + Q_bᵀ (scale·diag(Γ) dO) − W_bᵀ dU, in G_b's tile
+    (states.dstate_add_outputs: the scaled dO, shared by every block, as hi + lo; then
+    dstate_finish with dU negated)."""
     b_q = _keys(q_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
-    q_gamma = b_q.to(tl.float32) * q_scale[:, None]
-    G = dot_split(tl.trans(q_gamma), b_do, decay_last * G, DT, PREC)
+    G = dot_split(tl.trans(b_q), do_gamma, decay_last * G, DT, PREC)
     b_w = _keys(w_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     return tl.dot(tl.trans(b_w), du_neg, acc=G, input_precision=PREC)
 
@@ -471,25 +471,25 @@ def split_dstates_kernel(
         )
         # (7) per row block: G_b ← Γ_C G_b + scale·(diag(Γ) Q_b)ᵀ dO − W_bᵀ dU
         du_neg = (-dU).to(DT)
-        q_scale = scale * tl.exp(gamma)
+        do_gamma = scaled_grad_o(b_do, gamma, scale)
         decay_last = tl.exp(gamma_last)
         G0 = _dstate_block(
-            G0, du_neg, b_do, q_scale, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, 0, H, Dk,
+            G0, du_neg, do_gamma, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, 0, H, Dk,
             BKS, DT, PREC,
         )  # fmt: skip
         if BK > BKS:
             G1 = _dstate_block(
-                G1, du_neg, b_do, q_scale, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, 1, H,
+                G1, du_neg, do_gamma, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, 1, H,
                 Dk, BKS, DT, PREC,
             )  # fmt: skip
         if BK > 2 * BKS:
             G2 = _dstate_block(
-                G2, du_neg, b_do, q_scale, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, 2, H,
+                G2, du_neg, do_gamma, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, 2, H,
                 Dk, BKS, DT, PREC,
             )  # fmt: skip
         if BK > 3 * BKS:
             G3 = _dstate_block(
-                G3, du_neg, b_do, q_scale, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, 3, H,
+                G3, du_neg, do_gamma, decay_last, q_ptr, w_ptr, offs_t, mask_t, i_h, 3, H,
                 Dk, BKS, DT, PREC,
             )  # fmt: skip
 
