@@ -43,7 +43,10 @@ STALL = "smsp__average_warps_issue_stalled_"
 
 
 def number(text: str) -> float:
-    return float(text.replace(",", "")) if text else float("nan")
+    try:  # "" where the call did not collect it, "n/a" where ncu could not
+        return float(text.replace(",", ""))
+    except ValueError:
+        return float("nan")
 
 
 def launches(path: str) -> OrderedDict[str, dict]:

@@ -20,8 +20,10 @@ from L1/L2 the second time, not from memory):
 
 The roundings are those of ``states.py``: the same operands rounded to the dot dtype DT once
 each (the state, U scaled by its decay to the chunk's end, dU, Pᵀ's scale·P, the scaled dO as
-hi + lo); only fp32 accumulation orders differ. Every form updates the state as
-``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys exact).
+hi + lo); only fp32 accumulation orders differ. One exception, by choice: the fused forward here
+updates the state as ``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys exact)
+instead of rounding decay-scaled keys, as the two-pass form does; the D ≤ 128 fused forward keeps
+K̃ (the other form cost it a program an SM: session 22, call 2).
 
 Equations, poison (non-finite causality) and launch grid as in ``states.py``, whose launchers
 call these kernels with the same arguments plus ``BKS``.
