@@ -47,7 +47,7 @@ GRADS_WARPS = 8
 GRADS_K_HALF_WARPS = 4
 # The value-side kernel's register cap per thread: 128 lets two programs of 8 warps share an SM
 # (AOT sm_90: 138-239 registers uncapped; capped, 8-240 B of spill stack, 32-80 KB of shared
-# memory each). None: no cap.
+# memory each). 0 or None: no cap.
 GRADS_V_MAXNREG: int | None = 128
 # fp32 operands as tf32x3 (common.dot_precision) stage each dot operand twice, its tf32 part and
 # its remainder: at a key block wider than this the key-side kernel then asks for 256-304 KB of
@@ -549,7 +549,7 @@ def launch_gradients(
     if fp32 and common["BK"] > GRADS_K_TF32X3_MAX_BK:
         key_side["PREC"] = "ieee"
     grid = (tables.n_chunks, H)
-    v_options = {} if GRADS_V_MAXNREG is None else {"maxnreg": GRADS_V_MAXNREG}
+    v_options = {"maxnreg": GRADS_V_MAXNREG} if GRADS_V_MAXNREG else {}  # 0 or None: no cap
     if use_fused(Dk, Dv, q.dtype):  # whole heads: one value block
         from deltaflow.ops.triton.gradients_fused import launch_fused
 

@@ -42,7 +42,8 @@ from deltaflow.ops.triton.common import (
 PREPARE_WARPS = 4
 PREPARE_TILE = 64
 PREPARE_LOW_PRECISION_DOTS = True
-PREPARE_MAXNREG: int | None = 168  # a register cap per thread: more programs per SM
+# A register cap per thread: more programs per SM (0 or None: none).
+PREPARE_MAXNREG: int | None = 168
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
 # tensor-core products); their error is T's, which every later stage inherits.
 PREPARE_DIAG_PRECISION = "tf32x3"
@@ -347,7 +348,7 @@ def launch_prepare(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         num_warps=PREPARE_WARPS,
-        **({} if PREPARE_MAXNREG is None else {"maxnreg": PREPARE_MAXNREG}),
+        **({"maxnreg": PREPARE_MAXNREG} if PREPARE_MAXNREG else {}),  # 0 would reach ptxas
     )
 
 
