@@ -135,6 +135,13 @@ SCRIPTS = [
             "ncu: exit 0 in ",  # its profiled range's driver, kernel_times.py --profile-once
         ),
     ),
+    # Nsight Compute's CSV of a committed call as one row a launch, ranked stall reasons
+    Script(
+        "benchmarks/ncu_table.py",
+        ("benchmarks/results/issue32/s22call4/ncu.csv",),
+        "| chunk_grads_fused_kernel | (512, 32, 1) | 1.29e+03 |",
+        expect=("- chunk_dstates_kernel: long_scoreboard 1.55, short_scoreboard 1.37, wait 1.09",),
+    ),
     # the op's host time with no-op launches (no interpreter), its syncs, the model step's
     Script(
         "benchmarks/host_overhead.py",
