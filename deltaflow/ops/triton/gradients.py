@@ -245,10 +245,17 @@ def _key_tail(
         r_offs = (c * H + i_h) * (3 * CHUNK) + rows
         m_offs = (c * H + i_h) * (2 * CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
         M_P = tl.load(m_ptr + m_offs)
-    # (9) the output (5): diag(Γ) Q S_0 and P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}
-    dq = scale * Gamma[:, None] * dQS + tl.dot(M_P, b_k, input_precision=PREC)
-    dk = tl.dot(tl.trans(M_P), b_q, input_precision=PREC)
+    # (9) the output (5): diag(Γ) Q S_0 and P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}. dq is stored at
+    # once: it and dO S_0ᵀ are dead before dk's terms are formed (at D = 64 the fused kernel's
+    # key tail spilled [C, BK] fp32 tiles with both live; issue 32, session 22)
     d_Gamma = scale * tl.sum(b_q.to(tl.float32) * dQS, axis=1)
+    dq = scale * Gamma[:, None] * dQS + tl.dot(M_P, b_k, input_precision=PREC)
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < Dk
+    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
+    k_mask = mask_t[:, None] & mask_k[None, :]
+    tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
+    dk = tl.dot(tl.trans(M_P), b_q, input_precision=PREC)
     # (10) the state update (6) through K̃ = diag(e^{γ_C − γ}) K
     dk += to_end[:, None] * dKte
     t = tl.sum(dKte * k32 * to_end[:, None], axis=1)
@@ -277,11 +284,6 @@ def _key_tail(
     # The rule: a(β, λ), b(β, λ) with λ = ‖k‖², so dk += 2 dλ k
     dk += (2.0 * (da * da_dlam + db * db_dlam))[:, None] * k32
 
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < Dk
-    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
-    k_mask = mask_t[:, None] & mask_k[None, :]
-    tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
     tl.store(dk_ptr + k_offs, dk.to(dk_ptr.dtype.element_ty), mask=k_mask)
     if HAS_BETA:
         dbeta = da * da_dbeta + db * db_dbeta

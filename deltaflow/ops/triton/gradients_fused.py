@@ -116,6 +116,9 @@ def chunk_grads_fused_kernel(
     M_P = M_P.to(DT)
     M_A = M_A.to(DT)
     dQS, dKte = _state_block(b_do, b_u, S0, G, zeros_ck, zeros_ck, DT, PREC)
+    # the keys again (L1/L2) for the key side: a new value, so the compiler does not keep the
+    # first load's fp32 copy (‖k‖²'s) live across the value side (spilled at D = 64)
+    b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
     _key_tail(
         dQS, dKte, dX, gs, b_q, b_k, b_beta, lam, a, b, gamma, b_g, M_P, M_A, da,
         dgamma, db, None, None, c, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, offs_t, mask_t, i_h, scale,
