@@ -6,10 +6,10 @@ The kernels of ``states.py`` hold the state of one program as one [BK, BV] fp32 
 whole key head) and load every key-side operand (Q, K, W: [C, BK]) whole for the chunk. At
 Dk = 256 that is 128 registers a thread of state alone (4 warps), and the chunk's operands,
 the [C, BK] fp32 decay-scaled keys of the fused forward and the reverse pass's [C, BK] fp32 Γq
-on top, spill. Here the same equations run on NKB ≤ 4 blocks of BKS key rows,
-``S = [S_0; S_1; ...]``, each its own fp32 accumulator, with the operands loaded one
-[C, BKS] block at a time where a block needs them (a block read twice in one chunk step comes
-from L1/L2 the second time, not from memory):
+(since session 22 a [C, BV] scaled dO) on top, spill. Here the same equations run on NKB ≤ 4
+blocks of BKS key rows, ``S = [S_0; S_1; ...]``, each its own fp32 accumulator, with the
+operands loaded one [C, BKS] block at a time where a block needs them (a block read twice in one
+chunk step comes from L1/L2 the second time, not from memory):
 
 - the products that sum over the key rows (W S, Q S, Q Kᵀ, K G) accumulate block by block into
   one [C, BV] (or [C, C]) accumulator, via ``acc=`` (no second tile for a product's result);
@@ -21,9 +21,9 @@ from L1/L2 the second time, not from memory):
 The roundings are those of ``states.py``: the same operands rounded to the dot dtype DT once
 each (the state, U scaled by its decay to the chunk's end, dU, Pᵀ's scale·P, the scaled dO as
 hi + lo); only fp32 accumulation orders differ. One exception, by choice: the fused forward here
-updates the state as ``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys exact)
-instead of rounding decay-scaled keys, as the two-pass form does; the D ≤ 128 fused forward keeps
-K̃ (the other form cost it a program an SM: session 22, call 2).
+updates the state as ``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys exact),
+as the two-pass form does, while ``states.chunk_forward_kernel`` rounds decay-scaled keys K̃
+(the other form cost it a program an SM at D = 128: issue 32, session 22, call 2).
 
 Equations, poison (non-finite causality) and launch grid as in ``states.py``, whose launchers
 call these kernels with the same arguments plus ``BKS``.
