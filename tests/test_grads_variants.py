@@ -147,13 +147,39 @@ def test_half_precision(lean, monkeypatch, fp32_states):
         assert rel_err(g, g_plain) <= 1e-4, name
 
 
-@pytest.mark.parametrize("settings", [{"GRADS_LEAN_V_MAXNREG": 0}, {"GRADS_LEAN_STAGES": 2}])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"GRADS_LEAN_V_MAXNREG": 0},
+        {"GRADS_LEAN_STAGES": 2},
+        {"GRADS_LEAN_DQ_FIRST_MIN_BK": 1, "GRADS_LEAN_K_WARPS": 4},
+    ],
+)
 def test_launch_settings(lean, monkeypatch, settings):
     # the settings --variant may set (register cap, pipeline stages) change no result
     for name, value in settings.items():
         monkeypatch.setattr(gradients, name, value)
     inputs = make_inputs(1, 65, 2, 16, 16, rule="relaxed_kaczmarz", dtype=torch.float32, seed=26)
     _check(inputs, lean, rule="relaxed_kaczmarz")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dq_first_is_the_same_arithmetic(lean, monkeypatch, dtype):
+    # dq in a loop of its own (GRADS_LEAN_DQ_FIRST_MIN_BK, the wide heads' key side) sums the
+    # same products in the same order: every result bitwise the one-loop kernel's
+    inputs = make_inputs(1, 130, 2, 32, 48, rule="gated_efla", dtype=torch.float32, seed=28)
+    inputs = {n: None if t is None else t.to(DEVICE) for n, t in inputs.items()}
+    for n in ("q", "k", "v"):
+        inputs[n] = inputs[n].to(dtype)
+    runs = []
+    for min_bk in (0, 1):
+        monkeypatch.setattr(gradients, "GRADS_LEAN_DQ_FIRST_MIN_BK", min_bk)
+        runs.append(_fwd_bwd(inputs, "triton", rule="gated_efla"))
+    assert len(lean) == 2
+    for name, one, two in zip(NAMES, *runs):
+        assert (one is None) == (two is None), name
+        if one is not None:
+            assert torch.equal(one, two), name
 
 
 def test_scratch_of_the_other_kernels_is_refused(monkeypatch):

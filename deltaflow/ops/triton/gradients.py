@@ -68,6 +68,14 @@ LEAN_MIN_KEY_BLOCK = 128
 # 3 on Hopper; the key side's shared memory is 139 KB at D = 128 with 3, 82 KB with 2).
 GRADS_LEAN_V_MAXNREG = 128
 GRADS_LEAN_STAGES = 0
+# The lean key side forms dq in a loop of its own at key blocks of at least this many columns
+# (0: never): two [C, BK] fp32 accumulators live in its main loop instead of three (AOT sm_90,
+# bf16, D = 256, 8 warps: spill stack 1160 → 960 B, LDL + STL 556 → 470; D = 128: 40 → 56 B).
+# The lean key side's warps (0: GRADS_WARPS; AOT at D = 256 with dq first,
+# 16 warps: 128 registers, 656 B of stack, LDL + STL 269).
+GRADS_LEAN_DQ_FIRST_MIN_BK = 256
+GRADS_LEAN_K_WARPS = 0
+GRADS_LEAN_K_MAXNREG = 0  # the lean key side's register cap (0: none)
 # The fused gradient kernel (gradients_fused.py; issue 32, benchmarks/NOTES.md "Issue 32, session
 # 19"): both sides in one program per (chunk, head), whole heads in one block each, no scratch.
 # "off" | "on" (every launch: any dtype and head width, for tests and trials) | "auto": the
@@ -570,6 +578,10 @@ def launch_gradients(
                              f"take {LEAN_ROWS.value} (scratch_rows)")  # fmt: skip
         stages = {"num_stages": GRADS_LEAN_STAGES} if GRADS_LEAN_STAGES else {}
         v_options = {"maxnreg": GRADS_LEAN_V_MAXNREG} if GRADS_LEAN_V_MAXNREG else {}
+        min_bk = GRADS_LEAN_DQ_FIRST_MIN_BK
+        key_side["DQ_FIRST"] = bool(min_bk) and key_side["BK"] >= min_bk
+        key_side["num_warps"] = GRADS_LEAN_K_WARPS or key_side["num_warps"]
+        key_side.update({"maxnreg": GRADS_LEAN_K_MAXNREG} if GRADS_LEAN_K_MAXNREG else {})
         launch_lean(pointers, {**common, **stages, **v_options}, {**key_side, **stages}, grid)
         return
     if not fp32 and GRADS_K_HALF_WARPS:  # the plain key side (the lean pair returned above)

@@ -154,6 +154,29 @@ def chunk_grads_v_lean_kernel(
             tl.store(r_ptr + 7 * CHUNK + r_offs, da_dg)
 
 
+@triton.jit
+def _lean_rows(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY: tl.constexpr):
+    """The chunk's decay rows the key side reads: γ, Γ = e^γ, γ_C and e^{γ_C − γ}."""
+    rows = tl.arange(0, CHUNK)
+    gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+    gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
+    return gamma, tl.exp(gamma), gamma_last, tl.exp(gamma_last - gamma)
+
+
+@triton.jit
+def _lean_dq(dQS, q_ptr, k_ptr, m_c, dq_ptr, k_offs, k_mask, Gamma, scale, PREC: tl.constexpr):
+    """(9) dq = scale·diag(Γ) dO S_0ᵀ + M_P K, onto dO S_0ᵀ's registers, stored at once;
+    returns the row sums scale·Σ q ⊙ dO S_0ᵀ (dγ's Γ term) and the keys it loaded."""
+    rows = tl.arange(0, CHUNK)
+    b_q = tl.load(q_ptr + k_offs, mask=k_mask, other=0.0)
+    b_k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)
+    M_P = tl.load(m_c + rows[:, None] * CHUNK + rows[None, :])
+    d_Gamma = scale * tl.sum(b_q.to(tl.float32) * dQS, axis=1)
+    dq = tl.dot(M_P, b_k, acc=(scale * Gamma)[:, None] * dQS, input_precision=PREC)
+    tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
+    return d_Gamma, b_k
+
+
 @triton.jit(do_not_specialize=["rule", "neg"])
 def chunk_grads_k_lean_kernel(
     q_ptr,
@@ -183,6 +206,7 @@ def chunk_grads_k_lean_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
+    DQ_FIRST: tl.constexpr,
 ):
     """``gradients.chunk_grads_k_kernel``'s key side (dq, dk, dβ, d log α) without the rule
     table (its terms come from the value side's rows) and with each accumulator retired in
@@ -211,17 +235,34 @@ def chunk_grads_k_lean_kernel(
     dKte = tl.zeros([CHUNK, BK], dtype=tl.float32)  # U Gᵀ
     dUS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dU S_0ᵀ (fp32: dX itself)
     gs = tl.full([], 0.0, dtype=tl.float32)  # ⟨G, S_0⟩: a scalar, not a BK×BV tile
+    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
+    k_mask = mask_t[:, None] & mask_k[None, :]
+    if DQ_FIRST:
+        # dq in a loop of its own (S_0 read twice, the second time from L2), so that two
+        # [C, BK] fp32 accumulators are live in the loop below rather than three: at
+        # BK = 256 and 8 warps the three alone are 192 registers a thread
+        for i_v in range(0, tl.cdiv(Dv, BV)):
+            offs_v = i_v * BV + tl.arange(0, BV)
+            mask_v = offs_v < Dv
+            b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+            S0 = tl.load(h_c + offs_k[:, None] * Dv + offs_v[None, :],
+                         mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
+            dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
+        gamma, Gamma, gamma_last, to_end = _lean_rows(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        d_Gamma, _ = _lean_dq(dQS, q_ptr, k_ptr, m_c, dq_ptr, k_offs, k_mask, Gamma, scale, PREC)
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
         mask_v = offs_v < Dv
-        b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
+        if not DQ_FIRST:
+            b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         b_u = load_rows(v_new_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         b_du = load_rows(du_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv)
         state_offs = offs_k[:, None] * Dv + offs_v[None, :]
         state_mask = mask_k[:, None] & mask_v[None, :]
         S0 = tl.load(h_c + state_offs, mask=state_mask, other=0.0)
         G = tl.load(dh_c + state_offs, mask=state_mask, other=0.0)
-        dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
+        if not DQ_FIRST:
+            dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
         dKte += tl.dot(b_u, tl.trans(G.to(DT)), input_precision=PREC)
         if PER_BLOCK:
             dY = tl.dot(T_t, b_du, input_precision=PREC)
@@ -230,19 +271,11 @@ def chunk_grads_k_lean_kernel(
             dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
         gs += tl.sum(G.to(tl.float32) * S0.to(tl.float32))
 
-    gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
-    Gamma = tl.exp(gamma)
-    gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
-    to_end = tl.exp(gamma_last - gamma)
-    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
-    k_mask = mask_t[:, None] & mask_k[None, :]
-    b_q = tl.load(q_ptr + k_offs, mask=k_mask, other=0.0)
-    b_k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)
-    M_P = tl.load(m_c + rows[:, None] * CHUNK + rows[None, :])
-    # (9) dq = scale·diag(Γ) dO S_0ᵀ + M_P K, onto dO S_0ᵀ's registers, stored at once
-    d_Gamma = scale * tl.sum(b_q.to(tl.float32) * dQS, axis=1)
-    dq = tl.dot(M_P, b_k, acc=(scale * Gamma)[:, None] * dQS, input_precision=PREC)
-    tl.store(dq_ptr + k_offs, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
+    if not DQ_FIRST:
+        gamma, Gamma, gamma_last, to_end = _lean_rows(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        d_Gamma, b_k = _lean_dq(dQS, q_ptr, k_ptr, m_c, dq_ptr, k_offs, k_mask, Gamma, scale, PREC)
+    else:
+        b_k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)  # again: not held across the loop
     # (10), (11) dk's C×C products as one, [M_Pᵀ | M_A + M_Aᵀ] [Q; K] (K = 2C), onto
     # diag(e^{γ_C − γ}) U Gᵀ's registers (M_A is strictly lower triangular: M_A + M_Aᵀ adds
     # each entry to a zero, no rounding). No product here reads another's result: Triton gives
