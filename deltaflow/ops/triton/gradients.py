@@ -64,15 +64,20 @@ GRADS_K_TF32X3_MAX_BK = 128
 GRADS_LEAN = "auto"
 LEAN_MIN_KEY_BLOCK = 128
 # The lean value side's register cap (0: none; 213 registers uncapped at D = 128, no spills:
-# one program an SM instead of two) and both lean kernels' pipeline stages (0: Triton's own,
-# 3 on Hopper; the key side's shared memory is 139 KB at D = 128 with 3, 82 KB with 2).
+# one program an SM instead of two) at key blocks of at most GRADS_LEAN_V_MAXNREG_MAX_BK
+# (H200, session 23 call 1, bf16, forward + backward uncapped: (8, 4096, 16, 128) 3.224 → 3.434
+# ms, (8, 2048, 32, 256) 10.495 → 10.418), and both lean kernels' pipeline stages (0: Triton's
+# own, 3 on Hopper; the key side's shared memory is 139 KB at D = 128 with 3, 82 KB with 2).
 GRADS_LEAN_V_MAXNREG = 128
+GRADS_LEAN_V_MAXNREG_MAX_BK = 128
 GRADS_LEAN_STAGES = 0
 # The lean key side forms dq in a loop of its own at key blocks of at least this many columns
 # (0: never): two [C, BK] fp32 accumulators live in its main loop instead of three (AOT sm_90,
-# bf16, D = 256, 8 warps: spill stack 1160 → 960 B, LDL + STL 556 → 470; D = 128: 40 → 56 B).
-# The lean key side's warps (0: GRADS_WARPS; AOT at D = 256 with dq first,
-# 16 warps: 128 registers, 656 B of stack, LDL + STL 269).
+# bf16, D = 256, 8 warps: spill stack 1160 → 960 B, LDL + STL 556 → 470). Measured (H200,
+# session 23 call 1, bf16, (8, 2048, 32, 256)): the key side 3.01 → 2.80 ms, forward + backward
+# 11.050 → 10.495 ms; at D = 128 (min 128) +0.03. The lean key side's warps (0: GRADS_WARPS;
+# 16 lost +0.31 ms at D = 256, +0.11 at D = 128) and register cap (0: none; 128 with dq first
+# and 2 stages, two programs an SM at D = 128, lost +0.40).
 GRADS_LEAN_DQ_FIRST_MIN_BK = 256
 GRADS_LEAN_K_WARPS = 0
 GRADS_LEAN_K_MAXNREG = 0  # the lean key side's register cap (0: none)
@@ -577,7 +582,8 @@ def launch_gradients(
             raise ValueError(f"scratch_r has {scratch_r.shape[2]} rows, the lean kernels "
                              f"take {LEAN_ROWS.value} (scratch_rows)")  # fmt: skip
         stages = {"num_stages": GRADS_LEAN_STAGES} if GRADS_LEAN_STAGES else {}
-        v_options = {"maxnreg": GRADS_LEAN_V_MAXNREG} if GRADS_LEAN_V_MAXNREG else {}
+        capped = GRADS_LEAN_V_MAXNREG and common["BK"] <= GRADS_LEAN_V_MAXNREG_MAX_BK
+        v_options = {"maxnreg": GRADS_LEAN_V_MAXNREG} if capped else {}
         min_bk = GRADS_LEAN_DQ_FIRST_MIN_BK
         key_side["DQ_FIRST"] = bool(min_bk) and key_side["BK"] >= min_bk
         key_side["num_warps"] = GRADS_LEAN_K_WARPS or key_side["num_warps"]

@@ -235,9 +235,9 @@ def chunk_grads_k_lean_kernel(
     dKte = tl.zeros([CHUNK, BK], dtype=tl.float32)  # U Gᵀ
     dUS = tl.zeros([CHUNK, BK], dtype=tl.float32)  # dU S_0ᵀ (fp32: dX itself)
     gs = tl.full([], 0.0, dtype=tl.float32)  # ⟨G, S_0⟩: a scalar, not a BK×BV tile
-    k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
-    k_mask = mask_t[:, None] & mask_k[None, :]
     if DQ_FIRST:
+        k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
+        k_mask = mask_t[:, None] & mask_k[None, :]
         # dq in a loop of its own (S_0 read twice, the second time from L2), so that two
         # [C, BK] fp32 accumulators are live in the loop below rather than three: at
         # BK = 256 and 8 warps the three alone are 192 registers a thread
@@ -271,7 +271,9 @@ def chunk_grads_k_lean_kernel(
             dUS += tl.dot(b_du, tl.trans(S0.to(DT)), input_precision=PREC)
         gs += tl.sum(G.to(tl.float32) * S0.to(tl.float32))
 
-    if not DQ_FIRST:
+    if not DQ_FIRST:  # (the offsets a [C, BK] tile: not live across the loop)
+        k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
+        k_mask = mask_t[:, None] & mask_k[None, :]
         gamma, Gamma, gamma_last, to_end = _lean_rows(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         d_Gamma, b_k = _lean_dq(dQS, q_ptr, k_ptr, m_c, dq_ptr, k_offs, k_mask, Gamma, scale, PREC)
     else:
