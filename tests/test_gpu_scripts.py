@@ -191,6 +191,22 @@ SCRIPTS = [
         True,
         expect=("20x12 unequal none: ok",),
     ),
+    # issue 32's map of settings on the GPU (two variants, one process each) and the state
+    # pass's two products alone at 32 value columns
+    Script(
+        "benchmarks/probe_settings.py",
+        ("--smoke", "--jobs", "2", "--out", "{tmp}"),
+        "probe_settings: 2 lines, 0 not ok",
+        True,
+        expect=("fbv32 T=65: ok",),
+    ),
+    Script(
+        "benchmarks/probe_wgmma32.py",
+        ("--smoke",),
+        "probe_wgmma32: 2 cases, 0 not ok",
+        True,
+        expect=("via_trans: ok",),
+    ),
     Script("benchmarks/profile_forward.py", ("--smoke",), "profile_forward: done", True),
     Script(
         "benchmarks/tune_backward.py", ("--smoke", "--profile", "--out", "{tmp}"), "wrote", True
