@@ -30,7 +30,8 @@ import torch  # noqa: E402 - after the interpreter's environment
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-C = 64  # rows a chunk
+ROWS = 64  # rows a chunk
+C = tl.constexpr(ROWS)  # the same, for the kernel (a global a kernel reads is a constexpr)
 
 
 @triton.jit
@@ -61,10 +62,10 @@ def recurrence_kernel(w_ptr, k_ptr, u_ptr, s_ptr, n_chunks, BK: tl.constexpr, BV
 def reference(w, k, u0, n_chunks):
     """The final states of the recurrence in float64 with the kernel's roundings (S and U to the
     inputs' dtype where it rounds them)."""
-    N = w.shape[0] // (n_chunks * C)
+    N = w.shape[0] // (n_chunks * ROWS)
     S = torch.zeros(N, w.shape[1], u0.shape[1], dtype=torch.float64, device=w.device)
     for c in range(n_chunks):
-        sl = [slice((n * n_chunks + c) * C, (n * n_chunks + c + 1) * C) for n in range(N)]
+        sl = [slice((n * n_chunks + c) * ROWS, (n * n_chunks + c + 1) * ROWS) for n in range(N)]
         W = torch.stack([w[s] for s in sl]).double()
         K = torch.stack([k[s] for s in sl]).double()
         U = torch.stack([u0[s] for s in sl]).double()
@@ -79,9 +80,9 @@ def run(BK: int, BV: int, warps: int, stages: int, via_trans: bool, device: str)
     g = torch.Generator(device="cpu").manual_seed(BK + BV + warps)
     N, n_chunks, DV = 4, 3, 2 * BV
     dt = torch.bfloat16 if device == "cuda" else torch.float16
-    w = (torch.randn(N * n_chunks * C, BK, generator=g) / BK**0.5).to(dt).to(device)
-    k = (torch.randn(N * n_chunks * C, BK, generator=g) / BK**0.5).to(dt).to(device)
-    u0 = torch.randn(N * n_chunks * C, DV, generator=g).to(dt).to(device)
+    w = (torch.randn(N * n_chunks * ROWS, BK, generator=g) / BK**0.5).to(dt).to(device)
+    k = (torch.randn(N * n_chunks * ROWS, BK, generator=g) / BK**0.5).to(dt).to(device)
+    u0 = torch.randn(N * n_chunks * ROWS, DV, generator=g).to(dt).to(device)
     u = u0.clone()
     s = torch.empty(N, BK, DV, device=device)
     recurrence_kernel[(DV // BV, N)](w, k, u, s, n_chunks, BK=BK, BV=BV, VIA_TRANS=via_trans,

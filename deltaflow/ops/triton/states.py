@@ -52,7 +52,11 @@ FUSED_BV_FP32 = 32
 FUSED_WARPS = 4
 FUSED_STAGES = 2
 FUSED_STAGES_FP32 = 1  # fp32 operands at D = 256 needed 401 KB of shared memory with 2
-TWO_PASS_BV = 64  # the forward's state pass; 32 crashes in bf16 on Hopper with Triton 3.6
+# The forward's state pass's value block. 32 columns (fla's pick at D = 256) are right on the
+# H200 at 2 stages in bf16 (one stage: wrong at D = 128) but slower, as in the recomputed pass
+# (BWD_STATES_BV) and the reverse pass (DSTATES_BV, wrong at 4 warps): session 23 call 2,
+# benchmarks/NOTES.md.
+TWO_PASS_BV = 64
 STATES_WARPS = 4
 # The forward's and the recomputed state pass's pipeline stages (the next chunk's loads in flight
 # during a latency-bound step), at key blocks up to STATES_STAGES_MAX_BK and not in the split
