@@ -229,6 +229,20 @@ def test_reverse_pass_split_alone(Dk, Dv, split, monkeypatch):
     assert states.split_dstates_kernel.value_blocks == [ROWS // 2]
 
 
+@pytest.mark.parametrize("stages, warps", [(1, 0), (2, 8)])
+def test_split_forward_alone(stages, warps, split, monkeypatch):
+    # SPLIT_FORWARD_*: the fused forward in its own row blocks, stages (one: the keys loaded
+    # again for the update, KEEP_K off) and warps; the backward's passes unsplit
+    calls = split(0)
+    for name, value in [("SPLIT_FORWARD_K", ROWS), ("SPLIT_FORWARD_STAGES", stages),
+                        ("SPLIT_FORWARD_WARPS", warps)]:  # fmt: skip
+        monkeypatch.setattr(states, name, value)
+    x = inputs_for("delta", 1, 130, DK4, 32, initial_state=True, seed=stages)
+    assert_matches_reference(x, rule="delta")
+    assert calls[0] == ("split_forward_kernel", ROWS)
+    assert all(bks is None for _, bks in calls[1:]), calls
+
+
 def test_sequence_parallel_passes(split, monkeypatch):
     # the segmented passes' step 3 is launch_states / launch_dstates: split there too
     calls = split(ROWS)

@@ -52,10 +52,8 @@ FUSED_BV_FP32 = 32
 FUSED_WARPS = 4
 FUSED_STAGES = 2
 FUSED_STAGES_FP32 = 1  # fp32 operands at D = 256 needed 401 KB of shared memory with 2
-# The forward's state pass's value block. 32 columns (fla's pick at D = 256) are right on the
-# H200 at 2 stages in bf16 (one stage: wrong at D = 128) but slower, as in the recomputed pass
-# (BWD_STATES_BV) and the reverse pass (DSTATES_BV, wrong at 4 warps): session 23 call 2,
-# benchmarks/NOTES.md.
+# The forward's state pass's value block: 32 (fla's at D = 256) is slower in every pass of ours,
+# and wrong at one stage or in the reverse pass at 4 warps (NOTES.md, session 23 call 2)
 TWO_PASS_BV = 64
 STATES_WARPS = 4
 # The forward's and the recomputed state pass's pipeline stages (the next chunk's loads in flight
@@ -119,6 +117,10 @@ DSTATES_MAXNREG = 0
 # where it is wider (Dk = 256; 8 warps hold its [256, BV] fp32 state in twice the registers).
 SPLIT_WARPS = 4
 SPLIT_WIDE_WARPS = 4
+# The split fused forward's own rows, stages, warps (0: STATES_SPLIT_K's, FUSED_STAGES, SPLIT_*)
+SPLIT_FORWARD_K = 0
+SPLIT_FORWARD_STAGES = 0
+SPLIT_FORWARD_WARPS = 0
 
 
 def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
@@ -247,9 +249,11 @@ def launch_forward(
     BV = min(head_block(Dv, q.dtype), FUSED_BV_FP32 if q.dtype == torch.float32 else FUSED_BV)
     BK = key_block(Dk, Dv, q.dtype)
     stages = FUSED_STAGES_FP32 if q.dtype == torch.float32 else FUSED_STAGES
-    launch = {"num_warps": FUSED_WARPS, **_split_launch(BK, q.dtype)}
+    launch = {"num_warps": FUSED_WARPS, **_split_launch(BK, q.dtype, SPLIT_FORWARD_K or None)}
     kernel = chunk_forward_kernel
     if "BKS" in launch:
+        stages = SPLIT_FORWARD_STAGES or stages
+        launch["num_warps"] = SPLIT_FORWARD_WARPS or launch["num_warps"]
         kernel, launch["KEEP_K"] = split_forward_kernel, stages > 1
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
