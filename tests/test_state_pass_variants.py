@@ -243,6 +243,24 @@ def test_split_forward_alone(stages, warps, split, monkeypatch):
     assert all(bks is None for _, bks in calls[1:]), calls
 
 
+def test_split_forward_reads_p(split, monkeypatch):
+    # SPLIT_FORWARD_P: the prepare forms (5)'s P once a chunk and the split forward reads it;
+    # packed sequences of unequal lengths (empty and partial chunks: P's rows are per chunk),
+    # initial states, and outputs equal to the P-forming kernel's to fp32 summation order
+    lengths = [0, 5, 64, 0, 130, 1, 65]
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    x = inputs_for("gated_efla", 1, sum(lengths), DK4, 48, n_states=len(lengths), seed=9)
+    calls = split(ROWS)
+    monkeypatch.setattr(states, "SPLIT_FORWARD_P", True)
+    assert_matches_reference(x, rule="gated_efla", cu_seqlens=cu)
+    assert calls[0] == ("split_forward_kernel", ROWS)
+    with_p = run(x, "triton", False, rule="gated_efla", cu_seqlens=cu)
+    monkeypatch.setattr(states, "SPLIT_FORWARD_P", False)
+    without = run(x, "triton", False, rule="gated_efla", cu_seqlens=cu)
+    for name, a, b in zip(["o", "state"], with_p, without):
+        assert rel_err(a, b) <= 1e-6, name
+
+
 def test_sequence_parallel_passes(split, monkeypatch):
     # the segmented passes' step 3 is launch_states / launch_dstates: split there too
     calls = split(ROWS)
@@ -270,12 +288,17 @@ def test_segments_step_3_in_its_own_blocks_and_register_cap(split, monkeypatch):
     assert calls == [("split_states_kernel", ROWS)] * 2 + [("split_dstates_kernel", ROWS)]
 
 
-@pytest.mark.parametrize("mode, name, value", [("fused", "k", NAN), ("two_pass", "v", INF)])
+@pytest.mark.parametrize(
+    "mode, name, value, p",
+    [("fused", "k", NAN, False), ("fused", "k", INF, True), ("two_pass", "v", INF, False)],
+)
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_nonfinite_stays_causal(mode, name, value, split, monkeypatch):
+def test_nonfinite_stays_causal(mode, name, value, p, split, monkeypatch):
     # test_nonfinite_causal's check at a head the blocks split: a bad token in the second chunk
+    # (with P from the prepare too: the bad key's column of P is masked above the diagonal)
     calls = split(ROWS)
     monkeypatch.setattr(triton_backend, "FORWARD_MODE", mode)
+    monkeypatch.setattr(states, "SPLIT_FORWARD_P", p)
     x = make_inputs(2, 130, 2, DK4, 24, rule="delta", dtype=torch.float32, seed=84)
     x[name][1, 84, 1, 3] = value
     o_ref, s_ref = delta_rule(**x, rule="delta", output_final_state=True, backend="reference")

@@ -299,11 +299,13 @@ def _prepare(
     store_t: bool,
     t_alone: bool = False,
     rows: int | None = None,
+    q: Tensor | None = None,
     **rule: Any,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, Tensor | None]:
     """(3)–(4): W and Ũ laid out like k and v, T per chunk when asked (``t_alone``: the one
     tensor kept, in prepare.t_dtype's rounded form), and each chunk's first non-finite token
-    (``rows`` per-chunk rows, default the chunk count). ``rule``: launch_prepare's β, log α,
+    (``rows`` per-chunk rows, default the chunk count); given ``q``, (5)'s P per chunk for the
+    split fused forward (states.forward_takes_p), else None. ``rule``: launch_prepare's β, log α,
     tables, rule and its flags (the callers' ``rule`` dict)."""
     B, T, H, Dk = k.shape
     n = rows or max(rule["tables"].n_chunks, 1)
@@ -312,8 +314,9 @@ def _prepare(
     t_dt = t_dtype(k.dtype, kept_alone=t_alone)
     t = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=t_dt) if store_t else None
     first_bad = _output(n, H, like=k, dtype=torch.int32)
-    launch_prepare(k, v, w=w, u=u, t=t, first_bad=first_bad, **rule)
-    return w, u, t, first_bad
+    p = None if q is None else _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=k.dtype)
+    launch_prepare(k, v, w=w, u=u, t=t, first_bad=first_bad, q=q, p=p, **rule)
+    return w, u, t, first_bad, p
 
 
 def _state_pass(
@@ -383,9 +386,13 @@ def _forward(
     # precision the backward's roundings), so the backward gets what it would have recomputed.
     rule = dict(beta=beta, log_decay=log_decay, tables=tables, kernel_id=kernel_id)
     rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)
-    w, u, t, first_bad = _prepare(k, v, store_t="t" in keep, t_alone=save == "t", rows=rows, **rule)
-    o = _output(B, T, H, Dv, like=q, dtype=v_dtype)
     segments = _segments(tables, B, T, cu_seqlens is not None, H, Dv, states.TWO_PASS_BV)
+    two_pass = "h" in keep or segments is not None or _use_two_pass(N, H, Dv, q.device)
+    takes_p = not two_pass and states.forward_takes_p(Dk, Dv, dot_dtype(q.dtype, Dk, Dv))
+    w, u, t, first_bad, p = _prepare(
+        k, v, store_t="t" in keep, t_alone=save == "t", rows=rows, q=q if takes_p else None, **rule
+    )
+    o = _output(B, T, H, Dv, like=q, dtype=v_dtype)
     n_kept = kept_segment_rows(save, q, v, cu_seqlens)  # 0: none kept (0 rows if in keep)
     entering = (
         _output(n_kept, H, Dk, Dv, like=q, dtype=torch.float32) if "entering" in keep else None
@@ -394,7 +401,7 @@ def _forward(
     outputs = dict(log_decay=log_decay, first_bad=first_bad, tables=tables, scale=scale, o=o)
     # Keeping h takes the two-pass form whatever its size: only its state pass stores h and U;
     # so does the sequence-parallel state pass (the fused forward is one pass a sequence).
-    if "h" in keep or segments is not None or _use_two_pass(N, H, Dv, q.device):
+    if two_pass:
         h, v_new, final_state = _state_pass(
             k,
             w=w,
@@ -413,7 +420,7 @@ def _forward(
         found.update(h=h, v_new=v_new)
     else:
         final_state = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
-        launch_forward(q, k, w=w, u=u, initial_state=s0, final_state=final_state, **outputs)
+        launch_forward(q, k, w=w, u=u, initial_state=s0, final_state=final_state, p=p, **outputs)
     kept = {name: found[name] for name in keep}
     if rows is not None and rows > tables.n_chunks:  # packed sequences: the bound's spare rows
         for name in ("t", "first_bad", "h"):
@@ -471,7 +478,7 @@ def _backward(
         u = _output(B, T, H, Dv, like=k, dtype=k.dtype)
         launch_rebuild(k, v, t=t, w=w, u=u, **rule)
     else:
-        w, u, t, first_bad = _prepare(k, v, store_t=True, **rule)
+        w, u, t, first_bad, _ = _prepare(k, v, store_t=True, **rule)
     if "h" in kept:  # the forward's state pass ("states")
         h, v_new = kept["h"], kept["v_new"]
     else:

@@ -27,6 +27,7 @@ from deltaflow.ops.triton.common import (
     SUB,
     ChunkTables,
     chunk_bounds,
+    chunk_gamma,
     decay_matrix,
     dot_precision,
     head_block,
@@ -219,6 +220,7 @@ def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PAIR: tl
 # size and dtype (check_triton's compile work, benchmarks/NOTES.md issue 30).
 @triton.jit(do_not_specialize=["store_t", "rule", "neg"])
 def chunk_prepare_kernel(
+    q_ptr,
     k_ptr,
     v_ptr,
     beta_ptr,
@@ -226,6 +228,7 @@ def chunk_prepare_kernel(
     w_ptr,
     u_ptr,
     t_ptr,
+    p_ptr,
     first_bad_ptr,
     cu_seqlens_ptr,
     chunk_indices_ptr,
@@ -244,10 +247,13 @@ def chunk_prepare_kernel(
     DIAG_PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
+    STORE_P: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
-    Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages.
-    Chunks on the first grid axis, which takes 2³¹ − 1 (the others 65535)."""
+    Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages,
+    and with STORE_P the outputs' (5) P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} in the dot dtype, for the
+    split fused forward (states.SPLIT_FORWARD_P). Chunks on the first grid axis, which takes
+    2³¹ − 1 (the others 65535)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     rows = tl.arange(0, CHUNK)
@@ -297,6 +303,29 @@ def chunk_prepare_kernel(
     if store_t != 0:  # T itself ([chunk, head, CHUNK, CHUNK], t_dtype) for the backward
         t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
         tl.store(t_base + rows[:, None] * CHUNK + rows[None, :], T.to(t_ptr.dtype.element_ty))
+    if STORE_P:  # last, where nothing else is live: the keys again (L2) beside the queries
+        _store_p(q_ptr, k_ptr, g_ptr, p_ptr, i_c, i_h, offs_t, mask_t, H, Dk, TILE, HAS_DECAY, PREC)
+
+
+@triton.jit
+def _store_p(
+    q_ptr, k_ptr, g_ptr, p_ptr, i_c, i_h, offs_t, mask_t, H: tl.constexpr, Dk: tl.constexpr,
+    TILE: tl.constexpr, HAS_DECAY: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """(5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} of one chunk and head, as the fused forward forms
+    it (q and k as loaded, γ the plain cumulative log α: a non-finite token's poison is the
+    forward's business), rounded once to p's dtype, [chunk, head, CHUNK, CHUNK]."""
+    rows = tl.arange(0, CHUNK)
+    cols = tl.arange(0, TILE)
+    qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    for c in range(0, Dk, TILE):
+        b_q = load_rows(q_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+        qk = tl.dot(b_q, tl.trans(b_k), acc=qk, input_precision=PREC)
+    gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+    P = tl.where(rows[:, None] >= rows[None, :], qk * decay_matrix(gamma), 0.0)
+    p_base = p_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
+    tl.store(p_base + rows[:, None] * CHUNK + rows[None, :], P.to(p_ptr.dtype.element_ty))
 
 
 def launch_prepare(
@@ -313,15 +342,21 @@ def launch_prepare(
     u: Tensor,
     t: Tensor | None,
     first_bad: Tensor,
+    q: Tensor | None = None,
+    p: Tensor | None = None,
 ) -> None:
     """Fill ``w`` and ``u`` (laid out like k and v), ``first_bad`` ([chunks, H] int32) and, when
-    given, ``t`` ([chunks, H, CHUNK, CHUNK] in :func:`t_dtype`). Rows past a sequence's end are
-    never written nor read. Given ``t``, this is the backward's prepare (its roundings)."""
+    given, ``t`` ([chunks, H, CHUNK, CHUNK] in :func:`t_dtype`) and ``p`` (the outputs' P from
+    ``q`` and k, [chunks, H, CHUNK, CHUNK] in k's dtype). Rows past a sequence's end are never
+    written nor read. Given ``t``, this is the backward's prepare (its roundings)."""
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
     settings = backward_settings(k.dtype, t_kept=t is not None)
+    if (p is None) != (q is None):
+        raise ValueError("launch_prepare: p and q come together (P = Q Kᵀ ⊙ D needs the queries)")
     chunk_prepare_kernel[(tables.n_chunks, H)](
+        q_ptr=k if q is None else q,
         k_ptr=k,
         v_ptr=v,
         beta_ptr=k if beta is None else beta,  # absent pointers are never read: flags say so
@@ -329,6 +364,7 @@ def launch_prepare(
         w_ptr=w,
         u_ptr=u,
         t_ptr=tables.placeholder if t is None else t,  # the forward's: fp32 as fp32 inputs' T
+        p_ptr=tables.placeholder if p is None else p,
         first_bad_ptr=first_bad,
         cu_seqlens_ptr=tables.cu_seqlens,
         chunk_indices_ptr=tables.chunk_indices,
@@ -347,6 +383,7 @@ def launch_prepare(
         DIAG_PREC=PREPARE_DIAG_PRECISION,
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
+        STORE_P=p is not None,
         num_warps=PREPARE_WARPS,
         **({"maxnreg": PREPARE_MAXNREG} if PREPARE_MAXNREG else {}),  # 0 would reach ptxas
     )

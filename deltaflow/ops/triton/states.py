@@ -121,6 +121,10 @@ SPLIT_WIDE_WARPS = 4
 SPLIT_FORWARD_K = 0
 SPLIT_FORWARD_STAGES = 0
 SPLIT_FORWARD_WARPS = 0
+# It reads (5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} from the prepare (formed once a chunk, in the dot
+# dtype: 128 B a token and head, the forward's alone) instead of forming Q Kᵀ in each of its
+# value blocks' programs (session 23)
+SPLIT_FORWARD_P = False
 
 
 def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
@@ -132,6 +136,13 @@ def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
         return 0
     rows = max(split_k, BK // 4, SPLIT_MIN_ROWS, head_block(1, dtype))
     return rows if rows < BK else 0
+
+
+def forward_takes_p(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
+    """Whether the fused forward over heads of ``Dk`` / ``Dv`` columns (``dtype``: its dot dtype)
+    reads (5)'s P from the prepare (SPLIT_FORWARD_P; the split kernel only)."""
+    BK = key_block(Dk, Dv, dtype)
+    return SPLIT_FORWARD_P and bool(split_rows(BK, dtype, SPLIT_FORWARD_K or None))
 
 
 def _split_launch(BK: int, dtype: torch.dtype, split_k: int | None = None) -> dict:
@@ -242,8 +253,10 @@ def launch_forward(
     scale: float,
     o: Tensor,
     final_state: Tensor,
+    p: Tensor | None = None,
 ) -> None:
-    """The fused forward: ``o`` (like v) and ``final_state`` ([N, H, Dk, Dv] fp32)."""
+    """The fused forward: ``o`` (like v) and ``final_state`` ([N, H, Dk, Dv] fp32); ``p``: the
+    prepare's P for the split kernel (``forward_takes_p``), else None."""
     H, Dk, Dv = q.shape[2], q.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, q.dtype), FUSED_BV_FP32 if q.dtype == torch.float32 else FUSED_BV)
@@ -251,10 +264,13 @@ def launch_forward(
     stages = FUSED_STAGES_FP32 if q.dtype == torch.float32 else FUSED_STAGES
     launch = {"num_warps": FUSED_WARPS, **_split_launch(BK, q.dtype, SPLIT_FORWARD_K or None)}
     kernel = chunk_forward_kernel
+    if (p is not None) != forward_takes_p(Dk, Dv, q.dtype):
+        raise ValueError("launch_forward: p must be given exactly when forward_takes_p")
     if "BKS" in launch:
         stages = SPLIT_FORWARD_STAGES or stages
         launch["num_warps"] = SPLIT_FORWARD_WARPS or launch["num_warps"]
         kernel, launch["KEEP_K"] = split_forward_kernel, stages > 1
+        launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,

@@ -107,16 +107,19 @@ def _update(S, b_k, u_to_end, decay_last, PREC: tl.constexpr):
 def _forward_in(
     S, acc_u, acc_qs, acc_qk, q_ptr, k_ptr, w_ptr, offs_t, mask_t, i_h, i_b,
     H: tl.constexpr, Dk: tl.constexpr, BKS: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_P: tl.constexpr,
 ):  # fmt: skip
     """Block ``i_b``'s share of the chunk's key-row sums: U += W_b (−S_b), Q(−S) += Q_b (−S_b),
-    Q Kᵀ += Q_b K_bᵀ (the state rounded to DT once, negated: exact, and both accumulate)."""
+    Q Kᵀ += Q_b K_bᵀ (the state rounded to DT once, negated: exact, and both accumulate); not
+    Q Kᵀ with ``HAS_P`` (the prepare formed P)."""
     b_w = _keys(w_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     b_q = _keys(q_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     b_k = _keys(k_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     s_neg = (-S).to(DT)
     acc_u = tl.dot(b_w.to(DT), s_neg, acc=acc_u, input_precision=PREC)
     acc_qs = tl.dot(b_q.to(DT), s_neg, acc=acc_qs, input_precision=PREC)
-    acc_qk = tl.dot(b_q, tl.trans(b_k), acc=acc_qk, input_precision=PREC)
+    if not HAS_P:
+        acc_qk = tl.dot(b_q, tl.trans(b_k), acc=acc_qk, input_precision=PREC)
     return acc_u, acc_qs, acc_qk, b_k
 
 
@@ -131,6 +134,7 @@ def split_forward_kernel(
     o_ptr,
     sT_ptr,
     first_bad_ptr,
+    p_ptr,
     cu_seqlens_ptr,
     chunk_offsets_ptr,
     scale,
@@ -144,13 +148,16 @@ def split_forward_kernel(
     HAS_S0: tl.constexpr,
     PREC: tl.constexpr,
     KEEP_K: tl.constexpr,
+    HAS_P: tl.constexpr,
 ):
     """``states.chunk_forward_kernel`` ((4)–(6), one sequence, head and BV value columns) with
     the state in BK / BKS ≤ 4 row blocks S0..S3 of BKS rows. ``KEEP_K``: the key blocks of
     Q Kᵀ serve the state update too (with a pipelined loop, num_stages ≥ 2, they stay in its
     shared buffers: sm_90 D=256 205 KB and 192 B of spill, against 270 KB loading them twice);
     else each is loaded again for the update (num_stages = 1, the loads through registers:
-    holding four [C, BKS] blocks there spilled 936 B at D=256, loading again 544 B)."""
+    holding four [C, BKS] blocks there spilled 936 B at D=256, loading again 544 B). ``HAS_P``:
+    (5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} as the prepare formed it once per chunk ([chunks, H,
+    C, C] in DT at ``p_ptr``), rather than Q Kᵀ formed by each value block's program."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
@@ -186,25 +193,45 @@ def split_forward_kernel(
         qs_neg = tl.zeros([CHUNK, BV], dtype=tl.float32)
         qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
         U, qs_neg, qk, k0 = _forward_in(
-            S0, U, qs_neg, qk, q_ptr, k_ptr, w_ptr, offs_t, mask_t, i_h, 0, H, Dk, BKS, DT, PREC
+            S0,
+            U,
+            qs_neg,
+            qk,
+            q_ptr,
+            k_ptr,
+            w_ptr,
+            offs_t,
+            mask_t,
+            i_h,
+            0,
+            H,
+            Dk,
+            BKS,
+            DT,
+            PREC,
+            HAS_P,
         )
         if BK > BKS:
             U, qs_neg, qk, k1 = _forward_in(
                 S1, U, qs_neg, qk, q_ptr, k_ptr, w_ptr, offs_t, mask_t, i_h, 1, H, Dk, BKS, DT,
-                PREC,
+                PREC, HAS_P,
             )  # fmt: skip
         if BK > 2 * BKS:
             U, qs_neg, qk, k2 = _forward_in(
                 S2, U, qs_neg, qk, q_ptr, k_ptr, w_ptr, offs_t, mask_t, i_h, 2, H, Dk, BKS, DT,
-                PREC,
+                PREC, HAS_P,
             )  # fmt: skip
         if BK > 3 * BKS:
             U, qs_neg, qk, k3 = _forward_in(
                 S3, U, qs_neg, qk, q_ptr, k_ptr, w_ptr, offs_t, mask_t, i_h, 3, H, Dk, BKS, DT,
-                PREC,
+                PREC, HAS_P,
             )  # fmt: skip
         # (5) O = scale [diag(Γ) Q S_0 + ((Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j}) U]; Q S_0 = −Q(−S_0)
-        P = tl.where(causal, qk * decay_matrix(gamma), 0.0)
+        if HAS_P:
+            p_offs = ((c_first + j).to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
+            P = tl.load(p_ptr + p_offs + rows[:, None] * CHUNK + rows[None, :])
+        else:
+            P = tl.where(causal, qk * decay_matrix(gamma), 0.0)
         row_scale = tl.exp(gamma) + row_poison
         b_o = tl.dot(P.to(DT), U.to(DT), acc=-row_scale[:, None] * qs_neg, input_precision=PREC)
         tl.store(
