@@ -27,6 +27,10 @@ from deltaflow.ops.triton import prepare, states  # noqa: E402
 from deltaflow.ops.triton.common import chunk_tables  # noqa: E402
 from deltaflow.rules import RULES  # noqa: E402
 
+# The fused pass timed here forms Q Kᵀ itself (its own settings, FUSED_SETTINGS, beside the
+# prepare's): not the split forward's P from the prepare (states.SPLIT_FORWARD_P)
+states.SPLIT_FORWARD_P = False
+
 SHAPES = [(8, 4096, 16, 128), (16, 2048, 32, 64)]
 SMOKE_SHAPES = [(1, 70, 1, 16)]
 # (warps, tile, maxnreg, diagonal-inverse precision) of the prepare kernel: the first is the

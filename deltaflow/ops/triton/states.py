@@ -57,11 +57,9 @@ FUSED_STAGES_FP32 = 1  # fp32 operands at D = 256 needed 401 KB of shared memory
 TWO_PASS_BV = 64
 STATES_WARPS = 4
 # The forward's and the recomputed state pass's pipeline stages (the next chunk's loads in flight
-# during a latency-bound step), at key blocks up to STATES_STAGES_MAX_BK and not in the split
-# kernels (pass_stages). Measured (H200, session 20 call 1, bf16, 2 against 1): (1, 32768, 16,
-# 128) forward 1.509 → 1.371 ms, forward + backward 5.819 → 5.554; (8, 4096, 16, 128) 3.439 →
-# 3.389; (16, 2048, 32, 64) 3.375 → 3.342; but the split kernels at D = 256 11.24 → 11.60 (AOT:
-# one program an SM there instead of two, benchmarks/NOTES.md "session 18").
+# during a latency-bound step), at key blocks up to STATES_STAGES_MAX_BK, not in the split
+# kernels (pass_stages; H200, session 20 call 1: 2 against 1 gains 0.03-0.26 ms at D ≤ 128, the
+# split kernels at D = 256 lose 0.36: one program an SM there).
 STATES_STAGES = 2
 STATES_STAGES_MAX_BK = 128
 # At key blocks up to NARROW_MAX_BK (Dk ≤ 64) both state passes hold a [64, BV] state: a third
@@ -74,21 +72,15 @@ NARROW_MAX_BK = 64
 BWD_STATES_BV = 64  # the state pass recomputed by the backward
 DSTATES_BV = 64
 DSTATES_WARPS = 4
-# The reverse pass's, at key blocks up to DSTATES_STAGES_MAX_BK (pass_stages). Measured (H200,
-# session 20 call 1, bf16, forward + backward, 2 against 1 at every block): (16, 2048, 32, 64)
-# 3.375 → 3.331 ms, but (8, 4096, 16, 128) 3.439 → 3.636 (AOT: one program an SM at D = 128)
-# and D = 256 out of shared memory (237 KB). 3 against 2 (session 21 call 1): (16, 2048, 32,
-# 64) 2.974 → 2.922.
+# The reverse pass's, at key blocks up to DSTATES_STAGES_MAX_BK (pass_stages; H200, sessions 20-21
+# call 1: 3 stages gain at D = 64, 2 lose 0.2 ms at D = 128, D = 256 out of shared memory).
 DSTATES_STAGES = 3
 DSTATES_STAGES_MAX_BK = 64
 # Issue 32 (benchmarks/NOTES.md, "session 18: the state passes' registers and D=256"): the three
 # passes with the state held as row blocks of STATES_SPLIT_K key rows (states_split.py), for a
-# launch whose key block is wider than that; 0 keeps the kernels above for every launch. 64
-# splits Dk = 128 in two and 256 in four, 128 only Dk = 256 in two. Measured (H200, session 19
-# call 2, bf16, fla 0.6.0 in the same run): 128 takes (8, 2048, 32, 256) forward 3.00 → 2.38 ms
-# and forward + backward 14.06 → 11.25 ms (0.77x → 0.96x fla), the D ≤ 128 shapes unchanged; 64
-# slows D = 128 (forward + backward 3.58 → 3.82 ms; (1, 32768, 16, 128) 5.89 → 6.46) and gains
-# less at D = 256 (11.41 ms); 64 with 8 warps on wide blocks loses (14.61 ms). A block is
+# launch whose key block is wider than that; 0 keeps the kernels above for every launch. 128
+# (H200, session 19 call 2): (8, 2048, 32, 256) forward 3.00 → 2.38 ms, forward + backward
+# 14.06 → 11.25, D ≤ 128 unchanged; 64 slows D = 128 and gains less at D = 256. A block is
 # never narrower than the launch's dtype floor (common.head_block: 64 in bf16/fp16, whose
 # 16/32-column blocks Triton 3.6 miscompiles on Hopper) nor than BK / 4 (the kernels have four
 # accumulators), so e.g. 32 acts as 64 in bf16.
@@ -100,14 +92,9 @@ STATES_SPLIT_K = 128
 SPLIT_MIN_ROWS = 64
 # The reverse pass's own rows per block (0: STATES_SPLIT_K's), at key blocks wider than
 # DSTATES_SPLIT_ABOVE_BK rows (0: at every key block it splits). 64 above 128: D = 256 in four
-# blocks (H200, session 22 call 1, bf16, forward + backward 11.101 → 10.949 ms; split_dstates
-# 2.65 → 2.56), D = 128 whole (64-row blocks there: +0.09, session 21 call 3). fla's reverse
-# pass holds [64, 32] blocks (its autotuner picks 32 columns at D = 128 and 256); ours cannot
-# (benchmarks/NOTES.md, "session 21"): at DSTATES_BV = 32 every half-precision launch with a
-# key head ≥ 128 faults or gives a wrong dh (Triton 3.6, H200), in one block (call 1) or in
-# 64-row blocks (call 3), fp32 and key heads ≤ 64 being right; and the [64, 32] split pass took
-# 1.05 ms against 0.545. The state pass in 64-row blocks at D = 256 lost (+0.20, session 22
-# call 1), as did the split passes at 2 stages (+0.35 for the state pass's alone).
+# blocks (H200, session 22 call 1: forward + backward 11.101 → 10.949 ms), D = 128 whole (+0.09
+# in 64-row blocks, session 21 call 3). fla's [64, 32] blocks are wrong or slow here, and 64-row
+# state-pass blocks and 2-stage split passes lost (benchmarks/NOTES.md, sessions 21-23).
 DSTATES_SPLIT_K = 64
 DSTATES_SPLIT_ABOVE_BK = 128
 # A register cap for the reverse pass (0: none): ptxas fills 246-255 a thread at 4 warps
@@ -121,10 +108,13 @@ SPLIT_WIDE_WARPS = 4
 SPLIT_FORWARD_K = 0
 SPLIT_FORWARD_STAGES = 0
 SPLIT_FORWARD_WARPS = 0
-# It reads (5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} from the prepare (formed once a chunk, in the dot
-# dtype: 128 B a token and head, the forward's alone) instead of forming Q Kᵀ in each of its
-# value blocks' programs (session 23)
-SPLIT_FORWARD_P = False
+# It reads (5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} from the prepare (once a chunk, in the dot dtype:
+# 128 B a token and head, the forward's alone), not Q Kᵀ formed by each value block's program
+# (H200, bf16, D = 256: forward 2.384 → 1.880 ms; NOTES.md, session 23 call 5). Not in fp16
+# (SPLIT_FORWARD_P_SKIP): its fused output there was 4.0e-3 from float64 on the H200 (4.1e-4
+# without P, 4.0e-4 both ways on the interpreter).
+SPLIT_FORWARD_P = True
+SPLIT_FORWARD_P_SKIP = (torch.float16,)
 
 
 def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
@@ -141,8 +131,9 @@ def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
 def forward_takes_p(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
     """Whether the fused forward over heads of ``Dk`` / ``Dv`` columns (``dtype``: its dot dtype)
     reads (5)'s P from the prepare (SPLIT_FORWARD_P; the split kernel only)."""
-    BK = key_block(Dk, Dv, dtype)
-    return SPLIT_FORWARD_P and bool(split_rows(BK, dtype, SPLIT_FORWARD_K or None))
+    if not SPLIT_FORWARD_P or dtype in SPLIT_FORWARD_P_SKIP:
+        return False
+    return bool(split_rows(key_block(Dk, Dv, dtype), dtype, SPLIT_FORWARD_K or None))
 
 
 def _split_launch(BK: int, dtype: torch.dtype, split_k: int | None = None) -> dict:
