@@ -243,6 +243,16 @@ def test_split_forward_alone(stages, warps, split, monkeypatch):
     assert all(bks is None for _, bks in calls[1:]), calls
 
 
+def test_split_forward_takes_p_where_it_was_checked():
+    # on by default at D = 256 (the split forward) in bf16 and fp32; never in fp16 (wrong on the
+    # H200, session 23 call 5), nor where the forward does not split (D ≤ 128)
+    assert states.SPLIT_FORWARD_P
+    assert states.forward_takes_p(256, 256, torch.bfloat16)
+    assert states.forward_takes_p(256, 256, torch.float32)
+    assert not states.forward_takes_p(256, 256, torch.float16)
+    assert not states.forward_takes_p(128, 128, torch.bfloat16)
+
+
 def test_split_forward_reads_p(split, monkeypatch):
     # SPLIT_FORWARD_P: the prepare forms (5)'s P once a chunk and the split forward reads it;
     # packed sequences of unequal lengths (empty and partial chunks: P's rows are per chunk),
