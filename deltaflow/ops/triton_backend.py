@@ -75,12 +75,9 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 POISON_OUTPUTS = False
 # "auto" | "fused" | "two_pass": which forward (see _use_two_pass); tests and sweeps pin it.
 FORWARD_MODE = "auto"
-# The backward's states (S_0 of every chunk, h) and their gradients (dh) in float32 rather than
-# the dot dtype. Measured (H100, benchmarks/results/issue30/call6): it brings the T=1 cases'
-# d log α from 9.2e-3 / 1.2e-2 to 9.4e-4 / 1.8e-3 and leaves dβ's errors as they were (the
-# emulation, benchmarks/bf16_floor.py, agrees: h and dh are d log α's floor at T=1, not dβ's).
-# The key-side gradient kernel then takes narrower value blocks, so it fits Hopper's shared
-# memory at every head size (gradients.GRADS_BV_FP32). Off: it costs state traffic (issue 30).
+# The backward's states (h) and their gradients (dh) in float32 rather than the dot dtype
+# (H100, benchmarks/results/issue30/call6: T=1's d log α 9.2e-3 → 9.4e-4, dβ unchanged; the key
+# side then takes gradients.GRADS_BV_FP32 value columns). Off: it costs state traffic.
 BACKWARD_STATES_FP32 = False
 # What the forward keeps for the backward, which then skips recomputing it (triton_ops.py's
 # docstring; benchmarks/NOTES.md "Issue 31/32, session 16": bytes and predicted ms):
@@ -100,12 +97,9 @@ SAVE_CHOICES = ("none", "prepare", "states", "t")  # what SAVE_FOR_BACKWARD may 
 # sequences x heads still fill the GPU (issue 32; benchmarks/NOTES.md, "Issue 32, session 17"):
 # "off"; "on" wherever a sequence has more than one segment (the forward then takes its two-pass
 # form); "auto" where the pass's programs, sequences x heads x value blocks, are fewer than the
-# GPU's multiprocessors (the default: H100, session 18, call 2: (1, 32768, 16, 128) forward
-# 2.36 → 1.62 ms, forward + backward 9.79 → 6.65 ms; (2, 8192, 8, 128) 2.62 → 1.83 ms; shapes
-# that fill the GPU untouched). Dense batches need no host sync and are safe under CUDA-graph
-# capture (compiled blocks' reduce-overhead mode): their segment tables come from shapes, cached
-# by GraphSafeCache, and the chain across segments is one launch (segment_chain.py;
-# benchmarks/NOTES.md, "Issue 32, session 18").
+# GPU's multiprocessors (H100, session 18 call 2: (1, 32768, 16, 128) forward + backward 9.79 →
+# 6.65 ms). Dense batches need no host sync and are safe under CUDA-graph capture: their segment
+# tables come from shapes (GraphSafeCache), the chain is one launch (segment_chain.py).
 SEQUENCE_PARALLEL_STATES = "auto"
 # Chunks a segment; 0: from the load, SEGMENT_WAVES waves of the multiprocessors for the
 # per-segment state pass, at least SEGMENT_MIN_CHUNKS (every segment is a step of the chain
@@ -114,13 +108,10 @@ SEQUENCE_PARALLEL_STATES = "auto"
 SEGMENT_CHUNKS = 0
 SEGMENT_WAVES = 2
 SEGMENT_MIN_CHUNKS = 4
-# Where the forward runs its state pass in segments and a backward will recompute that pass
-# ("none", "prepare", "t"), the forward keeps the state entering each segment (fp32, Dk x Dv a
-# segment and head: (1, 32768, 16, 128) 9 segments, 18 B per token and head) and the backward's
-# recompute starts each segment from it: segment_states_kernel and the chain run once, not twice
-# (H200, session 20 call 2: forward + backward 5.443 → 5.094 ms there, bf16). The same
-# gradients to the bit, so only where the recompute would get the same states (kept_segment_rows:
-# else it recomputes them, as with this off).
+# Where the forward runs its state pass in segments and a backward will recompute it ("none",
+# "prepare", "t"), the forward keeps each segment's entering state (fp32, 18 B a token·head at
+# (1, 32768, 16, 128)) and the backward starts from it (H200: 5.443 → 5.094 ms there), the same
+# gradients to the bit (kept_segment_rows: only where the recompute gets the same states).
 KEEP_SEGMENT_STATES = True
 
 

@@ -43,17 +43,16 @@ from deltaflow.ops.triton.states_split import (
     split_states_kernel,
 )
 
-# Launch settings (benchmarks/NOTES.md; benchmarks/tune_backward.py sweeps them).
-# The fused forward: 64 value columns (32 in fp32, whose operands take twice the shared memory),
-# 4 warps. Triton 3.6 on Hopper miscompiles it with 16/32 columns in bf16 (compute-sanitizer:
-# invalid __shared__ read).
+# Launch settings (benchmarks/NOTES.md; benchmarks/tune_backward.py sweeps them). The fused
+# forward: 64 value columns (32 in fp32: twice the shared memory), 4 warps (16/32 columns in bf16
+# miscompile on Hopper, Triton 3.6).
 FUSED_BV = 64
 FUSED_BV_FP32 = 32
 FUSED_WARPS = 4
 FUSED_STAGES = 2
 FUSED_STAGES_FP32 = 1  # fp32 operands at D = 256 needed 401 KB of shared memory with 2
 # The forward's state pass's value block: 32 (fla's at D = 256) is slower in every pass of ours,
-# and wrong at one stage or in the reverse pass at 4 warps (NOTES.md, session 23 call 2)
+# and wrong at one stage or in the reverse pass at 4 warps (benchmarks/NOTES.md, session 23)
 TWO_PASS_BV = 64
 STATES_WARPS = 4
 # The forward's and the recomputed state pass's pipeline stages (the next chunk's loads in flight
@@ -63,10 +62,7 @@ STATES_WARPS = 4
 STATES_STAGES = 2
 STATES_STAGES_MAX_BK = 128
 # At key blocks up to NARROW_MAX_BK (Dk ≤ 64) both state passes hold a [64, BV] state: a third
-# stage fits beside it. Measured (H200, session 21 call 1, bf16, forward + backward, 3 against 2
-# stages): (16, 2048, 32, 64) 2.974 → 2.944 ms for this pass, 2.974 → 2.922 for the reverse
-# pass (DSTATES_STAGES); at D = 128 the third stage loses (3.22 → 3.36, (1, 32768) forward 1.35
-# → 1.71: shared memory for one program an SM).
+# stage fits (H200, session 21 call 1: −0.03 / −0.05 ms at D = 64; at D = 128 it loses).
 STATES_STAGES_NARROW = 3
 NARROW_MAX_BK = 64
 BWD_STATES_BV = 64  # the state pass recomputed by the backward
@@ -76,25 +72,16 @@ DSTATES_WARPS = 4
 # call 1: 3 stages gain at D = 64, 2 lose 0.2 ms at D = 128, D = 256 out of shared memory).
 DSTATES_STAGES = 3
 DSTATES_STAGES_MAX_BK = 64
-# Issue 32 (benchmarks/NOTES.md, "session 18: the state passes' registers and D=256"): the three
-# passes with the state held as row blocks of STATES_SPLIT_K key rows (states_split.py), for a
-# launch whose key block is wider than that; 0 keeps the kernels above for every launch. 128
-# (H200, session 19 call 2): (8, 2048, 32, 256) forward 3.00 → 2.38 ms, forward + backward
-# 14.06 → 11.25, D ≤ 128 unchanged; 64 slows D = 128 and gains less at D = 256. A block is
-# never narrower than the launch's dtype floor (common.head_block: 64 in bf16/fp16, whose
-# 16/32-column blocks Triton 3.6 miscompiles on Hopper) nor than BK / 4 (the kernels have four
-# accumulators), so e.g. 32 acts as 64 in bf16.
+# The three passes with the state as row blocks of STATES_SPLIT_K key rows (states_split.py) for a
+# launch whose key block is wider; 0: never (128: D = 256 forward + backward 14.06 → 11.25 ms,
+# benchmarks/NOTES.md, session 19). A block is never narrower than the dtype floor
+# (common.head_block) nor BK / 4 (four accumulators), so e.g. 32 acts as 64 in bf16.
 STATES_SPLIT_K = 128
-# Nor narrower than SPLIT_MIN_ROWS in any dtype: a block under 64 rows makes the state update a
-# [BKS, C] @ [C, BV] product too short for Hopper's wgmma, on mma.sync beside the kernel's wgmma
-# products, the mix Triton 3.6 got wrong on the H100 in fp32 (common.FP32_WIDE_VALUE_MIN_KEY_BLOCK).
-# The interpreter's tests lower it to reach several blocks at small heads.
+# Nor narrower than SPLIT_MIN_ROWS: shorter state updates go to mma.sync beside wgmma, which
+# Triton 3.6 got wrong in fp32 (common.FP32_WIDE_VALUE_MIN_KEY_BLOCK); tests lower it.
 SPLIT_MIN_ROWS = 64
-# The reverse pass's own rows per block (0: STATES_SPLIT_K's), at key blocks wider than
-# DSTATES_SPLIT_ABOVE_BK rows (0: at every key block it splits). 64 above 128: D = 256 in four
-# blocks (H200, session 22 call 1: forward + backward 11.101 → 10.949 ms), D = 128 whole (+0.09
-# in 64-row blocks, session 21 call 3). fla's [64, 32] blocks are wrong or slow here, and 64-row
-# state-pass blocks and 2-stage split passes lost (benchmarks/NOTES.md, sessions 21-23).
+# The reverse pass's own rows per block (0: STATES_SPLIT_K's) above DSTATES_SPLIT_ABOVE_BK rows
+# (0: wherever it splits): D = 256 in four blocks (−0.15 ms), D = 128 whole (benchmarks/NOTES.md).
 DSTATES_SPLIT_K = 64
 DSTATES_SPLIT_ABOVE_BK = 128
 # A register cap for the reverse pass (0: none): ptxas fills 246-255 a thread at 4 warps
@@ -108,11 +95,8 @@ SPLIT_WIDE_WARPS = 4
 SPLIT_FORWARD_K = 0
 SPLIT_FORWARD_STAGES = 0
 SPLIT_FORWARD_WARPS = 0
-# It reads (5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} from the prepare (once a chunk, in the dot dtype:
-# 128 B a token and head, the forward's alone), not Q Kᵀ formed by each value block's program
-# (H200, bf16, D = 256: forward 2.384 → 1.880 ms; NOTES.md, session 23 call 5). Not in fp16
-# (SPLIT_FORWARD_P_SKIP): its fused output there was 4.0e-3 from float64 on the H200 (4.1e-4
-# without P, 4.0e-4 both ways on the interpreter).
+# It reads (5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} from the prepare, once a chunk (H200, bf16,
+# D = 256: forward 2.384 → 1.880 ms); not in fp16, wrong there on the H200 (benchmarks/NOTES.md)
 SPLIT_FORWARD_P = True
 SPLIT_FORWARD_P_SKIP = (torch.float16,)
 
