@@ -34,6 +34,32 @@ def smoke_env() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def failure_verdict(e: BaseException) -> str:
+    """A probe's one line on an exception: ``FAULT`` (a CUDA error: the process's context is
+    gone) or ``ERROR``, where (the last deltaflow frame) and the message's first line."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "deltaflow" in f.filename]
+    where = f"{Path(frames[-1].filename).name}:{frames[-1].name}" if frames else "?"
+    kind = "FAULT" if "illegal" in str(e) or "CUDA error" in str(e) else "ERROR"
+    return f"{kind} in {where}: {str(e).splitlines()[0][:160]}"
+
+
+def probe_verdicts(cmd: list[str], timeout: int) -> tuple[list[str], str | None]:
+    """Run one probe process (``CUDA_LAUNCH_BLOCKING=1``: a fault is raised at its launch, which
+    the traceback then names): the lines it printed after ``VERDICT ``, and None; or no lines
+    and why there are none (``TIMEOUT``, or ``DIED`` and its last output line)."""
+    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [], "TIMEOUT"
+    out = r.stdout + r.stderr
+    verdicts = [ln[8:] for ln in out.splitlines() if ln.startswith("VERDICT ")]
+    tail = out.strip().splitlines()[-1:] if out.strip() else ["(no output)"]
+    return verdicts, None if verdicts else f"DIED {tail[0][:160]}"
+
+
 def device(smoke: bool) -> str:
     """'cpu' in smoke mode (Triton interpreter), else 'cuda' (refused with one line if absent)."""
     if smoke:

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import smoke_env, smoke_requested
+from _common import failure_verdict, probe_verdicts, smoke_env, smoke_requested
 
 if smoke_requested():
     smoke_env()
@@ -64,10 +62,7 @@ def case(Dk: int, Dv: int, when: str, save: str, device: str) -> str:
 
             torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the verdict names it
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if "deltaflow" in f.filename]
-        where = f"{Path(frames[-1].filename).name}:{frames[-1].name}" if frames else "?"
-        kind = "FAULT" if "illegal" in str(e) or "CUDA error" in str(e) else "ERROR"
-        return f"{kind} in {where}: {str(e).splitlines()[0][:160]}"
+        return failure_verdict(e)
     if worst != worst or worst > _check_cases.TOL["fp32"]:  # NaN or over fp32's tolerance
         return f"over (worst {worst:.1e})"
     return f"ok (worst {worst:.1e})"
@@ -92,20 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         SMOKE_HEADS if args.smoke else HEADS)).split(",")]  # fmt: skip
     whens, saves = args.when.split(","), args.save.split(",")
     jobs = [(dk, dv, w, s) for w in whens for s in saves for dk, dv in heads]
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
 
     def one(job) -> str:
         dk, dv, w, s = job
         cmd = [sys.executable, __file__, "--case", f"{dk},{dv},{w},{s}"]
         cmd += ["--smoke"] if args.smoke else []
-        try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-            out = r.stdout + r.stderr
-        except subprocess.TimeoutExpired:
-            return f"{dk}x{dv} {w} {s}: TIMEOUT"
-        verdict = [ln[8:] for ln in out.splitlines() if ln.startswith("VERDICT ")]
-        tail = out.strip().splitlines()[-1:] if out.strip() else ["(no output)"]
-        line = f"{dk}x{dv} {w} {s}: {verdict[0] if verdict else 'DIED ' + tail[0][:160]}"
+        verdicts, failure = probe_verdicts(cmd, timeout=240)
+        line = f"{dk}x{dv} {w} {s}: {failure or verdicts[0]}"
         print(line, flush=True)
         return line
 

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _common import smoke_env, smoke_requested
+from _common import failure_verdict, probe_verdicts, smoke_env, smoke_requested
 
 if smoke_requested():
     smoke_env()
@@ -79,11 +77,8 @@ def case(items: str, dtype: str, device: str, smoke: bool) -> list[str]:
 
                 torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - the verdict names it
-            frames = [f for f in traceback.extract_tb(e.__traceback__) if "deltaflow" in f.filename]
-            where = f"{Path(frames[-1].filename).name}:{frames[-1].name}" if frames else "?"
-            kind = "FAULT" if "illegal" in str(e) or "CUDA error" in str(e) else "ERROR"
-            lines.append(f"{label}: {kind} in {where}: {str(e).splitlines()[0][:160]}")
-            if kind == "FAULT":
+            lines.append(f"{label}: {failure_verdict(e)}")
+            if lines[-1].startswith(f"{label}: FAULT"):
                 break  # the context is gone
             continue
         bad = worst != worst or worst > _check_cases.TOL[dtype]  # NaN or over the tolerance
@@ -122,19 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             _settings.parse([items])
         except _settings.SettingError as e:
             p.error(f"--variant {name}: {e}")
-    env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
 
     def one(name: str) -> list[str]:
         cmd = [sys.executable, __file__, "--case", variants[name], "--dtype", args.dtype]
         cmd += ["--smoke"] if args.smoke else []
-        try:
-            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-            out = r.stdout + r.stderr
-        except subprocess.TimeoutExpired:
-            return [f"{name}: TIMEOUT"]
-        verdicts = [ln[8:] for ln in out.splitlines() if ln.startswith("VERDICT ")]
-        tail = out.strip().splitlines()[-1:] if out.strip() else ["(no output)"]
-        lines = [f"{name} {v}" for v in verdicts] or [f"{name}: DIED {tail[0][:160]}"]
+        verdicts, failure = probe_verdicts(cmd, timeout=280)
+        lines = [f"{name}: {failure}"] if failure else [f"{name} {v}" for v in verdicts]
         print("\n".join(lines), flush=True)
         return lines
 
