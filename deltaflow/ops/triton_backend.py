@@ -379,7 +379,7 @@ def _forward(
     rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)
     segments = _segments(tables, B, T, cu_seqlens is not None, H, Dv, states.TWO_PASS_BV)
     two_pass = "h" in keep or segments is not None or _use_two_pass(N, H, Dv, q.device)
-    takes_p = not two_pass and states.forward_takes_p(Dk, Dv, dot_dtype(q.dtype, Dk, Dv))
+    takes_p = not two_pass and states.forward_takes_p(Dk, Dv, q.dtype)  # q: the dot dtype
     w, u, t, first_bad, p = _prepare(
         k, v, store_t="t" in keep, t_alone=save == "t", rows=rows, q=q if takes_p else None, **rule
     )

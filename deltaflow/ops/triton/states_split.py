@@ -193,24 +193,9 @@ def split_forward_kernel(
         qs_neg = tl.zeros([CHUNK, BV], dtype=tl.float32)
         qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
         U, qs_neg, qk, k0 = _forward_in(
-            S0,
-            U,
-            qs_neg,
-            qk,
-            q_ptr,
-            k_ptr,
-            w_ptr,
-            offs_t,
-            mask_t,
-            i_h,
-            0,
-            H,
-            Dk,
-            BKS,
-            DT,
-            PREC,
+            S0, U, qs_neg, qk, q_ptr, k_ptr, w_ptr, offs_t, mask_t, i_h, 0, H, Dk, BKS, DT, PREC,
             HAS_P,
-        )
+        )  # fmt: skip
         if BK > BKS:
             U, qs_neg, qk, k1 = _forward_in(
                 S1, U, qs_neg, qk, q_ptr, k_ptr, w_ptr, offs_t, mask_t, i_h, 1, H, Dk, BKS, DT,
