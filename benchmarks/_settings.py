@@ -29,7 +29,6 @@ MODULES = {
         "deltaflow.layers.short_conv_triton",
         "deltaflow.layers.conv_norm_triton",
         "deltaflow.ops.triton_backend",
-        "deltaflow.ops.streams",  # the backward's second stream (issue 32, session 24)
         "deltaflow.ops.triton.common",  # block floors under trial (issue 32)
         "deltaflow.ops.triton.prepare",  # the kernels' launch settings (issue 32's variants)
         "deltaflow.ops.triton.rebuild",

@@ -8,9 +8,11 @@ Forward (two or three launches, chunks of ``CHUNK`` = 64 tokens):
   prepare (``triton/prepare.py``) → the fused state pass with outputs (``triton/states.py``),
   or, with fewer sequences × heads than the GPU has multiprocessors, a state pass with narrower
   value blocks, then the per-chunk outputs (``triton/outputs.py``).
-Backward: W and Ũ rebuilt from the forward's T (``SAVE_FOR_BACKWARD``: what the forward keeps,
-"t" by default), the state pass again beside the reverse state-gradient pass (two CUDA streams,
-``ops/streams.py``), then the per-chunk gradients (``triton/gradients.py``).
+Backward (five launches), by default recomputing rather than storing: prepare again (also
+storing T), the state pass, the reverse state-gradient pass (``triton/states.py``), then the
+per-chunk gradients (``triton/gradients.py``). ``SAVE_FOR_BACKWARD`` trades memory for the
+first one or two of them: the forward keeps what they would have recomputed (or, "t", only T,
+from which W and Ũ are rebuilt without the solve).
 Decode (one launch): ``triton/decode.py``.
 
 This module owns the buffers (so a checking script can NaN-poison every kernel output, see
@@ -26,7 +28,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deltaflow.ops import streams
 from deltaflow.ops.triton_ops import (  # noqa: F401  (the ops re-exported, registered here)
     SAVE_MODES,
     chunk_bwd_op,
@@ -455,8 +456,8 @@ def _backward(
     N = tables.cu_seqlens.numel() - 1
     n = max(tables.n_chunks, 1)
     packed = cu_seqlens is not None
-    # Without an initial state neither its gradient nor the recomputed pass's final state is
-    # needed: one buffer takes both where the passes run in turn (no side stream, streams.py).
+    # The recomputed state pass's final state is not needed, nor, without an initial state, its
+    # gradient: one buffer takes both (the reverse pass writes it after the state pass).
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     rule = dict(beta=beta, log_decay=log_decay, tables=tables, kernel_id=kernel_id)
     rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)  # prepare's and gradients'
@@ -469,27 +470,25 @@ def _backward(
         launch_rebuild(k, v, t=t, w=w, u=u, **rule)
     else:
         w, u, t, first_bad, _ = _prepare(k, v, store_t=True, **rule)
-    side = streams.fork(q.device)  # the recomputed state pass's stream, beside the reverse pass
     if "h" in kept:  # the forward's state pass ("states")
         h, v_new = kept["h"], kept["v_new"]
     else:
         entering = kept.get("entering")
-        with streams.on(side):
-            h, v_new, _ = _state_pass(
-                k,
-                w=w,
-                u=u,
-                log_decay=log_decay,
-                initial_state=s0,
-                first_bad=first_bad,
-                tables=tables,
-                block_v=states.BWD_STATES_BV,
-                h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
-                final_state=None if initial_state is not None or side else ds0,
-                segments=_segments(tables, B, T, packed, H, Dv, states.BWD_STATES_BV),
-                # the forward's, where it kept them (kept_segment_rows: the states this pass gets)
-                entering=entering if entering is not None and entering.shape[0] else None,
-            )
+        h, v_new, _ = _state_pass(
+            k,
+            w=w,
+            u=u,
+            log_decay=log_decay,
+            initial_state=s0,
+            first_bad=first_bad,
+            tables=tables,
+            block_v=states.BWD_STATES_BV,
+            h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
+            final_state=None if initial_state is not None else ds0,
+            segments=_segments(tables, B, T, packed, H, Dv, states.BWD_STATES_BV),
+            # the forward's, where it kept them (kept_segment_rows: the states this pass gets)
+            entering=entering if entering is not None and entering.shape[0] else None,
+        )
     # dh in h's dtype: float32 with BACKWARD_STATES_FP32 (or fp32 inputs), else the dot dtype
     dh = _output(n, H, Dk, Dv, like=q, dtype=h.dtype)
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
@@ -500,7 +499,6 @@ def _backward(
         launch_dstates(q, k, **kwargs)
     else:
         launch_segmented_dstates(q, k, segments=segments, output=_output, **kwargs)
-    streams.join(side, h, v_new)
     dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)
     dk = _output(B, T, H, Dk, like=q, dtype=q.dtype)
     dv = _output(B, T, H, Dv, like=q, dtype=q.dtype)
