@@ -22,7 +22,7 @@ triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from deltaflow.ops.triton import segment_states, states  # noqa: E402
+from deltaflow.ops.triton import dstates, segment_states, states  # noqa: E402
 from deltaflow.ops.triton.common import key_block  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,7 +42,8 @@ DK4 = 4 * ROWS
 
 
 class _Spy:
-    """Stands in for a jit kernel in ``states``: records its name and each launch's BKS."""
+    """Stands in for a jit kernel in ``states`` or ``dstates``: records its name and each
+    launch's BKS."""
 
     def __init__(self, kernel, name: str, calls: list):
         self.kernel, self.name, self.calls = kernel, name, calls
@@ -65,7 +66,8 @@ def split(monkeypatch):
     from then on."""
     calls: list = []
     for name in KERNELS:
-        monkeypatch.setattr(states, name, _Spy(getattr(states, name), name, calls))
+        module = dstates if "dstates" in name else states  # the launcher's module
+        monkeypatch.setattr(module, name, _Spy(getattr(module, name), name, calls))
 
     def on(rows: int) -> list:
         monkeypatch.setattr(states, "STATES_SPLIT_K", rows)
@@ -206,10 +208,10 @@ def test_reverse_pass_rows_by_default():
     # the reverse pass in 64-row blocks at D = 256 only (DSTATES_SPLIT_ABOVE_BK), 128-row blocks
     # nowhere else: D = 128 and narrower stay whole, in every dtype
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert states.split_rows(256, dtype, states.dstates_split_k(256)) == 64
+        assert states.split_rows(256, dtype, dstates.dstates_split_k(256)) == 64
         assert states.split_rows(256, dtype) == 128  # the other passes'
         for BK in (16, 32, 64, 128):
-            assert states.split_rows(BK, dtype, states.dstates_split_k(BK)) == 0, (BK, dtype)
+            assert states.split_rows(BK, dtype, dstates.dstates_split_k(BK)) == 0, (BK, dtype)
 
 
 @pytest.mark.parametrize("Dk, Dv", [(DK4, 32), (100 if DEVICE == "cpu" else 200, 72)])
@@ -218,15 +220,15 @@ def test_reverse_pass_split_alone(Dk, Dv, split, monkeypatch):
     # state pass unsplit; its value block (DSTATES_BV, here the fp32 floor's 16 columns) reaches
     # the split launch
     calls = split(0)
-    monkeypatch.setattr(states, "DSTATES_SPLIT_K", ROWS)
-    monkeypatch.setattr(states, "DSTATES_SPLIT_ABOVE_BK", 0)  # at every key block (128 by default)
-    monkeypatch.setattr(states, "DSTATES_BV", ROWS // 2)
+    monkeypatch.setattr(dstates, "DSTATES_SPLIT_K", ROWS)
+    monkeypatch.setattr(dstates, "DSTATES_SPLIT_ABOVE_BK", 0)  # at every key block (128 by default)
+    monkeypatch.setattr(dstates, "DSTATES_BV", ROWS // 2)
     x = inputs_for("gated_efla", 1, 130, Dk, Dv, initial_state=True, seed=Dk + Dv)
     assert_matches_reference(x, rule="gated_efla")
     rows = states.split_rows(key_block(Dk, Dv, torch.float32), torch.float32, ROWS)
     assert rows  # (100, 72): a key block of 128 in blocks of 32, its fourth holding 4 real rows
     assert calls == [(KERNELS[0], None), (KERNELS[1], None), ("split_dstates_kernel", rows)]
-    assert states.split_dstates_kernel.value_blocks == [ROWS // 2]
+    assert dstates.split_dstates_kernel.value_blocks == [ROWS // 2]
 
 
 @pytest.mark.parametrize("stages, warps", [(1, 0), (2, 8)])

@@ -9,7 +9,7 @@ Forward (two or three launches, chunks of ``CHUNK`` = 64 tokens):
   or, with fewer sequences × heads than the GPU has multiprocessors, a state pass with narrower
   value blocks, then the per-chunk outputs (``triton/outputs.py``).
 Backward (five launches), by default recomputing rather than storing: prepare again (also
-storing T), the state pass, the reverse state-gradient pass (``triton/states.py``), then the
+storing T), the state pass, the reverse state-gradient pass (``triton/dstates.py``), then the
 per-chunk gradients (``triton/gradients.py``). ``SAVE_FOR_BACKWARD`` trades memory for the
 first one or two of them: the forward keeps what they would have recomputed (or, "t", only T,
 from which W and Ũ are rebuilt without the solve).
@@ -46,12 +46,14 @@ try:
 
     from deltaflow.ops.triton import (
         common,  # multiprocessors
+        dstates,  # launch settings read at call time (sweepable), as states
         pin_cache_keys,
         states,  # launch settings read at call time (sweepable)
     )
     from deltaflow.ops.triton import rules as rule_table
     from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables, head_block
     from deltaflow.ops.triton.decode import decode_tokens
+    from deltaflow.ops.triton.dstates import launch_dstates
     from deltaflow.ops.triton.gradients import launch_gradients, scratch_matrices, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
     from deltaflow.ops.triton.prepare import launch_prepare, low_precision, t_dtype
@@ -63,7 +65,7 @@ try:
         segment_tables,
         step_blocks,
     )
-    from deltaflow.ops.triton.states import launch_dstates, launch_forward, launch_states
+    from deltaflow.ops.triton.states import launch_forward, launch_states
 
     pin_cache_keys()  # one cache key per kernel in every process (pin_cache_keys says why)
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
@@ -232,7 +234,7 @@ def dense_segments(B: int, T: int, H: int, Dv: int, sms: int, block_v: int | Non
     three) over ``B`` rows of ``T`` tokens in segments on ``sms`` multiprocessors (a row of more
     than one), from shapes alone: benchmarks/kernels.py's warm-up asks."""
     if block_v is None:  # the forward's, the backward's recomputed and its reverse pass
-        bvs = (states.TWO_PASS_BV, states.BWD_STATES_BV, states.DSTATES_BV)
+        bvs = (states.TWO_PASS_BV, states.BWD_STATES_BV, dstates.DSTATES_BV)
         return any(dense_segments(B, T, H, Dv, sms, bv) for bv in bvs)
     return _dense_length(B, T, H, Dv, sms, block_v) > 0
 
@@ -494,7 +496,7 @@ def _backward(
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
     kwargs = dict(w=w, log_decay=log_decay, grad_o=do, grad_final_state=dsT, tables=tables)
     kwargs.update(scale=scale, dh=dh, du=du, d_initial_state=ds0)
-    segments = _segments(tables, B, T, packed, H, Dv, states.DSTATES_BV)
+    segments = _segments(tables, B, T, packed, H, Dv, dstates.DSTATES_BV)
     if segments is None:
         launch_dstates(q, k, **kwargs)
     else:

@@ -1,15 +1,16 @@
 """Stage 2's three state passes with the state held as row blocks (issue 32; benchmarks/NOTES.md,
 "Issue 32, session 18: the state passes' registers and D=256"). ``states.STATES_SPLIT_K`` (128 by
-default: Dk = 256) sends a launch of ``states.py`` here when its key block is wider than that.
+default: Dk = 256) sends a launch of ``states.py`` or ``dstates.py`` (the reverse pass, at its own
+rows: ``dstates.dstates_split_k``) here when its key block is wider than that.
 
-The kernels of ``states.py`` hold the state of one program as one [BK, BV] fp32 tile (BK the
-whole key head) and load every key-side operand (Q, K, W: [C, BK]) whole for the chunk. At
-Dk = 256 that is 128 registers a thread of state alone (4 warps), and the chunk's operands,
-the [C, BK] fp32 decay-scaled keys of the fused forward and the reverse pass's [C, BK] fp32 Γq
-(since session 22 a [C, BV] scaled dO) on top, spill. Here the same equations run on NKB ≤ 4
-blocks of BKS key rows, ``S = [S_0; S_1; ...]``, each its own fp32 accumulator, with the
-operands loaded one [C, BKS] block at a time where a block needs them (a block read twice in one
-chunk step comes from L1/L2 the second time, not from memory):
+The kernels of ``states.py`` and ``dstates.py`` hold the state of one program as one [BK, BV] fp32
+tile (BK the whole key head) and load every key-side operand (Q, K, W: [C, BK]) whole for the chunk.
+At Dk = 256 that is 128 registers a thread of state alone (4 warps), and the chunk's operands, the
+[C, BK] fp32 decay-scaled keys of the fused forward and the reverse pass's [C, BK] fp32 Γq (since
+session 22 a [C, BV] scaled dO) on top, spill. Here the same equations run on NKB ≤ 4 blocks of BKS
+key rows, ``S = [S_0; S_1; ...]``, each its own fp32 accumulator, with the operands loaded one
+[C, BKS] block at a time where a block needs them (a block read twice in one chunk step comes from
+L1/L2 the second time, not from memory):
 
 - the products that sum over the key rows (W S, Q S, Q Kᵀ, K G) accumulate block by block into
   one [C, BV] (or [C, C]) accumulator, via ``acc=`` (no second tile for a product's result);
@@ -18,15 +19,15 @@ chunk step comes from L1/L2 the second time, not from memory):
 - a subtraction of a product becomes a product of a negated operand, exact in every dtype
   (rounding is symmetric: ``(−x).to(DT) == −(x.to(DT))``), so it too accumulates in place.
 
-The roundings are those of ``states.py``: the same operands rounded to the dot dtype DT once
-each (the state, U scaled by its decay to the chunk's end, dU, Pᵀ's scale·P, the scaled dO as
-hi + lo); only fp32 accumulation orders differ. One exception, by choice: the fused forward here
-updates the state as ``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys exact),
-as the two-pass form does, while ``states.chunk_forward_kernel`` rounds decay-scaled keys K̃
+The roundings are those of ``states.py`` and ``dstates.py``: the same operands rounded to the dot
+dtype DT once each (the state, U scaled by its decay to the chunk's end, dU, Pᵀ's scale·P, the
+scaled dO as hi + lo); only fp32 accumulation orders differ. One exception, by choice: the fused
+forward here updates the state as ``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys
+exact), as the two-pass form does, while ``states.chunk_forward_kernel`` rounds decay-scaled keys K̃
 (the other form cost it a program an SM at D = 128: issue 32, session 22, call 2).
 
-Equations, poison (non-finite causality) and launch grid as in ``states.py``, whose launchers
-call these kernels with the same arguments plus ``BKS``.
+Equations, poison (non-finite causality) and launch grid as in ``states.py`` and ``dstates.py``,
+whose launchers call these kernels with the same arguments plus ``BKS``.
 """
 
 from __future__ import annotations
@@ -389,7 +390,7 @@ def _dstate_block(
     H: tl.constexpr, Dk: tl.constexpr, BKS: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """(7) on one row block: Γ_C G_b + Q_bᵀ (scale·diag(Γ) dO) − W_bᵀ dU, in G_b's tile
-    (states.dstate_add_outputs: the scaled dO, shared by every block, as hi + lo; then
+    (dstates.dstate_add_outputs: the scaled dO, shared by every block, as hi + lo; then
     dstate_finish with dU negated)."""
     b_q = _keys(q_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     G = dot_split(tl.trans(b_q), do_gamma, decay_last * G, DT, PREC)
@@ -421,7 +422,7 @@ def split_dstates_kernel(
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """``states.chunk_dstates_kernel`` ((7)–(8) from each sequence's end) in row blocks G0..G3:
+    """``dstates.chunk_dstates_kernel`` ((7)–(8) from each sequence's end) in row blocks G0..G3:
     dU = K̃ G + scale·Pᵀ dO sums over the blocks; G_b ← Γ_C G_b + scale·(Γ Q_b)ᵀ dO − W_bᵀ dU."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
