@@ -48,6 +48,7 @@ class _Spy:
     def __init__(self, kernel, name: str, calls: list):
         self.kernel, self.name, self.calls = kernel, name, calls
         self.value_blocks: list = []  # each launch's BV
+        self.has_p: list = []  # each launch's HAS_P (the split kernels': P read, not formed)
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
@@ -55,6 +56,7 @@ class _Spy:
         def run(*args, **kwargs):
             self.calls.append((self.name, kwargs.get("BKS")))
             self.value_blocks.append(kwargs.get("BV"))
+            self.has_p.append(kwargs.get("HAS_P"))
             return launch(*args, **kwargs)
 
         return run
@@ -271,6 +273,69 @@ def test_split_forward_reads_p(split, monkeypatch):
     without = run(x, "triton", False, rule="gated_efla", cu_seqlens=cu)
     for name, a, b in zip(["o", "state"], with_p, without):
         assert rel_err(a, b) <= 1e-6, name
+
+
+def test_reverse_pass_takes_p_where_it_splits(monkeypatch):
+    # DSTATES_P off by default (untimed); on, at D = 256 (where the reverse pass splits) in bf16
+    # and fp32, never in fp16 (DSTATES_P_SKIP, as the forward's) nor at D ≤ 128 (unsplit)
+    assert not dstates.DSTATES_P and not dstates.dstates_takes_p(256, 256, torch.bfloat16)
+    monkeypatch.setattr(dstates, "DSTATES_P", True)
+    assert dstates.dstates_takes_p(256, 256, torch.bfloat16)
+    assert dstates.dstates_takes_p(256, 256, torch.float32)
+    assert not dstates.dstates_takes_p(256, 256, torch.float16)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert not dstates.dstates_takes_p(128, 128, dtype)
+
+
+# rule, T, decay, negative eigenvalues, packed lengths (None: one sequence of T tokens)
+REVERSE_P = [
+    ("delta", 130, True, True, None),
+    ("kaczmarz", 65, False, False, None),
+    ("delta", 1, True, False, None),
+    ("gated_efla", None, True, True, [0, 5, 64, 0, 130, 1, 65]),
+]
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("rule, T, decay, ne, lengths", REVERSE_P)
+def test_split_reverse_pass_reads_p(rule, T, decay, ne, lengths, half, split, monkeypatch):
+    # DSTATES_P: the backward's rebuild (SAVE_FOR_BACKWARD "t") forms scale·P once a chunk and
+    # the split reverse pass reads it, the forward's passes unsplit: every gradient the float64
+    # reference's, and the P-forming pass's to its summation order (P's one rounding to DT in
+    # half precision). fp32 in blocks of ROWS; half precision (fp16 in the interpreter, with
+    # DSTATES_P_SKIP emptied: bf16 on a GPU) in 64-row blocks of a 128-row key head.
+    dtype = (torch.bfloat16 if DEVICE == "cuda" else torch.float16) if half else torch.float32
+    rows, Dk, Dv = (64, 128, 64) if half else (ROWS, DK4, 32)
+    calls = split(0)
+    for name, value in [("DSTATES_SPLIT_K", rows), ("DSTATES_SPLIT_ABOVE_BK", 0),
+                        ("DSTATES_P_SKIP", ())]:  # fmt: skip
+        monkeypatch.setattr(dstates, name, value)
+    monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "off")
+    assert triton_backend.SAVE_FOR_BACKWARD == "t"  # the rebuild runs: the only P's source
+    n = 1 if lengths is None else len(lengths)
+    kw = dict(rule=rule, negative_eigenvalues=ne)
+    if lengths is not None:
+        kw["cu_seqlens"] = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    x = make_inputs(1, T or sum(lengths), 1, Dk, Dv, rule=rule, dtype=torch.float32,
+                    decay=decay, n_states=n, seed=Dk + (T or 7))  # fmt: skip
+    if not RULES[rule].needs_beta:
+        x["beta"] = None
+    for name in ("q", "k", "v"):
+        x[name] = x[name].to(dtype)
+    x = on_device(x)
+    ref = run({m: None if t is None else t.double() for m, t in x.items()}, "reference", True, **kw)
+    monkeypatch.setattr(dstates, "DSTATES_P", True)
+    with_p = run(x, "triton", True, **kw)
+    monkeypatch.setattr(dstates, "DSTATES_P", False)
+    without = run(x, "triton", True, **kw)
+    assert calls == [(KERNELS[0], None), (KERNELS[1], None), ("split_dstates_kernel", rows)] * 2
+    assert dstates.split_dstates_kernel.has_p == [True, False]
+    tol, same = (1e-2, 2e-3) if half else (1e-4, 1e-5)
+    for name, g, g0, g_ref in zip(["o", "state", *NAMES], with_p, without, ref):
+        assert (g is None) == (g_ref is None), name
+        if g is not None:
+            assert torch.isfinite(g).all() and rel_err(g, g_ref) <= tol, (name, rel_err(g, g_ref))
+            assert rel_err(g, g0) <= same, (name, rel_err(g, g0))
 
 
 def test_sequence_parallel_passes(split, monkeypatch):

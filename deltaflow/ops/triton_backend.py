@@ -44,12 +44,8 @@ from deltaflow.rules import StepRule, get_rule
 try:
     import triton
 
-    from deltaflow.ops.triton import (
-        common,  # multiprocessors
-        dstates,  # launch settings read at call time (sweepable), as states
-        pin_cache_keys,
-        states,  # launch settings read at call time (sweepable)
-    )
+    # dstates, states: launch settings read at call time (sweepable); common: multiprocessors
+    from deltaflow.ops.triton import common, dstates, pin_cache_keys, states
     from deltaflow.ops.triton import rules as rule_table
     from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables, head_block
     from deltaflow.ops.triton.decode import decode_tokens
@@ -463,13 +459,17 @@ def _backward(
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     rule = dict(beta=beta, log_decay=log_decay, tables=tables, kernel_id=kernel_id)
     rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)  # prepare's and gradients'
+    segments = _segments(tables, B, T, packed, H, Dv, dstates.DSTATES_BV)  # the reverse pass's
+    p = None  # the split reverse pass's scale·P, where the rebuild forms it (dstates.DSTATES_P)
     if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
         w, u, t, first_bad = (kept.get(name) for name in ("w", "u", "t", "first_bad"))
     elif "t" in kept:  # its T alone ("t"): W and Ũ rebuilt from it, no solve
         t, first_bad = kept["t"], kept["first_bad"]
         w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
         u = _output(B, T, H, Dv, like=k, dtype=k.dtype)
-        launch_rebuild(k, v, t=t, w=w, u=u, **rule)
+        if segments is None and dstates.dstates_takes_p(Dk, Dv, q.dtype):
+            p = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=k.dtype)
+        launch_rebuild(k, v, t=t, w=w, u=u, q=q, p=p, scale=scale, **rule)
     else:
         w, u, t, first_bad, _ = _prepare(k, v, store_t=True, **rule)
     if "h" in kept:  # the forward's state pass ("states")
@@ -496,9 +496,8 @@ def _backward(
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
     kwargs = dict(w=w, log_decay=log_decay, grad_o=do, grad_final_state=dsT, tables=tables)
     kwargs.update(scale=scale, dh=dh, du=du, d_initial_state=ds0)
-    segments = _segments(tables, B, T, packed, H, Dv, dstates.DSTATES_BV)
     if segments is None:
-        launch_dstates(q, k, **kwargs)
+        launch_dstates(q, k, p=p, **kwargs)
     else:
         launch_segmented_dstates(q, k, segments=segments, output=_output, **kwargs)
     dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)

@@ -8,14 +8,17 @@ from the last to the first with the state's gradient G in registers:
 Its chunk step is four jit helpers, shared with ``segment_states.py`` (the same pass split
 across segments of a sequence), and a launch whose key block is wider than the reverse pass's
 rows per block (``dstates_split_k``) runs ``states_split.split_dstates_kernel`` instead (the
-state in row blocks). What it shares with the forward's passes stays in ``states.py``: the
-split kernels' rows and launch (``split_rows``, ``split_launch``, ``STATES_SPLIT_K``).
+state in row blocks), which may read scale·P from the backward's rebuild instead of forming
+Q Kᵀ in every value block's program (``DSTATES_P``, off). What it shares with the forward's
+passes stays in ``states.py``: the split kernels' rows and launch (``split_rows``,
+``split_launch``, ``STATES_SPLIT_K``).
 
 No poison (docs/design.md §8): gradients are not made causal.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -34,7 +37,7 @@ from deltaflow.ops.triton.common import (
     load_rows,
     scaled_grad_o,
 )
-from deltaflow.ops.triton.states import split_launch
+from deltaflow.ops.triton.states import split_launch, split_rows
 from deltaflow.ops.triton.states_split import split_dstates_kernel
 
 # Launch settings (benchmarks/NOTES.md; benchmarks/tune_backward.py sweeps them): value columns
@@ -52,6 +55,12 @@ DSTATES_SPLIT_ABOVE_BK = 128
 # A register cap for the reverse pass (0: none): ptxas fills 246-255 a thread at 4 warps
 # whatever the blocks (AOT sm_90), two programs an SM; 168 leaves room for three.
 DSTATES_MAXNREG = 0
+# The split kernel reads scale·P from the backward's rebuild (SAVE_FOR_BACKWARD "t"), once a
+# chunk, rather than each value block's program forming Q Kᵀ, as the split forward reads P from
+# the prepare (states.SPLIT_FORWARD_P). Checked on the interpreter only, untimed: off. Not in
+# fp16, as the forward's (its fp16 fault on the H200 unexplained: benchmarks/NOTES.md).
+DSTATES_P = False
+DSTATES_P_SKIP = (torch.float16,)
 
 
 # The reverse pass's chunk step in four parts: the segments' reverse pass (segment_states.py)
@@ -175,6 +184,16 @@ def dstates_split_k(BK: int) -> int:
     return states.STATES_SPLIT_K
 
 
+def dstates_takes_p(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
+    """Whether the reverse pass over heads of ``Dk`` / ``Dv`` columns (``dtype``: its dot dtype;
+    a sequence-long launch, not the segments') reads the rebuild's scale·P (DSTATES_P; the split
+    kernel only)."""
+    if not DSTATES_P or dtype in DSTATES_P_SKIP:
+        return False
+    BK = key_block(Dk, Dv, dtype)
+    return bool(split_rows(BK, dtype, dstates_split_k(BK)))
+
+
 def dstates_stages(BK: int, *, split: bool) -> int:
     """Pipeline stages of the reverse pass over key blocks of ``BK`` rows (``split``: the
     row-block kernel of states_split.py): DSTATES_STAGES where they were measured to help, else
@@ -199,12 +218,14 @@ def launch_dstates(
     d_initial_state: Tensor,
     split_k: int = 0,
     maxnreg: int = 0,
+    p: Tensor | None = None,
 ) -> None:
     """(7)–(8) from each sequence's end: ``dh`` (the state's gradient leaving every chunk),
     ``du`` (dU, like v) and ``d_initial_state`` ([N, H, Dk, Dv] fp32). ``grad_final_state``
     None: the final state was not used (its gradient is zero, and no zeros are read).
     ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: dstates_split_k's
-    rows, DSTATES_MAXNREG): the segments' step 3 takes its own."""
+    rows, DSTATES_MAXNREG): the segments' step 3 takes its own. ``p``: the rebuild's scale·P for
+    the split kernel (``dstates_takes_p``), else None."""
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BK = key_block(Dk, Dv, q.dtype)
@@ -214,6 +235,10 @@ def launch_dstates(
     if maxnreg or DSTATES_MAXNREG:
         launch["maxnreg"] = maxnreg or DSTATES_MAXNREG
     kernel = split_dstates_kernel if "BKS" in launch else chunk_dstates_kernel
+    if "BKS" in launch:
+        launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
+    elif p is not None:
+        raise ValueError("launch_dstates: p is for the split reverse pass (dstates_takes_p)")
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,

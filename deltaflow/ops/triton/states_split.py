@@ -373,14 +373,16 @@ def split_states_kernel(
 def _dstates_in(
     G, acc_kg, acc_qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, i_b, offs_v, mask_v,
     H: tl.constexpr, Dk: tl.constexpr, Dv: tl.constexpr, BKS: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, HAS_P: tl.constexpr,
 ):  # fmt: skip
-    """Block ``i_b``: stores G_b as the chunk's dh; K G += K_b G_b and Q Kᵀ += Q_b K_bᵀ."""
+    """Block ``i_b``: stores G_b as the chunk's dh; K G += K_b G_b and Q Kᵀ += Q_b K_bᵀ (not
+    with ``HAS_P``: the rebuild formed scale·P)."""
     _store_block(dh_ptr, dh_base, G, i_b, offs_v, mask_v, BKS, Dk, Dv)
-    b_q = _keys(q_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     b_k = _keys(k_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     acc_kg = tl.dot(b_k, G.to(DT), acc=acc_kg, input_precision=PREC)
-    acc_qk = tl.dot(b_q, tl.trans(b_k), acc=acc_qk, input_precision=PREC)
+    if not HAS_P:
+        b_q = _keys(q_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
+        acc_qk = tl.dot(b_q, tl.trans(b_k), acc=acc_qk, input_precision=PREC)
     return acc_kg, acc_qk
 
 
@@ -409,6 +411,7 @@ def split_dstates_kernel(
     dh_ptr,
     du_ptr,
     ds0_ptr,
+    p_ptr,
     cu_seqlens_ptr,
     chunk_offsets_ptr,
     scale,
@@ -421,9 +424,12 @@ def split_dstates_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_P: tl.constexpr,
 ):
     """``dstates.chunk_dstates_kernel`` ((7)–(8) from each sequence's end) in row blocks G0..G3:
-    dU = K̃ G + scale·Pᵀ dO sums over the blocks; G_b ← Γ_C G_b + scale·(Γ Q_b)ᵀ dO − W_bᵀ dU."""
+    dU = K̃ G + scale·Pᵀ dO sums over the blocks; G_b ← Γ_C G_b + scale·(Γ Q_b)ᵀ dO − W_bᵀ dU.
+    ``HAS_P``: scale·P as the backward's rebuild formed it once per chunk ([chunks, H, C, C] in
+    DT at ``p_ptr``; dstates.DSTATES_P), rather than Q Kᵀ formed by each value block's program."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
@@ -455,30 +461,34 @@ def split_dstates_kernel(
         qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
         kg, qk = _dstates_in(
             G0, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 0, offs_v, mask_v, H,
-            Dk, Dv, BKS, DT, PREC,
+            Dk, Dv, BKS, DT, PREC, HAS_P,
         )  # fmt: skip
         if BK > BKS:
             kg, qk = _dstates_in(
                 G1, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 1, offs_v, mask_v,
-                H, Dk, Dv, BKS, DT, PREC,
+                H, Dk, Dv, BKS, DT, PREC, HAS_P,
             )  # fmt: skip
         if BK > 2 * BKS:
             kg, qk = _dstates_in(
                 G2, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 2, offs_v, mask_v,
-                H, Dk, Dv, BKS, DT, PREC,
+                H, Dk, Dv, BKS, DT, PREC, HAS_P,
             )  # fmt: skip
         if BK > 3 * BKS:
             kg, qk = _dstates_in(
                 G3, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 3, offs_v, mask_v,
-                H, Dk, Dv, BKS, DT, PREC,
+                H, Dk, Dv, BKS, DT, PREC, HAS_P,
             )  # fmt: skip
         gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         # dU = diag(e^{γ_C − γ}) (K G) + scale·Pᵀ dO (du_from_state, du_add_outputs)
         b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
-        P = qk * decay_matrix(gamma)
+        if HAS_P:
+            p_offs = (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
+            scaled_p = tl.load(p_ptr + p_offs).to(DT)
+        else:
+            scaled_p = (scale * (qk * decay_matrix(gamma))).to(DT)
         dU = tl.exp(gamma_last - gamma)[:, None] * kg
-        dU = tl.dot(tl.trans((scale * P).to(DT)), b_do, acc=dU, input_precision=PREC)
+        dU = tl.dot(tl.trans(scaled_p), b_do, acc=dU, input_precision=PREC)
         tl.store(
             du_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
             dU.to(DT),
