@@ -33,6 +33,7 @@ MODULES = {
         "deltaflow.ops.triton.prepare",  # the kernels' launch settings (issue 32's variants)
         "deltaflow.ops.triton.rebuild",
         "deltaflow.ops.triton.states",
+        "deltaflow.ops.triton.dstates",
         "deltaflow.ops.triton.segment_states",
         "deltaflow.ops.triton.segment_chain",
         "deltaflow.ops.triton.outputs",

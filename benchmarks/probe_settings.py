@@ -12,7 +12,7 @@ right at 32 columns before any of them is timed. One line per variant and shape:
     NAME SHAPE: ok (worst 3.1e-03) | over (worst ...) | FAULT in <launcher> | ERROR ...
 
     timeout 300 python benchmarks/probe_settings.py --out /tmp/probe \
-        --variant "fbv32:states.TWO_PASS_BV=32" --variant "dbv32:states.DSTATES_BV=32"
+        --variant "fbv32:states.TWO_PASS_BV=32" --variant "dbv32:dstates.DSTATES_BV=32"
     python benchmarks/probe_settings.py --smoke        # CPU interpreter, toy shape (CI)
 
 Exit status 0 when every line is ok. ``--variant`` as kernels.py's (NAME:MODULE.NAME=VALUE,...);
@@ -51,9 +51,9 @@ VARIANTS = {
     "fbv32st1": f"{S32},states.STATES_STAGES=1,states.STATES_STAGES_NARROW=1",
     "bbv32": "states.BWD_STATES_BV=32",
     "fusedbv32": "states.FUSED_BV=32",
-    "dbv32": "states.DSTATES_BV=32",
-    "dbv32s64w2": "states.DSTATES_BV=32,states.DSTATES_SPLIT_K=64,states.DSTATES_SPLIT_ABOVE_BK=0,"
-    "states.SPLIT_WARPS=2,states.SPLIT_WIDE_WARPS=2",
+    "dbv32": "dstates.DSTATES_BV=32",
+    "dbv32s64w2": "dstates.DSTATES_BV=32,dstates.DSTATES_SPLIT_K=64,"
+    "dstates.DSTATES_SPLIT_ABOVE_BK=0,states.SPLIT_WARPS=2,states.SPLIT_WIDE_WARPS=2",
 }
 
 

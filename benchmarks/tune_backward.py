@@ -42,14 +42,14 @@ import triton  # noqa: E402
 
 from deltaflow import delta_rule as _delta_rule  # noqa: E402
 from deltaflow.ops import triton_backend as tb  # noqa: E402
-from deltaflow.ops.triton import decode, gradients, outputs, prepare, states  # noqa: E402
+from deltaflow.ops.triton import decode, dstates, gradients, outputs, prepare, states  # noqa: E402
 from deltaflow.rules import triton_rules  # noqa: E402
 
 # no host sync per call: time the kernels as a training loop runs them. The Triton backend by
 # name: 'auto' picks it on CUDA anyway, but would pick torch on the CPU interpreter (--smoke).
 delta_rule = functools.partial(_delta_rule, check_values=False, backend="triton")
 # each launch setting lives beside the kernel it launches (FORWARD_MODE: the backend's choice)
-STAGES = (prepare, states, outputs, gradients, decode)
+STAGES = (prepare, states, dstates, outputs, gradients, decode)
 
 
 def apply_setting(name: str, value) -> None:

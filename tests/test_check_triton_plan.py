@@ -84,7 +84,7 @@ def _check_triton(*args: str) -> subprocess.CompletedProcess:
 
 def test_set_reaches_the_traced_launches_and_bad_flags_are_refused() -> None:
     # --set checks a variant's kernels (issue 32): the plan's reverse pass takes its value block
-    proc = _check_triton("--plan", "--only", "T=65 delta", "--set", "states.DSTATES_BV=32")
+    proc = _check_triton("--plan", "--only", "T=65 delta", "--set", "dstates.DSTATES_BV=32")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     dstates = re.findall(r"chunk_dstates_kernel\[.*", proc.stdout)
     assert dstates and all(" BV=32 " in line for line in dstates), dstates

@@ -33,6 +33,7 @@ if not triton_backend.available():
 from deltaflow.ops import triton_ops  # noqa: E402
 from deltaflow.ops.triton import (  # noqa: E402
     common,
+    dstates,
     gradients,
     gradients_fused,
     gradients_lean,
@@ -46,7 +47,8 @@ HALF = (torch.bfloat16, torch.float16)
 # every launch of the op's forward (both forms) and backward, with the block widths it takes
 KERNELS = {
     prepare: ["chunk_prepare_kernel"],
-    states: ["chunk_forward_kernel", "chunk_states_kernel", "chunk_dstates_kernel"],
+    states: ["chunk_forward_kernel", "chunk_states_kernel"],
+    dstates: ["chunk_dstates_kernel"],
     outputs: ["chunk_output_kernel"],
     gradients: ["chunk_grads_v_kernel", "chunk_grads_k_kernel"],
     gradients_lean: ["chunk_grads_v_lean_kernel", "chunk_grads_k_lean_kernel"],

@@ -20,12 +20,13 @@ triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from deltaflow.ops.triton import common, gradients, outputs, states  # noqa: E402
+from deltaflow.ops.triton import common, dstates, gradients, outputs, states  # noqa: E402
 
 INTERPRETER = not torch.cuda.is_available()
 # the launches that take a key block (the prepare kernel takes a column tile instead)
 KEYED = {
-    states: ["chunk_forward_kernel", "chunk_states_kernel", "chunk_dstates_kernel"],
+    states: ["chunk_forward_kernel", "chunk_states_kernel"],
+    dstates: ["chunk_dstates_kernel"],
     outputs: ["chunk_output_kernel"],
     gradients: ["chunk_grads_v_kernel", "chunk_grads_k_kernel"],
 }

@@ -22,7 +22,7 @@ triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from deltaflow.ops.triton import segment_states, states  # noqa: E402
+from deltaflow.ops.triton import dstates, segment_states, states  # noqa: E402
 from deltaflow.ops.triton.common import key_block  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,11 +42,13 @@ DK4 = 4 * ROWS
 
 
 class _Spy:
-    """Stands in for a jit kernel in ``states``: records its name and each launch's BKS."""
+    """Stands in for a jit kernel in ``states`` or ``dstates``: records its name and each
+    launch's BKS."""
 
     def __init__(self, kernel, name: str, calls: list):
         self.kernel, self.name, self.calls = kernel, name, calls
         self.value_blocks: list = []  # each launch's BV
+        self.has_p: list = []  # each launch's HAS_P (the split kernels': P read, not formed)
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
@@ -54,6 +56,7 @@ class _Spy:
         def run(*args, **kwargs):
             self.calls.append((self.name, kwargs.get("BKS")))
             self.value_blocks.append(kwargs.get("BV"))
+            self.has_p.append(kwargs.get("HAS_P"))
             return launch(*args, **kwargs)
 
         return run
@@ -65,7 +68,8 @@ def split(monkeypatch):
     from then on."""
     calls: list = []
     for name in KERNELS:
-        monkeypatch.setattr(states, name, _Spy(getattr(states, name), name, calls))
+        module = dstates if "dstates" in name else states  # the launcher's module
+        monkeypatch.setattr(module, name, _Spy(getattr(module, name), name, calls))
 
     def on(rows: int) -> list:
         monkeypatch.setattr(states, "STATES_SPLIT_K", rows)
@@ -206,10 +210,10 @@ def test_reverse_pass_rows_by_default():
     # the reverse pass in 64-row blocks at D = 256 only (DSTATES_SPLIT_ABOVE_BK), 128-row blocks
     # nowhere else: D = 128 and narrower stay whole, in every dtype
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert states.split_rows(256, dtype, states.dstates_split_k(256)) == 64
+        assert states.split_rows(256, dtype, dstates.dstates_split_k(256)) == 64
         assert states.split_rows(256, dtype) == 128  # the other passes'
         for BK in (16, 32, 64, 128):
-            assert states.split_rows(BK, dtype, states.dstates_split_k(BK)) == 0, (BK, dtype)
+            assert states.split_rows(BK, dtype, dstates.dstates_split_k(BK)) == 0, (BK, dtype)
 
 
 @pytest.mark.parametrize("Dk, Dv", [(DK4, 32), (100 if DEVICE == "cpu" else 200, 72)])
@@ -218,15 +222,15 @@ def test_reverse_pass_split_alone(Dk, Dv, split, monkeypatch):
     # state pass unsplit; its value block (DSTATES_BV, here the fp32 floor's 16 columns) reaches
     # the split launch
     calls = split(0)
-    monkeypatch.setattr(states, "DSTATES_SPLIT_K", ROWS)
-    monkeypatch.setattr(states, "DSTATES_SPLIT_ABOVE_BK", 0)  # at every key block (128 by default)
-    monkeypatch.setattr(states, "DSTATES_BV", ROWS // 2)
+    monkeypatch.setattr(dstates, "DSTATES_SPLIT_K", ROWS)
+    monkeypatch.setattr(dstates, "DSTATES_SPLIT_ABOVE_BK", 0)  # at every key block (128 by default)
+    monkeypatch.setattr(dstates, "DSTATES_BV", ROWS // 2)
     x = inputs_for("gated_efla", 1, 130, Dk, Dv, initial_state=True, seed=Dk + Dv)
     assert_matches_reference(x, rule="gated_efla")
     rows = states.split_rows(key_block(Dk, Dv, torch.float32), torch.float32, ROWS)
     assert rows  # (100, 72): a key block of 128 in blocks of 32, its fourth holding 4 real rows
     assert calls == [(KERNELS[0], None), (KERNELS[1], None), ("split_dstates_kernel", rows)]
-    assert states.split_dstates_kernel.value_blocks == [ROWS // 2]
+    assert dstates.split_dstates_kernel.value_blocks == [ROWS // 2]
 
 
 @pytest.mark.parametrize("stages, warps", [(1, 0), (2, 8)])
@@ -269,6 +273,69 @@ def test_split_forward_reads_p(split, monkeypatch):
     without = run(x, "triton", False, rule="gated_efla", cu_seqlens=cu)
     for name, a, b in zip(["o", "state"], with_p, without):
         assert rel_err(a, b) <= 1e-6, name
+
+
+def test_reverse_pass_takes_p_where_it_splits(monkeypatch):
+    # DSTATES_P off by default (untimed); on, at D = 256 (where the reverse pass splits) in bf16
+    # and fp32, never in fp16 (DSTATES_P_SKIP, as the forward's) nor at D ≤ 128 (unsplit)
+    assert not dstates.DSTATES_P and not dstates.dstates_takes_p(256, 256, torch.bfloat16)
+    monkeypatch.setattr(dstates, "DSTATES_P", True)
+    assert dstates.dstates_takes_p(256, 256, torch.bfloat16)
+    assert dstates.dstates_takes_p(256, 256, torch.float32)
+    assert not dstates.dstates_takes_p(256, 256, torch.float16)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert not dstates.dstates_takes_p(128, 128, dtype)
+
+
+# rule, T, decay, negative eigenvalues, packed lengths (None: one sequence of T tokens)
+REVERSE_P = [
+    ("delta", 130, True, True, None),
+    ("kaczmarz", 65, False, False, None),
+    ("delta", 1, True, False, None),
+    ("gated_efla", None, True, True, [0, 5, 64, 0, 130, 1, 65]),
+]
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("rule, T, decay, ne, lengths", REVERSE_P)
+def test_split_reverse_pass_reads_p(rule, T, decay, ne, lengths, half, split, monkeypatch):
+    # DSTATES_P: the backward's rebuild (SAVE_FOR_BACKWARD "t") forms scale·P once a chunk and
+    # the split reverse pass reads it, the forward's passes unsplit: every gradient the float64
+    # reference's, and the P-forming pass's to its summation order (P's one rounding to DT in
+    # half precision). fp32 in blocks of ROWS; half precision (fp16 in the interpreter, with
+    # DSTATES_P_SKIP emptied: bf16 on a GPU) in 64-row blocks of a 128-row key head.
+    dtype = (torch.bfloat16 if DEVICE == "cuda" else torch.float16) if half else torch.float32
+    rows, Dk, Dv = (64, 128, 64) if half else (ROWS, DK4, 32)
+    calls = split(0)
+    for name, value in [("DSTATES_SPLIT_K", rows), ("DSTATES_SPLIT_ABOVE_BK", 0),
+                        ("DSTATES_P_SKIP", ())]:  # fmt: skip
+        monkeypatch.setattr(dstates, name, value)
+    monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "off")
+    assert triton_backend.SAVE_FOR_BACKWARD == "t"  # the rebuild runs: the only P's source
+    n = 1 if lengths is None else len(lengths)
+    kw = dict(rule=rule, negative_eigenvalues=ne)
+    if lengths is not None:
+        kw["cu_seqlens"] = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    x = make_inputs(1, T or sum(lengths), 1, Dk, Dv, rule=rule, dtype=torch.float32,
+                    decay=decay, n_states=n, seed=Dk + (T or 7))  # fmt: skip
+    if not RULES[rule].needs_beta:
+        x["beta"] = None
+    for name in ("q", "k", "v"):
+        x[name] = x[name].to(dtype)
+    x = on_device(x)
+    ref = run({m: None if t is None else t.double() for m, t in x.items()}, "reference", True, **kw)
+    monkeypatch.setattr(dstates, "DSTATES_P", True)
+    with_p = run(x, "triton", True, **kw)
+    monkeypatch.setattr(dstates, "DSTATES_P", False)
+    without = run(x, "triton", True, **kw)
+    assert calls == [(KERNELS[0], None), (KERNELS[1], None), ("split_dstates_kernel", rows)] * 2
+    assert dstates.split_dstates_kernel.has_p == [True, False]
+    tol, same = (1e-2, 2e-3) if half else (1e-4, 1e-5)
+    for name, g, g0, g_ref in zip(["o", "state", *NAMES], with_p, without, ref):
+        assert (g is None) == (g_ref is None), name
+        if g is not None:
+            assert torch.isfinite(g).all() and rel_err(g, g_ref) <= tol, (name, rel_err(g, g_ref))
+            assert rel_err(g, g0) <= same, (name, rel_err(g, g0))
 
 
 def test_sequence_parallel_passes(split, monkeypatch):

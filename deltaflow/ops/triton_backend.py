@@ -9,7 +9,7 @@ Forward (two or three launches, chunks of ``CHUNK`` = 64 tokens):
   or, with fewer sequences × heads than the GPU has multiprocessors, a state pass with narrower
   value blocks, then the per-chunk outputs (``triton/outputs.py``).
 Backward (five launches), by default recomputing rather than storing: prepare again (also
-storing T), the state pass, the reverse state-gradient pass (``triton/states.py``), then the
+storing T), the state pass, the reverse state-gradient pass (``triton/dstates.py``), then the
 per-chunk gradients (``triton/gradients.py``). ``SAVE_FOR_BACKWARD`` trades memory for the
 first one or two of them: the forward keeps what they would have recomputed (or, "t", only T,
 from which W and Ũ are rebuilt without the solve).
@@ -44,14 +44,12 @@ from deltaflow.rules import StepRule, get_rule
 try:
     import triton
 
-    from deltaflow.ops.triton import (
-        common,  # multiprocessors
-        pin_cache_keys,
-        states,  # launch settings read at call time (sweepable)
-    )
+    # dstates, states: launch settings read at call time (sweepable); common: multiprocessors
+    from deltaflow.ops.triton import common, dstates, pin_cache_keys, states
     from deltaflow.ops.triton import rules as rule_table
     from deltaflow.ops.triton.common import CHUNK, ChunkTables, cdiv, chunk_tables, head_block
     from deltaflow.ops.triton.decode import decode_tokens
+    from deltaflow.ops.triton.dstates import launch_dstates
     from deltaflow.ops.triton.gradients import launch_gradients, scratch_matrices, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
     from deltaflow.ops.triton.prepare import launch_prepare, low_precision, t_dtype
@@ -63,7 +61,7 @@ try:
         segment_tables,
         step_blocks,
     )
-    from deltaflow.ops.triton.states import launch_dstates, launch_forward, launch_states
+    from deltaflow.ops.triton.states import launch_forward, launch_states
 
     pin_cache_keys()  # one cache key per kernel in every process (pin_cache_keys says why)
 except ImportError:  # pragma: no cover - exercised only where Triton is missing
@@ -232,7 +230,7 @@ def dense_segments(B: int, T: int, H: int, Dv: int, sms: int, block_v: int | Non
     three) over ``B`` rows of ``T`` tokens in segments on ``sms`` multiprocessors (a row of more
     than one), from shapes alone: benchmarks/kernels.py's warm-up asks."""
     if block_v is None:  # the forward's, the backward's recomputed and its reverse pass
-        bvs = (states.TWO_PASS_BV, states.BWD_STATES_BV, states.DSTATES_BV)
+        bvs = (states.TWO_PASS_BV, states.BWD_STATES_BV, dstates.DSTATES_BV)
         return any(dense_segments(B, T, H, Dv, sms, bv) for bv in bvs)
     return _dense_length(B, T, H, Dv, sms, block_v) > 0
 
@@ -461,13 +459,17 @@ def _backward(
     ds0 = _output(N, H, Dk, Dv, like=q, dtype=torch.float32)
     rule = dict(beta=beta, log_decay=log_decay, tables=tables, kernel_id=kernel_id)
     rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)  # prepare's and gradients'
+    segments = _segments(tables, B, T, packed, H, Dv, dstates.DSTATES_BV)  # the reverse pass's
+    p = None  # the split reverse pass's scale·P, where the rebuild forms it (dstates.DSTATES_P)
     if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
         w, u, t, first_bad = (kept.get(name) for name in ("w", "u", "t", "first_bad"))
     elif "t" in kept:  # its T alone ("t"): W and Ũ rebuilt from it, no solve
         t, first_bad = kept["t"], kept["first_bad"]
         w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
         u = _output(B, T, H, Dv, like=k, dtype=k.dtype)
-        launch_rebuild(k, v, t=t, w=w, u=u, **rule)
+        if segments is None and dstates.dstates_takes_p(Dk, Dv, q.dtype):
+            p = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=k.dtype)
+        launch_rebuild(k, v, t=t, w=w, u=u, q=q, p=p, scale=scale, **rule)
     else:
         w, u, t, first_bad, _ = _prepare(k, v, store_t=True, **rule)
     if "h" in kept:  # the forward's state pass ("states")
@@ -494,9 +496,8 @@ def _backward(
     du = _output(B, T, H, Dv, like=q, dtype=q.dtype)
     kwargs = dict(w=w, log_decay=log_decay, grad_o=do, grad_final_state=dsT, tables=tables)
     kwargs.update(scale=scale, dh=dh, du=du, d_initial_state=ds0)
-    segments = _segments(tables, B, T, packed, H, Dv, states.DSTATES_BV)
     if segments is None:
-        launch_dstates(q, k, **kwargs)
+        launch_dstates(q, k, p=p, **kwargs)
     else:
         launch_segmented_dstates(q, k, segments=segments, output=_output, **kwargs)
     dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)

@@ -5,7 +5,8 @@ each kernel beside its launcher:
 - ``common.py``: the chunk length, the chunk tables of a batch, shared loads and products
 - ``prepare.py``: stage 1, per chunk: the rule's strengths and the UT transform (W, Ũ, T)
 - ``rebuild.py``: the backward's W and Ũ from the forward's kept T (no solve)
-- ``states.py``: stage 2, per sequence: the state passes (fused forward, forward, reverse)
+- ``states.py``: stage 2, per sequence: the forward's state passes (fused forward, state pass)
+- ``dstates.py``: stage 2 of the backward, per sequence: the reverse state-gradient pass
 - ``states_split.py``: the passes with the state in row blocks (``states.STATES_SPLIT_K``: Dk 256)
 - ``segment_states.py``: stage 2 split across segments of each sequence ("auto" by default)
 - ``segment_chain.py``: its chain across segments, one launch for every sequence and head
@@ -30,6 +31,7 @@ STAGES = (
     "rebuild",
     "states",
     "states_split",
+    "dstates",
     "segment_states",
     "segment_chain",
     "outputs",

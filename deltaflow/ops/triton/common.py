@@ -378,7 +378,7 @@ def dot_split(x, y, acc, DT: tl.constexpr, PREC: tl.constexpr):
 @triton.jit
 def scaled_grad_o(b_do, gamma, scale):
     """scale·diag(Γ) dO in fp32: the reverse pass's right operand of (7)'s outputs term
-    Qᵀ (scale·diag(Γ) dO) (states.dstate_add_outputs), before dot_split's hi + lo."""
+    Qᵀ (scale·diag(Γ) dO) (dstates.dstate_add_outputs), before dot_split's hi + lo."""
     return b_do.to(tl.float32) * (scale * tl.exp(gamma))[:, None]
 
 

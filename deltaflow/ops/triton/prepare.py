@@ -386,19 +386,20 @@ def chunk_prepare_kernel(
         tl.store(t_base + HALF * CHUNK + HALF + half[None, :], T22.to(t_dt))
     if STORE_P:  # last, where nothing else is live: the keys again (L2) beside the queries
         offs_t = t0 + tl.arange(0, CHUNK)
-        _store_p(
-            q_ptr, k_ptr, g_ptr, p_ptr, i_c, i_h, offs_t, offs_t < eos, H, Dk, TILE, HAS_DECAY, PREC
-        )
+        store_p(q_ptr, k_ptr, g_ptr, p_ptr, 1.0, i_c, i_h, offs_t, offs_t < eos, H, Dk, TILE,
+                HAS_DECAY, PREC)  # fmt: skip
 
 
 @triton.jit
-def _store_p(
-    q_ptr, k_ptr, g_ptr, p_ptr, i_c, i_h, offs_t, mask_t, H: tl.constexpr, Dk: tl.constexpr,
-    TILE: tl.constexpr, HAS_DECAY: tl.constexpr, PREC: tl.constexpr,
+def store_p(
+    q_ptr, k_ptr, g_ptr, p_ptr, scale, i_c, i_h, offs_t, mask_t, H: tl.constexpr,
+    Dk: tl.constexpr, TILE: tl.constexpr, HAS_DECAY: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """(5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} of one chunk and head, as the fused forward forms
-    it (q and k as loaded, γ the plain cumulative log α: a non-finite token's poison is the
-    forward's business), rounded once to p's dtype, [chunk, head, CHUNK, CHUNK]."""
+    """``scale`` times (5)'s P = (Q Kᵀ) ⊙ M ⊙ e^{γ_i − γ_j} of one chunk and head, as the fused
+    forward (scale 1) and the reverse pass (the op's scale) form it (q and k as loaded, γ the
+    plain cumulative log α: a non-finite token's poison is theirs to apply), rounded once to
+    p's dtype, [chunk, head, CHUNK, CHUNK]. The prepare's and the rebuild's (rebuild.py) one
+    copy."""
     rows = tl.arange(0, CHUNK)
     cols = tl.arange(0, TILE)
     qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
@@ -407,7 +408,7 @@ def _store_p(
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
         qk = tl.dot(b_q, tl.trans(b_k), acc=qk, input_precision=PREC)
     gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
-    P = tl.where(rows[:, None] >= rows[None, :], qk * decay_matrix(gamma), 0.0)
+    P = scale * tl.where(rows[:, None] >= rows[None, :], qk * decay_matrix(gamma), 0.0)
     p_base = p_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
     tl.store(p_base + rows[:, None] * CHUNK + rows[None, :], P.to(p_ptr.dtype.element_ty))
 

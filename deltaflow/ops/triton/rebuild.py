@@ -9,7 +9,9 @@ nothing else (issue 32, session 20). Until then the prepare kernel rebuilt them 
 ``T_GIVEN`` flag, carrying the prepare's registers (170 a thread at 4 warps, AOT sm_90: three
 programs an SM): 0.50 ms at (16, 2048, 32, 64) bf16 on the H200 against fla's 0.17 (call 1);
 this kernel 0.23 ms, and 0.21 against 0.37 at (8, 4096, 16, 128) (call 2; benchmarks/NOTES.md).
-Its programs are short, so how many an SM holds decides the time.
+Its programs are short, so how many an SM holds decides the time. Given ``p``
+(``dstates.DSTATES_P``, off) it also writes scale·P of the chunk for the split reverse pass,
+last, with the prepare's lines (``prepare.store_p``).
 
 A value tile with a row that is not finite has that row zeroed before its product, as the
 prepare does when the tile's Ũ is not finite (the same product where every row is finite: a
@@ -33,7 +35,14 @@ from deltaflow.ops.triton.common import (
     load_rows,
     store_rows,
 )
-from deltaflow.ops.triton.prepare import half_strengths, halves_product, store_w, u_left, u_right
+from deltaflow.ops.triton.prepare import (
+    half_strengths,
+    halves_product,
+    store_p,
+    store_w,
+    u_left,
+    u_right,
+)
 
 # Warps and register cap (0: none). Measured (H200, session 20 call 2, bf16, forward + backward,
 # 8 against 4 warps; 45-61 registers a thread against 84-118, AOT): (8, 4096, 16, 128) 3.286 →
@@ -45,6 +54,7 @@ REBUILD_MAXNREG = 0
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
 def chunk_rebuild_kernel(
+    q_ptr,
     k_ptr,
     v_ptr,
     beta_ptr,
@@ -52,9 +62,11 @@ def chunk_rebuild_kernel(
     t_ptr,
     w_ptr,
     u_ptr,
+    p_ptr,
     cu_seqlens_ptr,
     chunk_indices_ptr,
     eps,
+    scale,
     rule,
     neg,
     H: tl.constexpr,
@@ -66,8 +78,10 @@ def chunk_rebuild_kernel(
     PREC: tl.constexpr,
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
+    STORE_P: tl.constexpr,
 ):
-    """W and Ũ of chunk program_id(0), head program_id(1), from its kept T."""
+    """W and Ũ of chunk program_id(0), head program_id(1), from its kept T; with STORE_P also
+    scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     half = tl.arange(0, HALF)
@@ -109,6 +123,10 @@ def chunk_rebuild_kernel(
         u1, u2 = halves_product(L11, L21, L22, y1, y2, PREC, DT)
         store_rows(u_ptr, u1, offs1, mask1, i_h, c + cols, c + cols < Dv, H, Dv)
         store_rows(u_ptr, u2, offs2, mask2, i_h, c + cols, c + cols < Dv, H, Dv)
+    if STORE_P:  # last, as the prepare's: the keys again (L2) beside the queries
+        offs_t = t0 + tl.arange(0, CHUNK)
+        store_p(q_ptr, k_ptr, g_ptr, p_ptr, scale, i_c, i_h, offs_t, offs_t < eos, H, Dk, TILE,
+                HAS_DECAY, PREC)  # fmt: skip
 
 
 def launch_rebuild(
@@ -124,15 +142,22 @@ def launch_rebuild(
     t: Tensor,
     w: Tensor,
     u: Tensor,
+    q: Tensor | None = None,
+    p: Tensor | None = None,
+    scale: float = 1.0,
 ) -> None:
     """Fill ``w`` and ``u`` from ``t`` as prepare.launch_prepare stored it (the forward's, kept;
     the kept ``first_bad`` already counts the rows this zeroes): the backward's prepare without
-    K Kᵀ and the solve, the same W and Ũ (the same lines and roundings on the same T)."""
+    K Kᵀ and the solve, the same W and Ũ (the same lines and roundings on the same T). Given
+    ``p``, also ``scale``·P from ``q`` and k into it ([chunks, H, CHUNK, CHUNK], k's dtype)."""
+    if p is not None and q is None:
+        raise ValueError("launch_rebuild: p needs q (P = Q Kᵀ ⊙ D needs the queries)")
     if tables.n_chunks == 0:
         return
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
     settings = prepare.backward_settings(k.dtype, t_kept=True)
     chunk_rebuild_kernel[(tables.n_chunks, H)](
+        q_ptr=k if p is None else q,  # read only with p (STORE_P)
         k_ptr=k,
         v_ptr=v,
         beta_ptr=k if beta is None else beta,  # absent pointers are never read: flags say so
@@ -140,9 +165,11 @@ def launch_rebuild(
         t_ptr=t,
         w_ptr=w,
         u_ptr=u,
+        p_ptr=tables.placeholder if p is None else p,
         cu_seqlens_ptr=tables.cu_seqlens,
         chunk_indices_ptr=tables.chunk_indices,
         eps=eps,
+        scale=scale,
         rule=kernel_id,
         neg=int(negative_eigenvalues),
         H=H,
@@ -154,6 +181,7 @@ def launch_rebuild(
         PREC=dot_precision(k.dtype),
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
+        STORE_P=p is not None,
         num_warps=REBUILD_WARPS,
         **({"maxnreg": REBUILD_MAXNREG} if REBUILD_MAXNREG else {}),
     )

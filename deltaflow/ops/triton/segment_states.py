@@ -1,7 +1,7 @@
-"""Stage 2 split across segments of a sequence: the state passes of ``states.py`` for batches
-whose sequences × heads × value blocks leave most of the GPU idle (benchmarks/NOTES.md, "Issue
-32, session 17: sequence-parallel state passes"). ``triton_backend.SEQUENCE_PARALLEL_STATES``
-decides when; it is off by default.
+"""Stage 2 split across segments of a sequence: the state passes of ``states.py`` and
+``dstates.py`` for batches whose sequences × heads × value blocks leave most of the GPU idle
+(benchmarks/NOTES.md, "Issue 32, session 17: sequence-parallel state passes").
+``triton_backend.SEQUENCE_PARALLEL_STATES`` decides when; it is off by default.
 
 Dense batches (no ``cu_seqlens``) take tables built from their shapes alone, on the device and
 cached by shape (:func:`build_dense_segment_tables`, ``common.GraphSafeCache``): no host sync,
@@ -22,10 +22,10 @@ state leaving it through a Dk × Dk transition: ``S_end = P S_in + S_loc`` (forw
 2. The chain over the segments, ``X_{r+1} = P_r X_r + S_r`` (``segments.chain``'s math): the
    state entering every segment (the gradient leaving it), in one launch
    (``segment_chain.py``; ``segment_chain.SEGMENT_CHAIN = "torch"``: ``segments.chain`` itself).
-3. ``states.launch_states`` / ``launch_dstates`` unchanged, with the segments as the sequences:
-   each walks its own chunks from its true entering state, writing h, U (dh, dU) where the
-   sequential pass writes them (in their own blocks and register cap: ``SEGMENT_STATES_*``,
-   ``SEGMENT_DSTATES_*``).
+3. ``states.launch_states`` / ``dstates.launch_dstates`` unchanged, with the segments as the
+   sequences: each walks its own chunks from its true entering state, writing h, U (dh, dU)
+   where the sequential pass writes them (in their own blocks and register cap:
+   ``SEGMENT_STATES_*``, ``SEGMENT_DSTATES_*``).
 
 The forward may keep step 2's entering states (``triton_backend.KEEP_SEGMENT_STATES``): the
 backward's recompute of the same pass then runs step 3 alone.
@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from deltaflow.ops.triton import states  # launch settings read at call time (sweepable)
+from deltaflow.ops.triton import dstates, states  # launch settings read at call time (sweepable)
 from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
@@ -55,17 +55,15 @@ from deltaflow.ops.triton.common import (
     load_rows,
     scaled_grad_o,
 )
-from deltaflow.ops.triton.segment_chain import chain_segments
-from deltaflow.ops.triton.states import (
-    chunk_state_update,
-    chunk_u,
+from deltaflow.ops.triton.dstates import (
     dstate_add_outputs,
     dstate_finish,
     du_add_outputs,
     du_from_state,
     launch_dstates,
-    launch_states,
 )
+from deltaflow.ops.triton.segment_chain import chain_segments
+from deltaflow.ops.triton.states import chunk_state_update, chunk_u, launch_states
 
 
 # ---------------------------------------------------------------------------- the tables (host)
@@ -225,7 +223,7 @@ def segment_tables(
     return built
 
 
-# Step 3 of the reverse pass (states.launch_dstates over the segments): key rows per state
+# Step 3 of the reverse pass (dstates.launch_dstates over the segments): key rows per state
 # block (0: the pass's own) and a register cap (0: the pass's). Its launches hold many more
 # programs than a sequence-long pass (segments × heads × value blocks), so three an SM beat two
 # with fewer spills. Measured (H200, session 21 call 3, bf16, forward + backward, every reverse
@@ -530,7 +528,7 @@ def launch_segmented_dstates(
     d_initial_state: Tensor,
     output: Callable[..., Tensor],
 ) -> None:
-    """``states.launch_dstates`` (same outputs) in three steps over ``segments``."""
+    """``dstates.launch_dstates`` (same outputs) in three steps over ``segments``."""
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
     n_seg = segments.rev_row.numel()
@@ -545,7 +543,7 @@ def launch_segmented_dstates(
             **common,
         )
         return
-    BV, NKB, NVB = step_blocks(Dk, Dv, states.DSTATES_BV, q.dtype)
+    BV, NKB, NVB = step_blocks(Dk, Dv, dstates.DSTATES_BV, q.dtype)
     trans = output(segments.slots, N, H, Dk, Dk + Dv, like=q, dtype=torch.float32)
     segment_dstates_kernel[(segments.slots * N * H, NKB + NVB)](
         q_ptr=q,
@@ -567,8 +565,8 @@ def launch_segmented_dstates(
         HAS_DECAY=log_decay is not None,
         HAS_DST=grad_final_state is not None,
         PREC=dot_precision(q.dtype),
-        num_warps=states.DSTATES_WARPS,
-        num_stages=states.pass_stages(key_block(Dk, Dv, q.dtype), split=False, reverse=True),
+        num_warps=dstates.DSTATES_WARPS,
+        num_stages=dstates.dstates_stages(key_block(Dk, Dv, q.dtype), split=False),
     )
     leaving = chain_segments(
         trans,

@@ -1,15 +1,16 @@
 """Stage 2's three state passes with the state held as row blocks (issue 32; benchmarks/NOTES.md,
 "Issue 32, session 18: the state passes' registers and D=256"). ``states.STATES_SPLIT_K`` (128 by
-default: Dk = 256) sends a launch of ``states.py`` here when its key block is wider than that.
+default: Dk = 256) sends a launch of ``states.py`` or ``dstates.py`` (the reverse pass, at its own
+rows: ``dstates.dstates_split_k``) here when its key block is wider than that.
 
-The kernels of ``states.py`` hold the state of one program as one [BK, BV] fp32 tile (BK the
-whole key head) and load every key-side operand (Q, K, W: [C, BK]) whole for the chunk. At
-Dk = 256 that is 128 registers a thread of state alone (4 warps), and the chunk's operands,
-the [C, BK] fp32 decay-scaled keys of the fused forward and the reverse pass's [C, BK] fp32 Γq
-(since session 22 a [C, BV] scaled dO) on top, spill. Here the same equations run on NKB ≤ 4
-blocks of BKS key rows, ``S = [S_0; S_1; ...]``, each its own fp32 accumulator, with the
-operands loaded one [C, BKS] block at a time where a block needs them (a block read twice in one
-chunk step comes from L1/L2 the second time, not from memory):
+The kernels of ``states.py`` and ``dstates.py`` hold the state of one program as one [BK, BV] fp32
+tile (BK the whole key head) and load every key-side operand (Q, K, W: [C, BK]) whole for the chunk.
+At Dk = 256 that is 128 registers a thread of state alone (4 warps), and the chunk's operands, the
+[C, BK] fp32 decay-scaled keys of the fused forward and the reverse pass's [C, BK] fp32 Γq (since
+session 22 a [C, BV] scaled dO) on top, spill. Here the same equations run on NKB ≤ 4 blocks of BKS
+key rows, ``S = [S_0; S_1; ...]``, each its own fp32 accumulator, with the operands loaded one
+[C, BKS] block at a time where a block needs them (a block read twice in one chunk step comes from
+L1/L2 the second time, not from memory):
 
 - the products that sum over the key rows (W S, Q S, Q Kᵀ, K G) accumulate block by block into
   one [C, BV] (or [C, C]) accumulator, via ``acc=`` (no second tile for a product's result);
@@ -18,15 +19,15 @@ chunk step comes from L1/L2 the second time, not from memory):
 - a subtraction of a product becomes a product of a negated operand, exact in every dtype
   (rounding is symmetric: ``(−x).to(DT) == −(x.to(DT))``), so it too accumulates in place.
 
-The roundings are those of ``states.py``: the same operands rounded to the dot dtype DT once
-each (the state, U scaled by its decay to the chunk's end, dU, Pᵀ's scale·P, the scaled dO as
-hi + lo); only fp32 accumulation orders differ. One exception, by choice: the fused forward here
-updates the state as ``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys exact),
-as the two-pass form does, while ``states.chunk_forward_kernel`` rounds decay-scaled keys K̃
+The roundings are those of ``states.py`` and ``dstates.py``: the same operands rounded to the dot
+dtype DT once each (the state, U scaled by its decay to the chunk's end, dU, Pᵀ's scale·P, the
+scaled dO as hi + lo); only fp32 accumulation orders differ. One exception, by choice: the fused
+forward here updates the state as ``chunk_state_update`` does (U·e^{γ_C − γ} rounded once, the keys
+exact), as the two-pass form does, while ``states.chunk_forward_kernel`` rounds decay-scaled keys K̃
 (the other form cost it a program an SM at D = 128: issue 32, session 22, call 2).
 
-Equations, poison (non-finite causality) and launch grid as in ``states.py``, whose launchers
-call these kernels with the same arguments plus ``BKS``.
+Equations, poison (non-finite causality) and launch grid as in ``states.py`` and ``dstates.py``,
+whose launchers call these kernels with the same arguments plus ``BKS``.
 """
 
 from __future__ import annotations
@@ -372,14 +373,16 @@ def split_states_kernel(
 def _dstates_in(
     G, acc_kg, acc_qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, i_b, offs_v, mask_v,
     H: tl.constexpr, Dk: tl.constexpr, Dv: tl.constexpr, BKS: tl.constexpr, DT: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, HAS_P: tl.constexpr,
 ):  # fmt: skip
-    """Block ``i_b``: stores G_b as the chunk's dh; K G += K_b G_b and Q Kᵀ += Q_b K_bᵀ."""
+    """Block ``i_b``: stores G_b as the chunk's dh; K G += K_b G_b and Q Kᵀ += Q_b K_bᵀ (not
+    with ``HAS_P``: the rebuild formed scale·P)."""
     _store_block(dh_ptr, dh_base, G, i_b, offs_v, mask_v, BKS, Dk, Dv)
-    b_q = _keys(q_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     b_k = _keys(k_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     acc_kg = tl.dot(b_k, G.to(DT), acc=acc_kg, input_precision=PREC)
-    acc_qk = tl.dot(b_q, tl.trans(b_k), acc=acc_qk, input_precision=PREC)
+    if not HAS_P:
+        b_q = _keys(q_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
+        acc_qk = tl.dot(b_q, tl.trans(b_k), acc=acc_qk, input_precision=PREC)
     return acc_kg, acc_qk
 
 
@@ -389,7 +392,7 @@ def _dstate_block(
     H: tl.constexpr, Dk: tl.constexpr, BKS: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """(7) on one row block: Γ_C G_b + Q_bᵀ (scale·diag(Γ) dO) − W_bᵀ dU, in G_b's tile
-    (states.dstate_add_outputs: the scaled dO, shared by every block, as hi + lo; then
+    (dstates.dstate_add_outputs: the scaled dO, shared by every block, as hi + lo; then
     dstate_finish with dU negated)."""
     b_q = _keys(q_ptr, offs_t, mask_t, i_h, i_b, H, Dk, BKS)
     G = dot_split(tl.trans(b_q), do_gamma, decay_last * G, DT, PREC)
@@ -408,6 +411,7 @@ def split_dstates_kernel(
     dh_ptr,
     du_ptr,
     ds0_ptr,
+    p_ptr,
     cu_seqlens_ptr,
     chunk_offsets_ptr,
     scale,
@@ -420,9 +424,12 @@ def split_dstates_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_P: tl.constexpr,
 ):
-    """``states.chunk_dstates_kernel`` ((7)–(8) from each sequence's end) in row blocks G0..G3:
-    dU = K̃ G + scale·Pᵀ dO sums over the blocks; G_b ← Γ_C G_b + scale·(Γ Q_b)ᵀ dO − W_bᵀ dU."""
+    """``dstates.chunk_dstates_kernel`` ((7)–(8) from each sequence's end) in row blocks G0..G3:
+    dU = K̃ G + scale·Pᵀ dO sums over the blocks; G_b ← Γ_C G_b + scale·(Γ Q_b)ᵀ dO − W_bᵀ dU.
+    ``HAS_P``: scale·P as the backward's rebuild formed it once per chunk ([chunks, H, C, C] in
+    DT at ``p_ptr``; dstates.DSTATES_P), rather than Q Kᵀ formed by each value block's program."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
@@ -454,30 +461,34 @@ def split_dstates_kernel(
         qk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
         kg, qk = _dstates_in(
             G0, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 0, offs_v, mask_v, H,
-            Dk, Dv, BKS, DT, PREC,
+            Dk, Dv, BKS, DT, PREC, HAS_P,
         )  # fmt: skip
         if BK > BKS:
             kg, qk = _dstates_in(
                 G1, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 1, offs_v, mask_v,
-                H, Dk, Dv, BKS, DT, PREC,
+                H, Dk, Dv, BKS, DT, PREC, HAS_P,
             )  # fmt: skip
         if BK > 2 * BKS:
             kg, qk = _dstates_in(
                 G2, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 2, offs_v, mask_v,
-                H, Dk, Dv, BKS, DT, PREC,
+                H, Dk, Dv, BKS, DT, PREC, HAS_P,
             )  # fmt: skip
         if BK > 3 * BKS:
             kg, qk = _dstates_in(
                 G3, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 3, offs_v, mask_v,
-                H, Dk, Dv, BKS, DT, PREC,
+                H, Dk, Dv, BKS, DT, PREC, HAS_P,
             )  # fmt: skip
         gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         # dU = diag(e^{γ_C − γ}) (K G) + scale·Pᵀ dO (du_from_state, du_add_outputs)
         b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
-        P = qk * decay_matrix(gamma)
+        if HAS_P:
+            p_offs = (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
+            scaled_p = tl.load(p_ptr + p_offs).to(DT)
+        else:
+            scaled_p = (scale * (qk * decay_matrix(gamma))).to(DT)
         dU = tl.exp(gamma_last - gamma)[:, None] * kg
-        dU = tl.dot(tl.trans((scale * P).to(DT)), b_do, acc=dU, input_precision=PREC)
+        dU = tl.dot(tl.trans(scaled_p), b_do, acc=dU, input_precision=PREC)
         tl.store(
             du_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
             dU.to(DT),
