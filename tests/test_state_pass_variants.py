@@ -276,15 +276,15 @@ def test_split_forward_reads_p(split, monkeypatch):
 
 
 def test_reverse_pass_takes_p_where_it_splits(monkeypatch):
-    # DSTATES_P off by default (untimed); on, at D = 256 (where the reverse pass splits) in bf16
-    # and fp32, never in fp16 (DSTATES_P_SKIP, as the forward's) nor at D ≤ 128 (unsplit)
-    assert not dstates.DSTATES_P and not dstates.dstates_takes_p(256, 256, torch.bfloat16)
-    monkeypatch.setattr(dstates, "DSTATES_P", True)
-    assert dstates.dstates_takes_p(256, 256, torch.bfloat16)
+    # DSTATES_P on by default (session 24 call 3): at D = 256 (where the reverse pass splits) in
+    # bf16 and fp32, never in fp16 (DSTATES_P_SKIP, as the forward's) nor at D ≤ 128 (unsplit)
+    assert dstates.DSTATES_P and dstates.dstates_takes_p(256, 256, torch.bfloat16)
     assert dstates.dstates_takes_p(256, 256, torch.float32)
     assert not dstates.dstates_takes_p(256, 256, torch.float16)
     for dtype in (torch.bfloat16, torch.float32):
         assert not dstates.dstates_takes_p(128, 128, dtype)
+    monkeypatch.setattr(dstates, "DSTATES_P", False)
+    assert not dstates.dstates_takes_p(256, 256, torch.bfloat16)
 
 
 # rule, T, decay, negative eigenvalues, packed lengths (None: one sequence of T tokens)

@@ -25,7 +25,6 @@ from deltaflow.ops.triton_ops import HALF_MIN_HEAD
 # chunk lengths: they are derived from the head dims and the launch settings.
 CHUNK = tl.constexpr(TRITON_CHUNK_SIZE)  # the number lives in ops/chunk.py
 SUB = tl.constexpr(16)  # tokens per sub-block of the prepare kernel (CHUNK = 4 · SUB)
-HALF = tl.constexpr(CHUNK.value // 2)  # the prepare's row halves of a chunk (HALF = 2 · SUB)
 
 
 def cdiv(a: int, b: int) -> int:

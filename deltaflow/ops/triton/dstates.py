@@ -9,7 +9,7 @@ Its chunk step is four jit helpers, shared with ``segment_states.py`` (the same 
 across segments of a sequence), and a launch whose key block is wider than the reverse pass's
 rows per block (``dstates_split_k``) runs ``states_split.split_dstates_kernel`` instead (the
 state in row blocks), which may read scale·P from the backward's rebuild instead of forming
-Q Kᵀ in every value block's program (``DSTATES_P``, off). What it shares with the forward's
+Q Kᵀ in every value block's program (``DSTATES_P``). What it shares with the forward's
 passes stays in ``states.py``: the split kernels' rows and launch (``split_rows``,
 ``split_launch``, ``STATES_SPLIT_K``).
 
@@ -57,9 +57,10 @@ DSTATES_SPLIT_ABOVE_BK = 128
 DSTATES_MAXNREG = 0
 # The split kernel reads scale·P from the backward's rebuild (SAVE_FOR_BACKWARD "t"), once a
 # chunk, rather than each value block's program forming Q Kᵀ, as the split forward reads P from
-# the prepare (states.SPLIT_FORWARD_P). Checked on the interpreter only, untimed: off. Not in
+# the prepare (states.SPLIT_FORWARD_P). H200, session 24 call 3, (8, 2048, 32, 256) bf16:
+# split_dstates 2.475 → 1.955 ms, the rebuild 0.41 → 0.60, forward + backward −0.33 ms. Not in
 # fp16, as the forward's (its fp16 fault on the H200 unexplained: benchmarks/NOTES.md).
-DSTATES_P = False
+DSTATES_P = True
 DSTATES_P_SKIP = (torch.float16,)
 
 

@@ -24,7 +24,6 @@ from torch import Tensor
 from deltaflow.ops.triton import rules as rule_table
 from deltaflow.ops.triton.common import (
     CHUNK,
-    HALF,
     SUB,
     ChunkTables,
     chunk_bounds,
@@ -92,10 +91,9 @@ def _all_finite(x):
 
 
 @triton.jit
-def _first_bad(finite, base):
-    """Index in the chunk of the first token that is not finite among a half's rows ``base``,
-    ``base + 1``, ... (CHUNK: none)."""
-    return tl.min(tl.where(finite, CHUNK, base + tl.arange(0, HALF)), axis=0)
+def _first_bad(finite):
+    """Index in the chunk of the first token that is not finite (CHUNK: none)."""
+    return tl.min(tl.where(finite, CHUNK, tl.arange(0, CHUNK)), axis=0)
 
 
 @triton.jit
@@ -103,10 +101,11 @@ def chunk_strengths(
     lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H,
     HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr,
 ):  # fmt: skip
-    """The rule's strengths ``a, b`` of tokens ``offs_t`` from ``λ = ‖k‖²`` (0 past eos and at a
+    """The rule's strengths ``a, b`` of a chunk's tokens from ``λ = ‖k‖²`` (0 past eos and at a
     token that is not finite), which tokens are finite (``ok``: docs/design.md §8: a token whose
     key, β, strengths or log α is not finite, x·0 being NaN unless x is, takes no part in any
-    product) and ``γ_i = Σ_{j≤i} log α_j`` over the finite ones."""
+    product) and ``γ_i = Σ_{j≤i} log α_j`` over the finite ones. The prepare's and the rebuild's
+    (rebuild.py) one copy: the rebuilt W, Ũ must be the prepare's bit for bit."""
     b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
     a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
     ok = (lam * 0.0 + a * 0.0 + b * 0.0 + b_g * 0.0) == 0.0
@@ -117,79 +116,42 @@ def chunk_strengths(
 
 
 @triton.jit
-def half_strengths(
-    lam1, lam2, beta_ptr, g_ptr, offs1, offs2, mask1, mask2, i_h, eps, rule, neg, H,
-    HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr,
-):  # fmt: skip
-    """:func:`chunk_strengths` of the chunk's two halves (rows ``offs1``, ``offs2``), γ of the
-    second continuing the first's. The prepare's and the rebuild's (rebuild.py) one copy: the
-    rebuilt W, Ũ must be the prepare's bit for bit."""
-    a1, b1, ok1, g1 = chunk_strengths(
-        lam1, beta_ptr, g_ptr, offs1, mask1, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
-    )
-    a2, b2, ok2, g2 = chunk_strengths(
-        lam2, beta_ptr, g_ptr, offs2, mask2, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
-    )
-    g2 += tl.sum(tl.where(tl.arange(0, HALF) == HALF - 1, g1, 0.0), axis=0)
-    return a1, b1, ok1, g1, a2, b2, ok2, g2
-
-
-@triton.jit
-def halves_product(L11, L21, L22, x1, x2, PREC: tl.constexpr, DT: tl.constexpr):
-    """[L11 0; L21 L22] @ [x1; x2] by its three nonzero blocks, operands in DT, accumulated in
-    fp32: the row halves (the bottom one L21 x1 first, then + L22 x2)."""
-    top = mm(L11, x1, PREC, DT)
-    bottom = tl.dot(L22.to(DT), x2.to(DT), acc=mm(L21, x1, PREC, DT), input_precision=PREC)
-    return top, bottom
-
-
-@triton.jit
 def store_w(
-    T11, T21, T22, a1, a2, g1, g2, ok1, ok2, k_ptr, w_ptr, offs1, offs2, mask1, mask2, i_h, H,
+    T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H,
     Dk: tl.constexpr, TILE: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
     DT: tl.constexpr,
 ):  # fmt: skip
-    """(4) W = T diag(aΓ) K by row halves (:func:`halves_product`), TILE key columns at a time,
-    written in k's layout (a token that is not finite zeroed). FOLD: the strengths scale T's
-    columns before its one rounding to DT, so K enters the product as loaded (exact); otherwise
-    T and diag(aΓ) K are rounded apart (fla's way: benchmarks/bf16_floor.py knobs T_W, X).
-    Returns T's blocks rounded to DT (Ũ's left operands without the fold). The prepare's and the
-    rebuild's one copy."""
+    """(4) W = T diag(aΓ) K, TILE key columns at a time, written in k's layout (a token that is
+    not finite zeroed). FOLD: the strengths scale T's columns before its one rounding to DT, so
+    K enters the product as loaded (exact); otherwise T and diag(aΓ) K are rounded apart (fla's
+    way: benchmarks/bf16_floor.py knobs T_W, X). Returns T rounded to DT (Ũ's left operand
+    without the fold). The prepare's and the rebuild's one copy."""
     cols = tl.arange(0, TILE)
-    s1 = a1 * tl.exp(g1)
-    s2 = a2 * tl.exp(g2)
+    scale = a * tl.exp(gamma)
     if FOLD:  # T in fp32 here (t_dtype)
-        L11 = (T11 * s1[None, :]).to(DT)
-        L21 = (T21 * s1[None, :]).to(DT)
-        L22 = (T22 * s2[None, :]).to(DT)
+        T_dt = (T * scale[None, :]).to(DT)
     else:
-        L11 = T11.to(DT)
-        L21 = T21.to(DT)
-        L22 = T22.to(DT)
+        T_dt = T.to(DT)
     for c in range(0, Dk, TILE):
-        k1 = load_rows(k_ptr, offs1, mask1, i_h, c + cols, c + cols < Dk, H, Dk)
-        k2 = load_rows(k_ptr, offs2, mask2, i_h, c + cols, c + cols < Dk, H, Dk)
+        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
         if FOLD:
-            x1 = tl.where(ok1[:, None], k1, 0.0)
-            x2 = tl.where(ok2[:, None], k2, 0.0)
+            x = tl.where(ok[:, None], b_k, 0.0)
         else:
-            x1 = tl.where(ok1[:, None], s1[:, None] * k1.to(tl.float32), 0.0)
-            x2 = tl.where(ok2[:, None], s2[:, None] * k2.to(tl.float32), 0.0)
-        w1, w2 = halves_product(L11, L21, L22, x1, x2, PREC, DT)
-        store_rows(w_ptr, w1, offs1, mask1, i_h, c + cols, c + cols < Dk, H, Dk)
-        store_rows(w_ptr, w2, offs2, mask2, i_h, c + cols, c + cols < Dk, H, Dk)
-    return L11, L21, L22
+            x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
+        w = mm(T_dt, x, PREC, DT)
+        store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+    return T_dt
 
 
 @triton.jit
-def u_left(T11, T21, T22, L11, L21, L22, b1, b2, FOLD: tl.constexpr, DT: tl.constexpr):
-    """Ũ = T diag(b) V's left operand's blocks: T diag(b) rounded once (FOLD), or ``L``, T
-    rounded as :func:`store_w` returned it (diag(b) V then rounded apart: Y's rounding alone
-    was the H100's D=256 dβ error, issue 30 item 4)."""
+def u_left(T, T_dt, b, FOLD: tl.constexpr, DT: tl.constexpr):
+    """Ũ = T diag(b) V's left operand: T diag(b) rounded once (FOLD), or ``T_dt``, T rounded as
+    :func:`store_w` returned it (diag(b) V then rounded apart: Y's rounding alone was the
+    H100's D=256 dβ error, issue 30 item 4)."""
     if FOLD:
-        return (T11 * b1[None, :]).to(DT), (T21 * b1[None, :]).to(DT), (T22 * b2[None, :]).to(DT)
+        return (T * b[None, :]).to(DT)
     else:
-        return L11, L21, L22
+        return T_dt
 
 
 @triton.jit
@@ -203,7 +165,7 @@ def u_right(v32, b, FOLD: tl.constexpr):
 
 @triton.jit
 def _stack_inverses(N, PREC: tl.constexpr):
-    """(I + N_b)⁻¹ for a [n, SUB, SUB] stack of strictly lower-triangular blocks at once. N is
+    """(I + N_b)⁻¹ for a [4, SUB, SUB] stack of strictly lower-triangular blocks at once. N is
     nilpotent (N^SUB = 0), so (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸): six batched
     SUB³ products (PREC: fp32-accurate, "ieee" or "tf32x3"), no serial row-by-row substitution."""
     tl.static_assert(SUB == 16, "the product below has log2(SUB) = 4 factors")
@@ -233,44 +195,24 @@ def _mm_t(x, y, PREC: tl.constexpr, PAIR: tl.constexpr):
 
 
 @triton.jit
-def _half_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PAIR: tl.constexpr):
-    """(I + A)⁻¹ for a strictly lower-triangular HALF × HALF ``A``, in fp32: its two SUB × SUB
-    diagonal blocks by :func:`_stack_inverses` (D = their block diagonal), then, with
-    M = D·A_below strictly block-lower (so M² = 0), (I + A)⁻¹ = (I − M)·D: two HALF³ products
-    (PREC, see :func:`_mm_t`)."""
-    blocks = tl.arange(0, 2)
-    same = blocks[:, None, None, None] == blocks[None, None, :, None]  # [2, 1, 2, 1]
-    diag = tl.sum(tl.where(same, tl.reshape(A, [2, SUB, 2, SUB]), 0.0), axis=2)
+def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PAIR: tl.constexpr):
+    """T = (I + A)⁻¹ for a strictly lower-triangular CHUNK × CHUNK ``A``, in fp32.
+
+    The four SUB × SUB diagonal blocks are inverted by :func:`_stack_inverses` (D = their block
+    diagonal); the rest follows from I + A = (I + A_diag)(I + M), M = D·A_below, which is
+    strictly block-lower with four blocks, so M⁴ = 0 and T = (I − M + M² − M³)·D,
+    evaluated as D − M(D − M(D − M·D)): four CHUNK³ products on the tensor cores (PREC, see
+    :func:`_mm_t`)."""
+    blocks = tl.arange(0, 4)
+    same = blocks[:, None, None, None] == blocks[None, None, :, None]  # [4, 1, 4, 1]
+    diag = tl.sum(tl.where(same, tl.reshape(A, [4, SUB, 4, SUB]), 0.0), axis=2)
     D = tl.reshape(
-        tl.where(same, _stack_inverses(diag, DIAG_PREC)[:, :, None, :], 0.0), [HALF, HALF]
+        tl.where(same, _stack_inverses(diag, DIAG_PREC)[:, :, None, :], 0.0), [CHUNK, CHUNK]
     )
-    rows = tl.arange(0, HALF)
+    rows = tl.arange(0, CHUNK)
     below = (rows[:, None] // SUB) > (rows[None, :] // SUB)
     M = _mm_t(D, tl.where(below, A, 0.0), PREC, PAIR)
-    return D - _mm_t(M, D, PREC, PAIR)
-
-
-@triton.jit
-def _chunk_inverse(
-    kk11, kk21, kk22, a1, a2, g1, g2, ok1, ok2, PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
-    PAIR: tl.constexpr,
-):  # fmt: skip
-    """(3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column zero) by
-    row and column halves, and T = (I + A)⁻¹ = [T11 0; T21 T22] in fp32: T11, T22 by
-    :func:`_half_inverse`, T21 = −T22 A21 T11. Six HALF³ products where the whole CHUNK × CHUNK
-    inverse took four CHUNK³ (session 24: a quarter of the flops, no product of zero blocks)."""
-    rows = tl.arange(0, HALF)
-    lower = rows[:, None] > rows[None, :]
-    d11 = tl.exp(tl.where(lower, g1[:, None] - g1[None, :], -float("inf")))
-    d22 = tl.exp(tl.where(lower, g2[:, None] - g2[None, :], -float("inf")))
-    A11 = tl.where(lower & ok1[:, None] & ok1[None, :], a1[:, None] * d11 * kk11, 0.0)
-    A22 = tl.where(lower & ok2[:, None] & ok2[None, :], a2[:, None] * d22 * kk22, 0.0)
-    d21 = tl.exp(g2[:, None] - g1[None, :])
-    A21 = tl.where(ok2[:, None] & ok1[None, :], a2[:, None] * d21 * kk21, 0.0)
-    T11 = _half_inverse(A11, PREC, DIAG_PREC, PAIR)
-    T22 = _half_inverse(A22, PREC, DIAG_PREC, PAIR)
-    T21 = -_mm_t(_mm_t(T22, A21, PREC, PAIR), T11, PREC, PAIR)
-    return T11, T21, T22
+    return D - _mm_t(M, D - _mm_t(M, D - _mm_t(M, D, PREC, PAIR), PREC, PAIR), PREC, PAIR)
 
 
 # store_t, the rule's kernel id and the negative-eigenvalue flag are runtime arguments, not
@@ -314,80 +256,56 @@ def chunk_prepare_kernel(
     2³¹ − 1 (the others 65535)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
-    half = tl.arange(0, HALF)
-    offs1 = t0 + half  # the chunk's two row halves: T is formed as [T11 0; T21 T22]
-    offs2 = offs1 + HALF
-    mask1 = offs1 < eos
-    mask2 = offs2 < eos
+    rows = tl.arange(0, CHUNK)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
     cols = tl.arange(0, TILE)
     # Operand dtype of the W and Ũ products: the inputs' (bf16/fp16) or fp32.
     DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
 
-    # K Kᵀ's three nonzero blocks and λ = ‖k‖², one column tile at a time (λ over every column)
-    kk11 = tl.zeros([HALF, HALF], dtype=tl.float32)
-    kk21 = tl.zeros([HALF, HALF], dtype=tl.float32)
-    kk22 = tl.zeros([HALF, HALF], dtype=tl.float32)
-    lam1 = tl.zeros([HALF], dtype=tl.float32)
-    lam2 = tl.zeros([HALF], dtype=tl.float32)
+    # K Kᵀ and λ = ‖k‖², one column tile at a time (λ over every column: the strengths need it)
+    kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    lam = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, Dk, TILE):
-        k1 = load_rows(k_ptr, offs1, mask1, i_h, c + cols, c + cols < Dk, H, Dk)
-        k2 = load_rows(k_ptr, offs2, mask2, i_h, c + cols, c + cols < Dk, H, Dk)
-        lam1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), axis=1)
-        lam2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), axis=1)
-        k1 = k1.to(DT)
-        k2 = k2.to(DT)
-        kk11 = tl.dot(k1, tl.trans(k1), acc=kk11, input_precision=PREC)
-        kk21 = tl.dot(k2, tl.trans(k1), acc=kk21, input_precision=PREC)
-        kk22 = tl.dot(k2, tl.trans(k2), acc=kk22, input_precision=PREC)
+        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+        k32 = b_k.to(tl.float32)
+        lam += tl.sum(k32 * k32, axis=1)
+        kk += tl.dot(b_k.to(DT), tl.trans(b_k.to(DT)), input_precision=PREC)
 
     # a token that is not finite takes no part in any product; the later stages make the
     # outputs NaN from the chunk's first such token on
-    a1, b1, ok1, g1, a2, b2, ok2, g2 = half_strengths(
-        lam1, lam2, beta_ptr, g_ptr, offs1, offs2, mask1, mask2, i_h, eps, rule, neg, H,
-        HAS_BETA, HAS_DECAY,
-    )  # fmt: skip
-    first_bad = tl.minimum(_first_bad(ok1, 0), _first_bad(ok2, HALF))
-    # (3) A and T = (I + A)⁻¹ by halves
-    T11, T21, T22 = _chunk_inverse(
-        kk11, kk21, kk22, a1, a2, g1, g2, ok1, ok2, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty
+    a, b, ok, gamma = chunk_strengths(
+        lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
     )
+    first_bad = _first_bad(ok)
+
+    # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
+    pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
+    A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
+    T = _unit_lower_inverse(A, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty)
     # (4) W = T diag(aΓ) K and Ũ = T diag(b) V (FOLD: store_w)
-    L11, L21, L22 = store_w(
-        T11, T21, T22, a1, a2, g1, g2, ok1, ok2, k_ptr, w_ptr, offs1, offs2, mask1, mask2, i_h,
-        H, Dk, TILE, FOLD, PREC, DT,
-    )  # fmt: skip
+    T_dt = store_w(T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD, PREC, DT)
     # A value tile is checked by the sum of its Ũ tile: only a tile with a non-finite value row
     # (rare) is recomputed with those rows zeroed, lowering first_bad.
-    L11, L21, L22 = u_left(T11, T21, T22, L11, L21, L22, b1, b2, FOLD, DT)
+    T_dt = u_left(T, T_dt, b, FOLD, DT)
     for c in range(0, Dv, TILE):
-        v1 = load_rows(v_ptr, offs1, mask1, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
-        v2 = load_rows(v_ptr, offs2, mask2, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
-        y1 = u_right(v1, b1, FOLD)
-        y2 = u_right(v2, b2, FOLD)
-        u1, u2 = halves_product(L11, L21, L22, y1, y2, PREC, DT)
-        if not (_all_finite(u1) & _all_finite(u2)):
-            finite1 = tl.sum(tl.where(v1 * 0.0 == 0.0, 0, 1), axis=1) == 0
-            finite2 = tl.sum(tl.where(v2 * 0.0 == 0.0, 0, 1), axis=1) == 0
-            y1 = tl.where(finite1[:, None], y1, 0.0)
-            y2 = tl.where(finite2[:, None], y2, 0.0)
-            u1, u2 = halves_product(L11, L21, L22, y1, y2, PREC, DT)
-            first_bad = tl.minimum(first_bad, _first_bad(finite1, 0))
-            first_bad = tl.minimum(first_bad, _first_bad(finite2, HALF))
-        store_rows(u_ptr, u1, offs1, mask1, i_h, c + cols, c + cols < Dv, H, Dv)
-        store_rows(u_ptr, u2, offs2, mask2, i_h, c + cols, c + cols < Dv, H, Dv)
+        b_v = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
+        v32 = b_v.to(tl.float32)
+        y = u_right(v32, b, FOLD)
+        u = mm(T_dt, y, PREC, DT)
+        if not _all_finite(u):
+            finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
+            u = mm(T_dt, tl.where(finite[:, None], y, 0.0), PREC, DT)
+            first_bad = tl.minimum(first_bad, _first_bad(finite))
+        store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
     tl.store(first_bad_ptr + i_c * H + i_h, first_bad)
 
     if store_t != 0:  # T itself ([chunk, head, CHUNK, CHUNK], t_dtype) for the backward
-        t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK) + half[:, None] * CHUNK
-        t_dt = t_ptr.dtype.element_ty
-        tl.store(t_base + half[None, :], T11.to(t_dt))
-        tl.store(t_base + HALF + half[None, :], tl.zeros([HALF, HALF], dtype=t_dt))
-        tl.store(t_base + HALF * CHUNK + half[None, :], T21.to(t_dt))
-        tl.store(t_base + HALF * CHUNK + HALF + half[None, :], T22.to(t_dt))
+        t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
+        tl.store(t_base + rows[:, None] * CHUNK + rows[None, :], T.to(t_ptr.dtype.element_ty))
     if STORE_P:  # last, where nothing else is live: the keys again (L2) beside the queries
-        offs_t = t0 + tl.arange(0, CHUNK)
-        store_p(q_ptr, k_ptr, g_ptr, p_ptr, 1.0, i_c, i_h, offs_t, offs_t < eos, H, Dk, TILE,
-                HAS_DECAY, PREC)  # fmt: skip
+        store_p(q_ptr, k_ptr, g_ptr, p_ptr, 1.0, i_c, i_h, offs_t, mask_t, H, Dk, TILE, HAS_DECAY,
+                PREC)  # fmt: skip
 
 
 @triton.jit

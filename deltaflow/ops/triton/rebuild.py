@@ -1,8 +1,8 @@
 """The backward's W and Ũ from the T the forward kept (``triton_backend.SAVE_FOR_BACKWARD =
 "t"``): W = T diag(aΓ) K and Ũ = T diag(b) V, (4) of docs/design.md §3, without the prepare's
-K Kᵀ and solve. The prepare's own lines (prepare.py: ``half_strengths``, ``store_w``,
-``u_left``, ``u_right``, ``halves_product``: its roundings), so the rebuilt W, Ũ are the
-recomputing backward's bit for bit and the gradients of "t" are those of "none".
+K Kᵀ and solve. The prepare's own lines (prepare.py: ``chunk_strengths``, ``store_w``,
+``u_left``, ``u_right``: its roundings), so the rebuilt W, Ũ are the recomputing backward's
+bit for bit and the gradients of "t" are those of "none".
 
 One program per chunk and head writes both W and Ũ, as fla's recompute_w_u does, and holds
 nothing else (issue 32, session 20). Until then the prepare kernel rebuilt them under a
@@ -10,7 +10,7 @@ nothing else (issue 32, session 20). Until then the prepare kernel rebuilt them 
 programs an SM): 0.50 ms at (16, 2048, 32, 64) bf16 on the H200 against fla's 0.17 (call 1);
 this kernel 0.23 ms, and 0.21 against 0.37 at (8, 4096, 16, 128) (call 2; benchmarks/NOTES.md).
 Its programs are short, so how many an SM holds decides the time. Given ``p``
-(``dstates.DSTATES_P``, off) it also writes scale·P of the chunk for the split reverse pass,
+(``dstates.DSTATES_P``) it also writes scale·P of the chunk for the split reverse pass,
 last, with the prepare's lines (``prepare.store_p``).
 
 A value tile with a row that is not finite has that row zeroed before its product, as the
@@ -28,21 +28,14 @@ from torch import Tensor
 from deltaflow.ops.triton import prepare
 from deltaflow.ops.triton.common import (
     CHUNK,
-    HALF,
     ChunkTables,
     chunk_bounds,
     dot_precision,
     load_rows,
+    mm,
     store_rows,
 )
-from deltaflow.ops.triton.prepare import (
-    half_strengths,
-    halves_product,
-    store_p,
-    store_w,
-    u_left,
-    u_right,
-)
+from deltaflow.ops.triton.prepare import chunk_strengths, store_p, store_w, u_left, u_right
 
 # Warps and register cap (0: none). Measured (H200, session 20 call 2, bf16, forward + backward,
 # 8 against 4 warps; 45-61 registers a thread against 84-118, AOT): (8, 4096, 16, 128) 3.286 →
@@ -84,48 +77,32 @@ def chunk_rebuild_kernel(
     scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
-    half = tl.arange(0, HALF)
-    offs1 = t0 + half  # the prepare's row halves; T's blocks [T11 0; T21 T22]
-    offs2 = offs1 + HALF
-    mask1 = offs1 < eos
-    mask2 = offs2 < eos
+    rows = tl.arange(0, CHUNK)
+    offs_t = t0 + rows
+    mask_t = offs_t < eos
     cols = tl.arange(0, TILE)
     DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
-    # T first: its loads are in flight while λ is summed
-    t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK) + half[:, None] * CHUNK
-    T11 = tl.load(t_base + half[None, :])
-    T21 = tl.load(t_base + HALF * CHUNK + half[None, :])
-    T22 = tl.load(t_base + HALF * CHUNK + HALF + half[None, :])
-    lam1 = tl.zeros([HALF], dtype=tl.float32)
-    lam2 = tl.zeros([HALF], dtype=tl.float32)
-    for c in range(0, Dk, TILE):  # as the prepare sums them
-        k1 = load_rows(k_ptr, offs1, mask1, i_h, c + cols, c + cols < Dk, H, Dk)
-        k2 = load_rows(k_ptr, offs2, mask2, i_h, c + cols, c + cols < Dk, H, Dk)
-        lam1 += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), axis=1)
-        lam2 += tl.sum(k2.to(tl.float32) * k2.to(tl.float32), axis=1)
-    a1, b1, ok1, g1, a2, b2, ok2, g2 = half_strengths(
-        lam1, lam2, beta_ptr, g_ptr, offs1, offs2, mask1, mask2, i_h, eps, rule, neg, H,
-        HAS_BETA, HAS_DECAY,
-    )  # fmt: skip
+    # T first: its load is in flight while λ is summed
+    t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
+    T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :])
+    lam = tl.zeros([CHUNK], dtype=tl.float32)
+    for c in range(0, Dk, TILE):
+        k32 = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk).to(tl.float32)
+        lam += tl.sum(k32 * k32, axis=1)
+    a, b, ok, gamma = chunk_strengths(
+        lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
+    )
     # the keys again (from L1/L2)
-    L11, L21, L22 = store_w(
-        T11, T21, T22, a1, a2, g1, g2, ok1, ok2, k_ptr, w_ptr, offs1, offs2, mask1, mask2, i_h,
-        H, Dk, TILE, FOLD, PREC, DT,
-    )  # fmt: skip
-    L11, L21, L22 = u_left(T11, T21, T22, L11, L21, L22, b1, b2, FOLD, DT)
+    T_dt = store_w(T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD, PREC, DT)
+    T_dt = u_left(T, T_dt, b, FOLD, DT)
     for c in range(0, Dv, TILE):
-        v1 = load_rows(v_ptr, offs1, mask1, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
-        v2 = load_rows(v_ptr, offs2, mask2, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
-        finite1 = tl.sum(tl.where(v1 * 0.0 == 0.0, 0, 1), axis=1) == 0
-        finite2 = tl.sum(tl.where(v2 * 0.0 == 0.0, 0, 1), axis=1) == 0
-        y1 = tl.where(finite1[:, None], u_right(v1, b1, FOLD), 0.0)
-        y2 = tl.where(finite2[:, None], u_right(v2, b2, FOLD), 0.0)
-        u1, u2 = halves_product(L11, L21, L22, y1, y2, PREC, DT)
-        store_rows(u_ptr, u1, offs1, mask1, i_h, c + cols, c + cols < Dv, H, Dv)
-        store_rows(u_ptr, u2, offs2, mask2, i_h, c + cols, c + cols < Dv, H, Dv)
+        v32 = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
+        y = u_right(v32, b, FOLD)
+        finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
+        u = mm(T_dt, tl.where(finite[:, None], y, 0.0), PREC, DT)
+        store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
     if STORE_P:  # last, as the prepare's: the keys again (L2) beside the queries
-        offs_t = t0 + tl.arange(0, CHUNK)
-        store_p(q_ptr, k_ptr, g_ptr, p_ptr, scale, i_c, i_h, offs_t, offs_t < eos, H, Dk, TILE,
+        store_p(q_ptr, k_ptr, g_ptr, p_ptr, scale, i_c, i_h, offs_t, mask_t, H, Dk, TILE,
                 HAS_DECAY, PREC)  # fmt: skip
 
 
