@@ -321,7 +321,13 @@ def test_ctrl_c_at_any_moment_of_the_start_is_one_line_and_exit_130(tmp_path):
     """Item 8: Ctrl-C in the first seconds of a command (building the parser imports torch and
     transformers) printed a 14-78-line traceback. SIGINT at several moments after main() is
     entered: one line ('interrupted', or the saved step once training runs), no traceback."""
-    code = "import sys, deltaflow.cli as c; print('ready', flush=True); sys.exit(c.main())"
+    # SIGINT's handler set as a terminal's Python has it: a background job (`cmd &` in a script,
+    # CI's or a person's) inherits SIGINT ignored, and a signal landing before main() installs
+    # its own handler (the load of a busy machine) was then lost: the run trained on
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "import sys, deltaflow.cli as c; print('ready', flush=True); sys.exit(c.main())"
+    )
     argv = [sys.executable, "-c", code, "train", *TINY, "--steps", "100000"]
     env = {**os.environ, **ENV}
     for i, delay in enumerate((0.0, 0.3, 1.0, 2.5)):
