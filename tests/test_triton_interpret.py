@@ -496,3 +496,44 @@ def test_compiled_fullgraph_reads_the_kept_tensors(monkeypatch):
     assert all(a.op == "placeholder" for a in kept.values() if a is not None), kept
     for g, g_ref in zip(grads[1], grads[0]):
         torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "rule, T, Dk", [("delta", 130, 32), ("gated_efla", 65, 64), ("kaczmarz", 1, 16)]
+)
+def test_wide_diagonal_inverses_match_the_batched_ones(monkeypatch, dtype, rule, T, Dk):
+    # prepare.PREPARE_WIDE_DIAGONAL: T's diagonal 16 x 16 inverses as 64-row products with a
+    # block-diagonal left factor instead of a [4, 16, 16] batch: the same products (the added
+    # terms are exact zeros), so the op's outputs, final state and gradients agree with the
+    # batched form to fp32 rounding, and both with the float64 reference.
+    from deltaflow.ops.triton import prepare
+
+    half = dtype == torch.float16
+    inputs = make_inputs(1, T, 2, Dk, Dk, rule=rule, dtype=torch.float64, seed=T)
+    ref = _results(on_device(inputs), rule, "reference")
+    cast = on_device({n: None if x is None else x.to(dtype) for n, x in inputs.items()})
+    got = {}
+    for wide in (False, True):
+        monkeypatch.setattr(prepare, "PREPARE_WIDE_DIAGONAL", wide)
+        got[wide] = _results(cast, rule, "triton")
+    for a, b, r in zip(got[True], got[False], ref, strict=True):
+        assert rel_err(a, b) <= (1e-3 if half else 1e-6)
+        assert rel_err(a, r) <= (1e-2 if half else 1e-4)
+
+
+def _results(inputs: dict, rule: str, backend: str) -> list[torch.Tensor]:
+    """Output, final state and every given input's gradient (zeros where an input is unused, as
+    kaczmarz's β) under a fixed random loss, in float64."""
+    leaves = {
+        n: None if x is None else x.detach().clone().requires_grad_() for n, x in inputs.items()
+    }
+    o, s = delta_rule(**leaves, rule=rule, output_final_state=True, backend=backend)
+    g = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o)
+    ds = torch.randn(s.shape, generator=g, dtype=torch.float64).to(s)
+    ((o.double() * do.double()).sum() + (s.double() * ds.double()).sum()).backward()
+    grads = [
+        torch.zeros_like(x) if x.grad is None else x.grad for x in leaves.values() if x is not None
+    ]
+    return [o.double(), s.double(), *(x.double() for x in grads)]
