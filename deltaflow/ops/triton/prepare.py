@@ -48,9 +48,6 @@ PREPARE_MAXNREG: int | None = 168
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
 # tensor-core products); their error is T's, which every later stage inherits.
 PREPARE_DIAG_PRECISION = "tf32x3"
-# Those six products as 64-row ones (_wide_inverses) rather than a [4, 16, 16] batch
-# (_stack_inverses): under trial (issue 32, session 24), off.
-PREPARE_WIDE_DIAGONAL = False
 # The forward's W and Ũ from T diag(aΓ) and T diag(b) rounded once, with K and V as loaded (see
 # the kernel): the same products with two roundings fewer (aΓK, bV). T's four CHUNK³ products
 # (the off-diagonal part) at the inputs' dot precision (common.dot_precision: "tf32" for
@@ -183,37 +180,6 @@ def _stack_inverses(N, PREC: tl.constexpr):
 
 
 @triton.jit
-def _block_diagonal(x_s):
-    """The CHUNK × CHUNK block-diagonal matrix whose SUB × SUB diagonal blocks are a [CHUNK, SUB]
-    stack ``x_s`` (block b: its rows b·SUB to b·SUB + SUB − 1)."""
-    rows = tl.arange(0, CHUNK)
-    own = (rows[:, None, None] // SUB) == tl.arange(0, CHUNK // SUB)[None, :, None]  # [C, 4, 1]
-    wide = tl.broadcast_to(x_s[:, None, :], [CHUNK, CHUNK // SUB, SUB])
-    return tl.reshape(tl.where(own, wide, 0.0), [CHUNK, CHUNK])
-
-
-@triton.jit
-def _wide_inverses(A, PREC: tl.constexpr):
-    """D = (I + A_diag)⁻¹, A's four SUB × SUB diagonal blocks inverted as
-    :func:`_stack_inverses` does, (I − N)(I + N²)(I + N⁴)(I + N⁸), with each of the six products
-    a CHUNK-row one: the left factor's blocks as a block-diagonal CHUNK × CHUNK matrix, the
-    right's as a [CHUNK, SUB] stack, so every block's product is one [CHUNK, CHUNK] @ [CHUNK, SUB]
-    dot (64-row tensor-core tiles, where the [4, SUB, SUB] batch took layout work: benchmarks/
-    NOTES.md, "Issue 32, session 24"). Returns D as a CHUNK × CHUNK matrix."""
-    tl.static_assert(SUB == 16, "the product below has log2(SUB) = 4 factors")
-    rows = tl.arange(0, CHUNK)
-    own = (rows[:, None, None] // SUB) == tl.arange(0, CHUNK // SUB)[None, :, None]  # [C, 4, 1]
-    n_s = tl.sum(tl.where(own, tl.reshape(A, [CHUNK, CHUNK // SUB, SUB]), 0.0), axis=1)
-    eye = tl.where(rows[:, None] % SUB == tl.arange(0, SUB)[None, :], 1.0, 0.0)  # [C, SUB]
-    n2 = tl.dot(_block_diagonal(n_s), n_s, input_precision=PREC)
-    n4 = tl.dot(_block_diagonal(n2), n2, input_precision=PREC)
-    n8 = tl.dot(_block_diagonal(n4), n4, input_precision=PREC)
-    p = tl.dot(_block_diagonal(eye - n_s), eye + n2, input_precision=PREC)
-    p = tl.dot(_block_diagonal(p), eye + n4, input_precision=PREC)
-    return _block_diagonal(tl.dot(_block_diagonal(p), eye + n8, input_precision=PREC))
-
-
-@triton.jit
 def _mm_t(x, y, PREC: tl.constexpr, PAIR: tl.constexpr):
     """x @ y for fp32 x, y: a tl.dot at PREC, or with PREC = "pair", x and y each as a PAIR
     (bf16/fp16) hi + lo and three PAIR products (lo·lo, 2⁻¹⁶ of the product in bf16, left out):
@@ -229,9 +195,7 @@ def _mm_t(x, y, PREC: tl.constexpr, PAIR: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(
-    A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PAIR: tl.constexpr, WIDE: tl.constexpr
-):
+def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PAIR: tl.constexpr):
     """T = (I + A)⁻¹ for a strictly lower-triangular CHUNK × CHUNK ``A``, in fp32.
 
     The four SUB × SUB diagonal blocks are inverted by :func:`_stack_inverses` (D = their block
@@ -239,15 +203,12 @@ def _unit_lower_inverse(
     strictly block-lower with four blocks, so M⁴ = 0 and T = (I − M + M² − M³)·D,
     evaluated as D − M(D − M(D − M·D)): four CHUNK³ products on the tensor cores (PREC, see
     :func:`_mm_t`)."""
-    if WIDE:  # PREPARE_WIDE_DIAGONAL
-        D = _wide_inverses(A, DIAG_PREC)
-    else:
-        blocks = tl.arange(0, 4)
-        same = blocks[:, None, None, None] == blocks[None, None, :, None]  # [4, 1, 4, 1]
-        diag = tl.sum(tl.where(same, tl.reshape(A, [4, SUB, 4, SUB]), 0.0), axis=2)
-        D = tl.reshape(
-            tl.where(same, _stack_inverses(diag, DIAG_PREC)[:, :, None, :], 0.0), [CHUNK, CHUNK]
-        )
+    blocks = tl.arange(0, 4)
+    same = blocks[:, None, None, None] == blocks[None, None, :, None]  # [4, 1, 4, 1]
+    diag = tl.sum(tl.where(same, tl.reshape(A, [4, SUB, 4, SUB]), 0.0), axis=2)
+    D = tl.reshape(
+        tl.where(same, _stack_inverses(diag, DIAG_PREC)[:, :, None, :], 0.0), [CHUNK, CHUNK]
+    )
     rows = tl.arange(0, CHUNK)
     below = (rows[:, None] // SUB) > (rows[None, :] // SUB)
     M = _mm_t(D, tl.where(below, A, 0.0), PREC, PAIR)
@@ -287,7 +248,6 @@ def chunk_prepare_kernel(
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_P: tl.constexpr,
-    WIDE_DIAGONAL: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages,
@@ -322,7 +282,7 @@ def chunk_prepare_kernel(
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
     pairs = (rows[:, None] > rows[None, :]) & ok[:, None] & ok[None, :]
     A = tl.where(pairs, a[:, None] * decay_matrix(gamma) * kk, 0.0)
-    T = _unit_lower_inverse(A, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty, WIDE_DIAGONAL)
+    T = _unit_lower_inverse(A, T_PREC, DIAG_PREC, k_ptr.dtype.element_ty)
     # (4) W = T diag(aΓ) K and Ũ = T diag(b) V (FOLD: store_w)
     T_dt = store_w(T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD, PREC, DT)
     # A value tile is checked by the sum of its Ũ tile: only a tile with a non-finite value row
@@ -427,7 +387,6 @@ def launch_prepare(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
-        WIDE_DIAGONAL=PREPARE_WIDE_DIAGONAL,
         num_warps=PREPARE_WARPS,
         **({"maxnreg": PREPARE_MAXNREG} if PREPARE_MAXNREG else {}),  # 0 would reach ptxas
     )
