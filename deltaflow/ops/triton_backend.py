@@ -8,11 +8,11 @@ Forward (two or three launches, chunks of ``CHUNK`` = 64 tokens):
   prepare (``triton/prepare.py``) → the fused state pass with outputs (``triton/states.py``),
   or, with fewer sequences × heads than the GPU has multiprocessors, a state pass with narrower
   value blocks, then the per-chunk outputs (``triton/outputs.py``).
-Backward (five launches), by default recomputing rather than storing: prepare again (also
-storing T), the state pass, the reverse state-gradient pass (``triton/dstates.py``), then the
-per-chunk gradients (``triton/gradients.py``). ``SAVE_FOR_BACKWARD`` trades memory for the
-first one or two of them: the forward keeps what they would have recomputed (or, "t", only T,
-from which W and Ũ are rebuilt without the solve).
+Backward (five launches): W and Ũ again, by default rebuilt from the T the forward kept
+(``SAVE_FOR_BACKWARD`` "t", ``triton/rebuild.py``: no solve; "none" runs the whole prepare
+again, "prepare" and "states" keep more and skip a launch or two), the state pass, the reverse
+state-gradient pass (``triton/dstates.py``), then the per-chunk gradients
+(``triton/gradients.py``).
 Decode (one launch): ``triton/decode.py``.
 
 This module owns the buffers (so a checking script can NaN-poison every kernel output, see
