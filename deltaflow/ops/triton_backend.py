@@ -53,7 +53,7 @@ try:
     from deltaflow.ops.triton.gradients import launch_gradients, scratch_matrices, scratch_rows
     from deltaflow.ops.triton.outputs import launch_outputs
     from deltaflow.ops.triton.prepare import launch_prepare, low_precision, t_dtype
-    from deltaflow.ops.triton.rebuild import launch_rebuild
+    from deltaflow.ops.triton.rebuild import launch_rebuild, pass_args
     from deltaflow.ops.triton.segment_states import (
         SegmentTables,
         launch_segmented_dstates,
@@ -322,6 +322,7 @@ def _state_pass(
     rows: int | None = None,
     final_state: Tensor | None = None,
     segments: SegmentTables | None = None,
+    from_t: dict | None = None,
     **kept: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(4), (6): the state entering every chunk (h, in ``h_dtype``, default the dot dtype; ``rows``
@@ -338,7 +339,7 @@ def _state_pass(
     kwargs = dict(w=w, u=u, log_decay=log_decay, initial_state=initial_state, h=h, v_new=v_new)
     kwargs.update(first_bad=first_bad, tables=tables, block_v=block_v, final_state=final_state)
     if segments is None:
-        launch_states(k, **kwargs)
+        launch_states(k, from_t=from_t, **kwargs)
     else:
         launch_segmented_states(k, segments=segments, output=_output, **kept, **kwargs)
     return h, v_new, final_state
@@ -460,16 +461,24 @@ def _backward(
     rule = dict(beta=beta, log_decay=log_decay, tables=tables, kernel_id=kernel_id)
     rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)  # prepare's and gradients'
     segments = _segments(tables, B, T, packed, H, Dv, dstates.DSTATES_BV)  # the reverse pass's
+    state_segments = _segments(tables, B, T, packed, H, Dv, states.BWD_STATES_BV)
     p = None  # the split reverse pass's scale·P, where the rebuild forms it (dstates.DSTATES_P)
+    fold, from_t = "off", {}  # W, Ũ formed in the passes from T (rebuild.REBUILD_IN_PASSES)
     if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
         w, u, t, first_bad = (kept.get(name) for name in ("w", "u", "t", "first_bad"))
     elif "t" in kept:  # its T alone ("t"): W and Ũ rebuilt from it, no solve
         t, first_bad = kept["t"], kept["first_bad"]
-        w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
-        u = _output(B, T, H, Dv, like=k, dtype=k.dtype)
+        if segments is None and state_segments is None:
+            fold = dstates.rebuild_in_passes(k, v)
+            from_t = dict(tables=tables, t=t, v=v, beta=beta, kernel_id=kernel_id, eps=eps)
+            from_t.update(negative_eigenvalues=negative_eigenvalues)
+        # k, v: placeholders the folded passes never read
+        w = k if fold == "both" else _output(B, T, H, Dk, like=k, dtype=k.dtype)
+        u = v if fold != "off" else _output(B, T, H, Dv, like=k, dtype=k.dtype)
         if segments is None and dstates.dstates_takes_p(Dk, Dv, q.dtype):
             p = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=k.dtype)
-        launch_rebuild(k, v, t=t, w=w, u=u, q=q, p=p, scale=scale, **rule)
+        if fold == "off":
+            launch_rebuild(k, v, t=t, w=w, u=u, q=q, p=p, scale=scale, **rule)
     else:
         w, u, t, first_bad, _ = _prepare(k, v, store_t=True, **rule)
     if "h" in kept:  # the forward's state pass ("states")
@@ -487,7 +496,8 @@ def _backward(
             block_v=states.BWD_STATES_BV,
             h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
             final_state=None if initial_state is not None else ds0,
-            segments=_segments(tables, B, T, packed, H, Dv, states.BWD_STATES_BV),
+            segments=state_segments,
+            from_t=pass_args(**from_t, store_w=fold == "states") if fold != "off" else None,
             # the forward's, where it kept them (kept_segment_rows: the states this pass gets)
             entering=entering if entering is not None and entering.shape[0] else None,
         )
@@ -497,7 +507,7 @@ def _backward(
     kwargs = dict(w=w, log_decay=log_decay, grad_o=do, grad_final_state=dsT, tables=tables)
     kwargs.update(scale=scale, dh=dh, du=du, d_initial_state=ds0)
     if segments is None:
-        launch_dstates(q, k, p=p, **kwargs)
+        launch_dstates(q, k, p=p, from_t=pass_args(**from_t) if fold == "both" else None, **kwargs)
     else:
         launch_segmented_dstates(q, k, segments=segments, output=_output, **kwargs)
     dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)

@@ -128,19 +128,32 @@ def store_w(
     without the fold). The prepare's and the rebuild's one copy."""
     cols = tl.arange(0, TILE)
     scale = a * tl.exp(gamma)
-    if FOLD:  # T in fp32 here (t_dtype)
-        T_dt = (T * scale[None, :]).to(DT)
-    else:
-        T_dt = T.to(DT)
+    T_dt = w_left(T, scale, FOLD, DT)
     for c in range(0, Dk, TILE):
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-        if FOLD:
-            x = tl.where(ok[:, None], b_k, 0.0)
-        else:
-            x = tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
-        w = mm(T_dt, x, PREC, DT)
+        w = mm(T_dt, w_right(b_k, scale, ok, FOLD), PREC, DT)
         store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
     return T_dt
+
+
+@triton.jit
+def w_left(T, scale, FOLD: tl.constexpr, DT: tl.constexpr):
+    """W = T diag(aΓ) K's left operand (``scale`` = aΓ): T diag(aΓ) rounded once to DT (FOLD; T
+    in fp32 then, t_dtype) or T rounded alone."""
+    if FOLD:
+        return (T * scale[None, :]).to(DT)
+    else:
+        return T.to(DT)
+
+
+@triton.jit
+def w_right(b_k, scale, ok, FOLD: tl.constexpr):
+    """W's right operand for the keys ``b_k`` (any of their columns): K as loaded (FOLD) or
+    diag(aΓ) K in fp32, a token that is not finite zeroed."""
+    if FOLD:
+        return tl.where(ok[:, None], b_k, 0.0)
+    else:
+        return tl.where(ok[:, None], scale[:, None] * b_k.to(tl.float32), 0.0)
 
 
 @triton.jit

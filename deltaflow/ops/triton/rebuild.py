@@ -35,7 +35,15 @@ from deltaflow.ops.triton.common import (
     mm,
     store_rows,
 )
-from deltaflow.ops.triton.prepare import chunk_strengths, store_p, store_w, u_left, u_right
+from deltaflow.ops.triton.prepare import (
+    chunk_strengths,
+    store_p,
+    store_w,
+    u_left,
+    u_right,
+    w_left,
+    w_right,
+)
 
 # Warps and register cap (0: none). Measured (H200, session 20 call 2, bf16, forward + backward,
 # 8 against 4 warps; 45-61 registers a thread against 84-118, AOT): (8, 4096, 16, 128) 3.286 →
@@ -43,6 +51,12 @@ from deltaflow.ops.triton.prepare import chunk_strengths, store_p, store_w, u_le
 # 256) 11.099 → 11.067.
 REBUILD_WARPS = 8
 REBUILD_MAXNREG = 0
+# Where the backward's state passes run sequence-long and unsplit (dstates.rebuild_in_passes),
+# they may form W and Ũ from the kept T themselves, a chunk at a time, and this kernel does not
+# run (issue 32, session 25): "off"; "states": the recomputed state pass forms W and Ũ and
+# writes W for the reverse pass; "both": the reverse pass forms W too, nothing writes W or Ũ.
+REBUILD_IN_PASSES = "off"
+REBUILD_IN_PASSES_CHOICES = ("off", "states", "both")
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -97,13 +111,74 @@ def chunk_rebuild_kernel(
     T_dt = u_left(T, T_dt, b, FOLD, DT)
     for c in range(0, Dv, TILE):
         v32 = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
-        y = u_right(v32, b, FOLD)
-        finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
-        u = mm(T_dt, tl.where(finite[:, None], y, 0.0), PREC, DT)
+        u = u_product(T_dt, v32, b, FOLD, PREC, DT)
         store_rows(u_ptr, u, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv)
     if STORE_P:  # last, as the prepare's: the keys again (L2) beside the queries
         store_p(q_ptr, k_ptr, g_ptr, p_ptr, scale, i_c, i_h, offs_t, mask_t, H, Dk, TILE,
                 HAS_DECAY, PREC)  # fmt: skip
+
+
+@triton.jit
+def u_product(T_u, v32, b, FOLD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
+    """Ũ = T diag(b) V for the value columns of ``v32`` (fp32 as loaded), ``T_u`` Ũ's left
+    operand (``u_left``), a row not finite in these columns zeroed first (as the prepare
+    recomputes such a tile). The rebuild's and the state pass's one copy."""
+    y = u_right(v32, b, FOLD)
+    finite = tl.sum(tl.where(v32 * 0.0 == 0.0, 0, 1), axis=1) == 0
+    return mm(T_u, tl.where(finite[:, None], y, 0.0), PREC, DT)
+
+
+@triton.jit
+def rebuilt_w(
+    t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps, rule, neg, H: tl.constexpr,
+    HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
+    DT: tl.constexpr,
+):  # fmt: skip
+    """For a state pass that rebuilds as it goes (REBUILD_IN_PASSES): W of chunk ``c``, head
+    ``i_h`` from its kept T and its keys ``b_k`` (every key column: λ sums them), rounded to DT
+    as the rebuild stores it; with Ũ's left operand and the strengths b for :func:`u_product`.
+    The rebuild kernel's lines on the whole key block at once."""
+    rows = tl.arange(0, CHUNK)
+    T = tl.load(t_ptr + (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :])
+    k32 = b_k.to(tl.float32)
+    a, b, ok, gamma = chunk_strengths(
+        tl.sum(k32 * k32, axis=1), beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H,
+        HAS_BETA, HAS_DECAY,
+    )  # fmt: skip
+    scale = a * tl.exp(gamma)
+    T_dt = w_left(T, scale, FOLD, DT)
+    W = mm(T_dt, w_right(b_k, scale, ok, FOLD), PREC, DT).to(DT)
+    return W, u_left(T, T_dt, b, FOLD, DT), b
+
+
+def pass_args(
+    tables: ChunkTables,
+    *,
+    t: Tensor | None = None,
+    v: Tensor | None = None,
+    beta: Tensor | None = None,
+    kernel_id: int = 0,
+    negative_eigenvalues: bool = False,
+    eps: float = 0.0,
+    store_w: bool = False,
+) -> dict:
+    """The sequence-long state passes' arguments for W (and Ũ from ``v``) formed in the pass
+    from the kept ``t`` (REBUILD_IN_PASSES; ``store_w``: the pass also writes W, for the reverse
+    pass), or, ``t`` None, for reading the rebuild's (placeholders, FROM_T off)."""
+    ph = tables.placeholder
+    fold = v is not None and prepare.backward_settings(v.dtype, t_kept=True)["FOLD"]
+    return dict(
+        t_ptr=ph if t is None else t,
+        v_ptr=ph if v is None else v,
+        beta_ptr=ph if beta is None else beta,
+        eps=eps,
+        rule=kernel_id,
+        neg=int(negative_eigenvalues),
+        HAS_BETA=beta is not None,
+        FOLD=bool(fold),
+        FROM_T=t is not None,
+        STORE_W=store_w,
+    )
 
 
 def launch_rebuild(

@@ -35,7 +35,9 @@ from deltaflow.ops.triton.common import (
     head_block,
     key_block,
     load_rows,
+    store_rows,
 )
+from deltaflow.ops.triton.rebuild import pass_args, rebuilt_w, u_product
 from deltaflow.ops.triton.states_split import split_forward_kernel, split_states_kernel
 
 # Launch settings (benchmarks/NOTES.md; benchmarks/tune_backward.py sweeps them). The fused
@@ -270,7 +272,7 @@ def chunk_state_update(S, U, b_k, gamma, gamma_last, DT: tl.constexpr, PREC: tl.
     return tl.exp(gamma_last) * S + tl.dot(tl.trans(b_k), u_to_end, input_precision=PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rule", "neg"])  # FROM_T: every rule one compiled kernel
 def chunk_states_kernel(
     k_ptr,
     w_ptr,
@@ -283,6 +285,12 @@ def chunk_states_kernel(
     first_bad_ptr,
     cu_seqlens_ptr,
     chunk_offsets_ptr,
+    t_ptr,
+    v_ptr,
+    beta_ptr,
+    eps,
+    rule,
+    neg,
     H: tl.constexpr,
     Dk: tl.constexpr,
     Dv: tl.constexpr,
@@ -291,15 +299,21 @@ def chunk_states_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_S0: tl.constexpr,
     PREC: tl.constexpr,
+    HAS_BETA: tl.constexpr,
+    FOLD: tl.constexpr,
+    FROM_T: tl.constexpr,
+    STORE_W: tl.constexpr,
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
-    States after a chunk with a non-finite input are stored as NaN."""
+    States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
+    here from the kept T, k, v and the rule (rebuild.py's lines; STORE_W: the first value
+    block's program writes W for the reverse pass) instead of read."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
     eos = tl.load(cu_seqlens_ptr + i_n + 1)
     c_first = tl.load(chunk_offsets_ptr + i_n)
-    DT = w_ptr.dtype.element_ty
+    DT = k_ptr.dtype.element_ty  # W's, Ũ's, U's
 
     rows = tl.arange(0, CHUNK)
     offs_k = tl.arange(0, BK)
@@ -313,6 +327,7 @@ def chunk_states_kernel(
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
+    w_cols = tl.where(i_v == 0, Dk, 0)  # STORE_W: the first value block's program writes W
     poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
     n_chunks = tl.cdiv(eos - bos, CHUNK)
     for j in range(0, n_chunks):
@@ -321,9 +336,17 @@ def chunk_states_kernel(
         c = (c_first + j).to(tl.int64)
         h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
         tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
-        b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-        b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
+        if FROM_T:
+            b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps,
+                                    rule, neg, H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
+            if STORE_W:
+                store_rows(w_ptr, b_w, offs_t, mask_t, i_h, offs_k, offs_k < w_cols, H, Dk)
+            v32 = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
+            b_u = u_product(T_u, v32, b, FOLD, PREC, DT).to(DT).to(tl.float32)
+        else:
+            b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+            b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
         gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
         U = chunk_u(b_u, b_w, S, DT, PREC)  # (4)
@@ -363,11 +386,13 @@ def launch_states(
     final_state: Tensor,
     split_k: int = 0,
     maxnreg: int = 0,
+    from_t: dict | None = None,
 ) -> None:
     """(4), (6) sequentially per sequence: ``h`` (S_0 of every chunk, [chunks, H, Dk, Dv]),
     ``v_new`` (U, like v) and ``final_state``, in value blocks of ``block_v`` columns.
     ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: STATES_SPLIT_K's
-    rows, no cap): the segments' step 3 may take its own."""
+    rows, no cap): the segments' step 3 may take its own. ``from_t``: rebuild.pass_args' for W
+    and Ũ formed in the pass (``w``: W's buffer with STORE_W, ``u`` unread), unsplit only."""
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, k.dtype), block_v)
@@ -375,7 +400,12 @@ def launch_states(
     launch = {"num_warps": STATES_WARPS, **split_launch(BK, k.dtype, split_k or STATES_SPLIT_K)}
     if maxnreg:
         launch["maxnreg"] = maxnreg
-    kernel = split_states_kernel if "BKS" in launch else chunk_states_kernel
+    if "BKS" in launch:
+        kernel = split_states_kernel
+        if from_t is not None:
+            raise ValueError("launch_states: from_t is for the unsplit pass")
+    else:
+        kernel, launch = chunk_states_kernel, {**launch, **(from_t or pass_args(tables))}
     kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,
