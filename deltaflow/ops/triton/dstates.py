@@ -23,8 +23,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from deltaflow.ops.triton import prepare, rebuild
-from deltaflow.ops.triton import states  # STATES_SPLIT_K read at call time (sweepable)
+from deltaflow.ops.triton import (
+    prepare,
+    rebuild,
+    states,  # STATES_SPLIT_K read at call time (sweepable)
+)
 from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
@@ -132,6 +135,7 @@ def chunk_dstates_kernel(
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
     STORE_W: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """(7)–(8) along one sequence from its end, for one head and BV value columns:
     dU = scale·Pᵀ dO + K̃ G,   G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU,
@@ -159,6 +163,10 @@ def chunk_dstates_kernel(
         G = tl.zeros([BK, BV], dtype=tl.float32)
 
     n_chunks = tl.cdiv(eos - bos, CHUNK)
+    if FROM_T and AHEAD:  # each step forms the next (earlier) chunk's W after its update
+        b_w = rebuilt_chunk_w(n_chunks - 1, t_ptr, k_ptr, beta_ptr, g_ptr, bos, eos, c_first,
+                              n_chunks, i_h, offs_k, mask_k, eps, rule, neg, H, Dk, HAS_BETA,
+                              HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
     for jj in range(0, n_chunks):
         j = n_chunks - 1 - jj
         offs_t = bos + j * CHUNK + rows
@@ -187,12 +195,33 @@ def chunk_dstates_kernel(
         # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU
         do_gamma = scaled_grad_o(b_do, gamma, scale)
         G_carry = dstate_add_outputs(tl.exp(gamma_last) * G, b_q, do_gamma, DT, PREC)
-        if FROM_T:  # late: W's registers live only for its one product
+        if FROM_T and not AHEAD:  # late: W's registers live only for its one product
             b_w, _, _ = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps, rule,
                                   neg, H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
         G = dstate_finish(G_carry, b_w, dU, DT, PREC)
+        if FROM_T and AHEAD:
+            b_w = rebuilt_chunk_w(j - 1, t_ptr, k_ptr, beta_ptr, g_ptr, bos, eos, c_first,
+                                  n_chunks, i_h, offs_k, mask_k, eps, rule, neg, H, Dk, HAS_BETA,
+                                  HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
 
     tl.store(ds0_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, G, mask=state_mask)
+
+
+@triton.jit
+def rebuilt_chunk_w(
+    j, t_ptr, k_ptr, beta_ptr, g_ptr, bos, eos, c_first, n_chunks, i_h, offs_k, mask_k, eps,
+    rule, neg, H: tl.constexpr, Dk: tl.constexpr, HAS_BETA: tl.constexpr,
+    HAS_DECAY: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """W (DT) of chunk ``j`` of the sequence from the kept T (rebuild.rebuilt_w); a chunk before
+    its start (the first chunk's look-ahead) reads the first chunk's T, its value unused."""
+    offs_t = bos + j * CHUNK + tl.arange(0, CHUNK)
+    mask_t = (offs_t >= bos) & (offs_t < eos)
+    c = tl.maximum(c_first + j, c_first).to(tl.int64)
+    b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+    b_w, _, _ = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps, rule, neg, H,
+                          HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
+    return b_w
 
 
 def dstates_split_k(BK: int) -> int:

@@ -57,6 +57,9 @@ REBUILD_MAXNREG = 0
 # writes W for the reverse pass; "both": the reverse pass forms W too, nothing writes W or Ũ.
 REBUILD_IN_PASSES = "off"
 REBUILD_IN_PASSES_CHOICES = ("off", "states", "both")
+# The state pass forms the next chunk's W and Ũ after each state update, off the chain's
+# critical path, rather than at the start of the step that reads them.
+REBUILD_AHEAD = True
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -178,6 +181,7 @@ def pass_args(
         FOLD=bool(fold),
         FROM_T=t is not None,
         STORE_W=store_w,
+        AHEAD=REBUILD_AHEAD,
     )
 
 

@@ -303,6 +303,7 @@ def chunk_states_kernel(
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
     STORE_W: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
     States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
@@ -327,9 +328,14 @@ def chunk_states_kernel(
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
-    w_cols = tl.where(i_v == 0, Dk, 0)  # STORE_W: the first value block's program writes W
     poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
     n_chunks = tl.cdiv(eos - bos, CHUNK)
+    if FROM_T:
+        w_cols = tl.where(i_v == 0, Dk, 0)  # STORE_W: the first value block's program writes W
+        if AHEAD:  # each step forms the next chunk's W and Ũ after its state update
+            b_w, b_u = rebuilt_chunk(0, t_ptr, k_ptr, v_ptr, w_ptr, beta_ptr, g_ptr, bos, eos,
+                c_first, n_chunks, i_h, offs_k, mask_k, offs_v, mask_v, w_cols, eps, rule, neg, H,
+                Dk, Dv, HAS_BETA, HAS_DECAY, FOLD, STORE_W, PREC, DT)  # fmt: skip
     for j in range(0, n_chunks):
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
@@ -338,12 +344,10 @@ def chunk_states_kernel(
         tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         if FROM_T:
-            b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps,
-                                    rule, neg, H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
-            if STORE_W:
-                store_rows(w_ptr, b_w, offs_t, mask_t, i_h, offs_k, offs_k < w_cols, H, Dk)
-            v32 = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
-            b_u = u_product(T_u, v32, b, FOLD, PREC, DT).to(DT).to(tl.float32)
+            if not AHEAD:
+                b_w, b_u = rebuilt_chunk(j, t_ptr, k_ptr, v_ptr, w_ptr, beta_ptr, g_ptr, bos, eos,
+                    c_first, n_chunks, i_h, offs_k, mask_k, offs_v, mask_v, w_cols, eps, rule, neg,
+                    H, Dk, Dv, HAS_BETA, HAS_DECAY, FOLD, STORE_W, PREC, DT)  # fmt: skip
         else:
             b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
             b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
@@ -355,8 +359,35 @@ def chunk_states_kernel(
         S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)  # (6)
         first_bad = tl.load(first_bad_ptr + c * H + i_h)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
+        if FROM_T and AHEAD:
+            b_w, b_u = rebuilt_chunk(j + 1, t_ptr, k_ptr, v_ptr, w_ptr, beta_ptr, g_ptr, bos, eos,
+                c_first, n_chunks, i_h, offs_k, mask_k, offs_v, mask_v, w_cols, eps, rule, neg, H,
+                Dk, Dv, HAS_BETA, HAS_DECAY, FOLD, STORE_W, PREC, DT)  # fmt: skip
 
     tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S + poison, mask=state_mask)
+
+
+@triton.jit
+def rebuilt_chunk(
+    j, t_ptr, k_ptr, v_ptr, w_ptr, beta_ptr, g_ptr, bos, eos, c_first, n_chunks, i_h, offs_k,
+    mask_k, offs_v, mask_v, w_cols, eps, rule, neg, H: tl.constexpr, Dk: tl.constexpr,
+    Dv: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr, FOLD: tl.constexpr,
+    STORE_W: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """W (DT, written where STORE_W and ``w_cols``) and Ũ (fp32) of chunk ``j`` of the
+    sequence, formed from the kept T (rebuild.rebuilt_w, rebuild.u_product); a chunk past its
+    end (the last step's look-ahead) reads the last chunk's T and stores nothing."""
+    rows = tl.arange(0, CHUNK)
+    offs_t = bos + j * CHUNK + rows
+    mask_t = offs_t < eos
+    c = tl.maximum(tl.minimum(c_first + j, c_first + n_chunks - 1), 0).to(tl.int64)
+    b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+    b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps, rule, neg,
+                            H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
+    if STORE_W:
+        store_rows(w_ptr, b_w, offs_t, mask_t, i_h, offs_k, offs_k < w_cols, H, Dk)
+    v32 = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
+    return b_w, u_product(T_u, v32, b, FOLD, PREC, DT).to(DT).to(tl.float32)
 
 
 def pass_stages(BK: int, *, split: bool) -> int:
