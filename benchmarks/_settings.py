@@ -49,7 +49,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "common.FP32_MIN_KEY_BLOCK_WHEN": ("wider_value", "unequal", "narrow"),
     "triton_backend.FORWARD_MODE": ("auto", "fused", "two_pass"),
     "triton_backend.SEQUENCE_PARALLEL_STATES": ("off", "on", "auto"),
-    "rebuild.REBUILD_IN_PASSES": ("off", "states", "both"),
     "gradients.GRADS_LEAN": ("off", "on", "auto"),
     "gradients.GRADS_FUSED": ("off", "on", "auto"),
     "segment_chain.SEGMENT_CHAIN": ("triton", "torch"),

@@ -463,21 +463,18 @@ def _backward(
     segments = _segments(tables, B, T, packed, H, Dv, dstates.DSTATES_BV)  # the reverse pass's
     state_segments = _segments(tables, B, T, packed, H, Dv, states.BWD_STATES_BV)
     p = None  # the split reverse pass's scale·P, where the rebuild forms it (dstates.DSTATES_P)
-    fold, from_t = "off", {}  # W, Ũ formed in the passes from T (rebuild.REBUILD_IN_PASSES)
+    from_t = None  # W, Ũ formed by the state pass (states.rebuilds_w_u): rebuild.pass_args
     if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
         w, u, t, first_bad = (kept.get(name) for name in ("w", "u", "t", "first_bad"))
     elif "t" in kept:  # its T alone ("t"): W and Ũ rebuilt from it, no solve
         t, first_bad = kept["t"], kept["first_bad"]
-        if segments is None and state_segments is None:
-            fold = dstates.rebuild_in_passes(k, v)
-            from_t = dict(tables=tables, t=t, v=v, beta=beta, kernel_id=kernel_id, eps=eps)
-            from_t.update(negative_eigenvalues=negative_eigenvalues)
-        # k, v: placeholders the folded passes never read
-        w = k if fold == "both" else _output(B, T, H, Dk, like=k, dtype=k.dtype)
-        u = v if fold != "off" else _output(B, T, H, Dv, like=k, dtype=k.dtype)
+        w = _output(B, T, H, Dk, like=k, dtype=k.dtype)
         if segments is None and dstates.dstates_takes_p(Dk, Dv, q.dtype):
             p = _output(n, H, CHUNK.value, CHUNK.value, like=k, dtype=k.dtype)
-        if fold == "off":
+        if p is None and state_segments is None and states.rebuilds_w_u(k, v):
+            u, from_t = v, pass_args(t, v, **rule)  # v: a placeholder the pass does not read
+        else:
+            u = _output(B, T, H, Dv, like=k, dtype=k.dtype)
             launch_rebuild(k, v, t=t, w=w, u=u, q=q, p=p, scale=scale, **rule)
     else:
         w, u, t, first_bad, _ = _prepare(k, v, store_t=True, **rule)
@@ -497,7 +494,7 @@ def _backward(
             h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
             final_state=None if initial_state is not None else ds0,
             segments=state_segments,
-            from_t=pass_args(**from_t, store_w=fold == "states") if fold != "off" else None,
+            from_t=from_t,
             # the forward's, where it kept them (kept_segment_rows: the states this pass gets)
             entering=entering if entering is not None and entering.shape[0] else None,
         )
@@ -507,7 +504,7 @@ def _backward(
     kwargs = dict(w=w, log_decay=log_decay, grad_o=do, grad_final_state=dsT, tables=tables)
     kwargs.update(scale=scale, dh=dh, du=du, d_initial_state=ds0)
     if segments is None:
-        launch_dstates(q, k, p=p, from_t=pass_args(**from_t) if fold == "both" else None, **kwargs)
+        launch_dstates(q, k, p=p, **kwargs)
     else:
         launch_segmented_dstates(q, k, segments=segments, output=_output, **kwargs)
     dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)
@@ -572,20 +569,10 @@ def delta_rule(
     _check_chunk_size(chunk_size)
     # the packed sequences' op is marked unsafe for CUDA graphs (triton_ops.chunk_fwd_for)
     o, state, *_kept = chunk_fwd_for(cu_seqlens)(  # the kept tensors live on in autograd
-        q,
-        k,
-        v,
-        beta,
-        log_decay,
-        initial_state,
-        cu_seqlens,
-        kernel_id_of(rule),
-        negative_eigenvalues,
-        eps,
-        scale,
-        CHUNK.value,
+        q, k, v, beta, log_decay, initial_state, cu_seqlens, kernel_id_of(rule),
+        negative_eigenvalues, eps, scale, CHUNK.value,
         _save_mode(q, k, v, beta, log_decay, initial_state),
-    )
+    )  # fmt: skip
     return o, (state if output_final_state else None)
 
 

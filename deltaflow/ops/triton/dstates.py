@@ -23,11 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from deltaflow.ops.triton import (
-    prepare,
-    rebuild,
-    states,  # STATES_SPLIT_K read at call time (sweepable)
-)
+from deltaflow.ops.triton import states  # STATES_SPLIT_K read at call time (sweepable)
 from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
@@ -41,7 +37,6 @@ from deltaflow.ops.triton.common import (
     load_rows,
     scaled_grad_o,
 )
-from deltaflow.ops.triton.rebuild import pass_args, rebuilt_w
 from deltaflow.ops.triton.states import split_launch, split_rows
 from deltaflow.ops.triton.states_split import split_dstates_kernel
 
@@ -103,7 +98,7 @@ def dstate_finish(G_carry, b_w, dU, DT: tl.constexpr, PREC: tl.constexpr):
     return G_carry - tl.dot(tl.trans(b_w), dU.to(DT), input_precision=PREC)
 
 
-@triton.jit(do_not_specialize=["rule", "neg"])  # FROM_T: every rule one compiled kernel
+@triton.jit
 def chunk_dstates_kernel(
     q_ptr,
     k_ptr,
@@ -117,12 +112,6 @@ def chunk_dstates_kernel(
     cu_seqlens_ptr,
     chunk_offsets_ptr,
     scale,
-    t_ptr,
-    v_ptr,
-    beta_ptr,
-    eps,
-    rule,
-    neg,
     H: tl.constexpr,
     Dk: tl.constexpr,
     Dv: tl.constexpr,
@@ -131,24 +120,17 @@ def chunk_dstates_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
-    HAS_BETA: tl.constexpr,
-    FOLD: tl.constexpr,
-    FROM_T: tl.constexpr,
-    STORE_W: tl.constexpr,
-    AHEAD: tl.constexpr,
 ):
     """(7)–(8) along one sequence from its end, for one head and BV value columns:
     dU = scale·Pᵀ dO + K̃ G,   G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU,
     with G the gradient of the state leaving the chunk (stored as dh) and K̃ = diag(e^{γ_C − γ}) K.
-    FROM_T: W formed here from the kept T, k and the rule (rebuild.rebuilt_w) instead of read
-    (``v_ptr``, STORE_W: rebuild.pass_args' for the state pass, unused here).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
     eos = tl.load(cu_seqlens_ptr + i_n + 1)
     c_first = tl.load(chunk_offsets_ptr + i_n)
-    DT = k_ptr.dtype.element_ty
+    DT = w_ptr.dtype.element_ty
 
     rows = tl.arange(0, CHUNK)
     offs_k = tl.arange(0, BK)
@@ -163,10 +145,6 @@ def chunk_dstates_kernel(
         G = tl.zeros([BK, BV], dtype=tl.float32)
 
     n_chunks = tl.cdiv(eos - bos, CHUNK)
-    if FROM_T and AHEAD:  # each step forms the next (earlier) chunk's W after its update
-        b_w = rebuilt_chunk_w(n_chunks - 1, t_ptr, k_ptr, beta_ptr, g_ptr, bos, eos, c_first,
-                              n_chunks, i_h, offs_k, mask_k, eps, rule, neg, H, Dk, HAS_BETA,
-                              HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
     for jj in range(0, n_chunks):
         j = n_chunks - 1 - jj
         offs_t = bos + j * CHUNK + rows
@@ -179,8 +157,7 @@ def chunk_dstates_kernel(
         )
         b_q = load_rows(q_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-        if not FROM_T:
-            b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+        b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
         gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
@@ -195,33 +172,9 @@ def chunk_dstates_kernel(
         # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU
         do_gamma = scaled_grad_o(b_do, gamma, scale)
         G_carry = dstate_add_outputs(tl.exp(gamma_last) * G, b_q, do_gamma, DT, PREC)
-        if FROM_T and not AHEAD:  # late: W's registers live only for its one product
-            b_w, _, _ = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps, rule,
-                                  neg, H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
         G = dstate_finish(G_carry, b_w, dU, DT, PREC)
-        if FROM_T and AHEAD:
-            b_w = rebuilt_chunk_w(j - 1, t_ptr, k_ptr, beta_ptr, g_ptr, bos, eos, c_first,
-                                  n_chunks, i_h, offs_k, mask_k, eps, rule, neg, H, Dk, HAS_BETA,
-                                  HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
 
     tl.store(ds0_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, G, mask=state_mask)
-
-
-@triton.jit
-def rebuilt_chunk_w(
-    j, t_ptr, k_ptr, beta_ptr, g_ptr, bos, eos, c_first, n_chunks, i_h, offs_k, mask_k, eps,
-    rule, neg, H: tl.constexpr, Dk: tl.constexpr, HAS_BETA: tl.constexpr,
-    HAS_DECAY: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-):  # fmt: skip
-    """W (DT) of chunk ``j`` of the sequence from the kept T (rebuild.rebuilt_w); a chunk before
-    its start (the first chunk's look-ahead) reads the first chunk's T, its value unused."""
-    offs_t = bos + j * CHUNK + tl.arange(0, CHUNK)
-    mask_t = (offs_t >= bos) & (offs_t < eos)
-    c = tl.maximum(c_first + j, c_first).to(tl.int64)
-    b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-    b_w, _, _ = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps, rule, neg, H,
-                          HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
-    return b_w
 
 
 def dstates_split_k(BK: int) -> int:
@@ -240,25 +193,6 @@ def dstates_takes_p(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
         return False
     BK = key_block(Dk, Dv, dtype)
     return bool(split_rows(BK, dtype, dstates_split_k(BK)))
-
-
-def rebuild_in_passes(k: Tensor, v: Tensor) -> str:
-    """rebuild.REBUILD_IN_PASSES where both sequence-long passes over ``k``, ``v`` (the op's
-    inputs, as the kernels take them) can form W and Ũ themselves, else "off": key blocks
-    unsplit (λ sums every key column of the block), the rebuild's products in the passes' dtype,
-    the state pass's value block within one of the rebuild's column tiles (a row that is not
-    finite zeroed over the same columns). The caller checks the rest: T kept, no segments."""
-    mode = rebuild.REBUILD_IN_PASSES
-    if mode not in rebuild.REBUILD_IN_PASSES_CHOICES:
-        choices = ", ".join(rebuild.REBUILD_IN_PASSES_CHOICES)
-        raise ValueError(f"rebuild.REBUILD_IN_PASSES must be one of {choices}, got {mode!r}")
-    Dk, Dv, dtype = k.shape[3], v.shape[3], k.dtype
-    BK = key_block(Dk, Dv, dtype)
-    BV = min(head_block(Dv, dtype), states.BWD_STATES_BV)
-    unsplit = not split_rows(BK, dtype) and not split_rows(BK, dtype, dstates_split_k(BK))
-    dots = prepare.backward_settings(dtype, t_kept=True)["LOW_PRECISION_DOTS"]
-    tiled = BV == prepare.tile(k, v) or BV >= Dv
-    return mode if unsplit and dots == (dtype != torch.float32) and tiled else "off"
 
 
 def dstates_stages(BK: int, *, split: bool) -> int:
@@ -286,15 +220,13 @@ def launch_dstates(
     split_k: int = 0,
     maxnreg: int = 0,
     p: Tensor | None = None,
-    from_t: dict | None = None,
 ) -> None:
     """(7)–(8) from each sequence's end: ``dh`` (the state's gradient leaving every chunk),
     ``du`` (dU, like v) and ``d_initial_state`` ([N, H, Dk, Dv] fp32). ``grad_final_state``
     None: the final state was not used (its gradient is zero, and no zeros are read).
     ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: dstates_split_k's
     rows, DSTATES_MAXNREG): the segments' step 3 takes its own. ``p``: the rebuild's scale·P for
-    the split kernel (``dstates_takes_p``), else None. ``from_t``: rebuild.pass_args' for W
-    formed in the pass (``w`` unread), unsplit only."""
+    the split kernel (``dstates_takes_p``), else None."""
     H, Dk, Dv = q.shape[2], q.shape[3], grad_o.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BK = key_block(Dk, Dv, q.dtype)
@@ -306,12 +238,8 @@ def launch_dstates(
     kernel = split_dstates_kernel if "BKS" in launch else chunk_dstates_kernel
     if "BKS" in launch:
         launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
-        if from_t is not None:
-            raise ValueError("launch_dstates: from_t is for the unsplit reverse pass")
     elif p is not None:
         raise ValueError("launch_dstates: p is for the split reverse pass (dstates_takes_p)")
-    else:
-        launch.update(from_t or pass_args(tables))
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,

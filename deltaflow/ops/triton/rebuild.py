@@ -51,15 +51,6 @@ from deltaflow.ops.triton.prepare import (
 # 256) 11.099 → 11.067.
 REBUILD_WARPS = 8
 REBUILD_MAXNREG = 0
-# Where the backward's state passes run sequence-long and unsplit (dstates.rebuild_in_passes),
-# they may form W and Ũ from the kept T themselves, a chunk at a time, and this kernel does not
-# run (issue 32, session 25): "off"; "states": the recomputed state pass forms W and Ũ and
-# writes W for the reverse pass; "both": the reverse pass forms W too, nothing writes W or Ũ.
-REBUILD_IN_PASSES = "off"
-REBUILD_IN_PASSES_CHOICES = ("off", "states", "both")
-# The state pass forms the next chunk's W and Ũ after each state update, off the chain's
-# critical path, rather than at the start of the step that reads them.
-REBUILD_AHEAD = True
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -137,7 +128,7 @@ def rebuilt_w(
     HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr,
     DT: tl.constexpr,
 ):  # fmt: skip
-    """For a state pass that rebuilds as it goes (REBUILD_IN_PASSES): W of chunk ``c``, head
+    """For the state pass that rebuilds as it goes (states.rebuilds_w_u): W of chunk ``c``, head
     ``i_h`` from its kept T and its keys ``b_k`` (every key column: λ sums them), rounded to DT
     as the rebuild stores it; with Ũ's left operand and the strengths b for :func:`u_product`.
     The rebuild kernel's lines on the whole key block at once."""
@@ -155,19 +146,20 @@ def rebuilt_w(
 
 
 def pass_args(
-    tables: ChunkTables,
+    t: Tensor | None,
+    v: Tensor | None,
     *,
-    t: Tensor | None = None,
-    v: Tensor | None = None,
+    tables: ChunkTables,
     beta: Tensor | None = None,
+    log_decay: Tensor | None = None,
     kernel_id: int = 0,
     negative_eigenvalues: bool = False,
     eps: float = 0.0,
-    store_w: bool = False,
 ) -> dict:
-    """The sequence-long state passes' arguments for W (and Ũ from ``v``) formed in the pass
-    from the kept ``t`` (REBUILD_IN_PASSES; ``store_w``: the pass also writes W, for the reverse
-    pass), or, ``t`` None, for reading the rebuild's (placeholders, FROM_T off)."""
+    """The state pass's arguments for W and Ũ formed in the pass from the kept ``t`` and ``v``
+    (states.rebuilds_w_u) and the rule (launch_rebuild's keywords; ``log_decay`` is the pass's
+    own argument already), or, ``t`` None, for reading the rebuild's (placeholders, FROM_T
+    off)."""
     ph = tables.placeholder
     fold = v is not None and prepare.backward_settings(v.dtype, t_kept=True)["FOLD"]
     return dict(
@@ -180,8 +172,6 @@ def pass_args(
         HAS_BETA=beta is not None,
         FOLD=bool(fold),
         FROM_T=t is not None,
-        STORE_W=store_w,
-        AHEAD=REBUILD_AHEAD,
     )
 
 

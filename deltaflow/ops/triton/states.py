@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from deltaflow.ops.triton import prepare
 from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
@@ -63,6 +64,12 @@ STATES_STAGES_MAX_BK = 128
 STATES_STAGES_NARROW = 3
 NARROW_MAX_BK = 64
 BWD_STATES_BV = 64  # the state pass recomputed by the backward
+# That pass forms W and Ũ from the kept T itself (rebuild.py's lines) at key blocks up to
+# STATES_REBUILD_MAX_BK (rebuilds_w_u; 0: never), and the rebuild kernel does not run. H200,
+# session 25 call 1, bf16, forward + backward: −0.07 ms at (16, 2048, 32, 64) (the pass +0.12,
+# the rebuild's 0.19 gone), +0.04 at (8, 4096, 16, 128) (+0.22: W formed by the programs of
+# both value blocks); the reverse pass forming W too lost at both (benchmarks/NOTES.md).
+STATES_REBUILD_MAX_BK = 64
 # The three passes with the state as row blocks of STATES_SPLIT_K key rows (states_split.py) for a
 # launch whose key block is wider; 0: never (128: D = 256 forward + backward 14.06 → 11.25 ms,
 # benchmarks/NOTES.md, session 19). A block is never narrower than the dtype floor
@@ -102,6 +109,22 @@ def forward_takes_p(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
     if not SPLIT_FORWARD_P or dtype in SPLIT_FORWARD_P_SKIP:
         return False
     return bool(split_rows(key_block(Dk, Dv, dtype), dtype, SPLIT_FORWARD_K or None))
+
+
+def rebuilds_w_u(k: Tensor, v: Tensor) -> bool:
+    """Whether the backward's recomputed state pass over ``k``, ``v`` (the op's inputs as the
+    kernels take them) forms W and Ũ itself (STATES_REBUILD_MAX_BK): its key block unsplit and
+    within the setting (λ sums every key column of the block), the rebuild's products in the
+    pass's dtype, its value block one of the rebuild's column tiles (a row that is not finite
+    zeroed over the same columns). The caller checks the rest: T kept, the pass not in
+    segments."""
+    Dk, Dv, dtype = k.shape[3], v.shape[3], k.dtype
+    BK = key_block(Dk, Dv, dtype)
+    BV = min(head_block(Dv, dtype), BWD_STATES_BV)
+    dots = prepare.backward_settings(dtype, t_kept=True)["LOW_PRECISION_DOTS"]
+    tiled = BV == prepare.tile(k, v) or BV >= Dv
+    unsplit = not split_rows(BK, dtype)
+    return BK <= STATES_REBUILD_MAX_BK and unsplit and dots == (dtype != torch.float32) and tiled
 
 
 def split_launch(BK: int, dtype: torch.dtype, split_k: int | None = None) -> dict:
@@ -302,13 +325,11 @@ def chunk_states_kernel(
     HAS_BETA: tl.constexpr,
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
-    STORE_W: tl.constexpr,
-    AHEAD: tl.constexpr,
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
     States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
-    here from the kept T, k, v and the rule (rebuild.py's lines; STORE_W: the first value
-    block's program writes W for the reverse pass) instead of read."""
+    here from the kept T, k, v and the rule (rebuild.py's lines and roundings) instead of read,
+    and W written by the first value block's program for the reverse pass (rebuilds_w_u)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
@@ -329,13 +350,8 @@ def chunk_states_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
     poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
+    w_cols = tl.where(i_v == 0, Dk, 0)  # FROM_T: the first value block's program writes W
     n_chunks = tl.cdiv(eos - bos, CHUNK)
-    if FROM_T:
-        w_cols = tl.where(i_v == 0, Dk, 0)  # STORE_W: the first value block's program writes W
-        if AHEAD:  # each step forms the next chunk's W and Ũ after its state update
-            b_w, b_u = rebuilt_chunk(0, t_ptr, k_ptr, v_ptr, w_ptr, beta_ptr, g_ptr, bos, eos,
-                c_first, n_chunks, i_h, offs_k, mask_k, offs_v, mask_v, w_cols, eps, rule, neg, H,
-                Dk, Dv, HAS_BETA, HAS_DECAY, FOLD, STORE_W, PREC, DT)  # fmt: skip
     for j in range(0, n_chunks):
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
@@ -343,11 +359,12 @@ def chunk_states_kernel(
         h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
         tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-        if FROM_T:
-            if not AHEAD:
-                b_w, b_u = rebuilt_chunk(j, t_ptr, k_ptr, v_ptr, w_ptr, beta_ptr, g_ptr, bos, eos,
-                    c_first, n_chunks, i_h, offs_k, mask_k, offs_v, mask_v, w_cols, eps, rule, neg,
-                    H, Dk, Dv, HAS_BETA, HAS_DECAY, FOLD, STORE_W, PREC, DT)  # fmt: skip
+        if FROM_T:  # the rebuild's W and Ũ (rebuild.py), W written for the reverse pass
+            b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps,
+                                    rule, neg, H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
+            store_rows(w_ptr, b_w, offs_t, mask_t, i_h, offs_k, offs_k < w_cols, H, Dk)
+            v32 = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
+            b_u = u_product(T_u, v32, b, FOLD, PREC, DT).to(DT).to(tl.float32)
         else:
             b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
             b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
@@ -359,35 +376,8 @@ def chunk_states_kernel(
         S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)  # (6)
         first_bad = tl.load(first_bad_ptr + c * H + i_h)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
-        if FROM_T and AHEAD:
-            b_w, b_u = rebuilt_chunk(j + 1, t_ptr, k_ptr, v_ptr, w_ptr, beta_ptr, g_ptr, bos, eos,
-                c_first, n_chunks, i_h, offs_k, mask_k, offs_v, mask_v, w_cols, eps, rule, neg, H,
-                Dk, Dv, HAS_BETA, HAS_DECAY, FOLD, STORE_W, PREC, DT)  # fmt: skip
 
     tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S + poison, mask=state_mask)
-
-
-@triton.jit
-def rebuilt_chunk(
-    j, t_ptr, k_ptr, v_ptr, w_ptr, beta_ptr, g_ptr, bos, eos, c_first, n_chunks, i_h, offs_k,
-    mask_k, offs_v, mask_v, w_cols, eps, rule, neg, H: tl.constexpr, Dk: tl.constexpr,
-    Dv: tl.constexpr, HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr, FOLD: tl.constexpr,
-    STORE_W: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
-):  # fmt: skip
-    """W (DT, written where STORE_W and ``w_cols``) and Ũ (fp32) of chunk ``j`` of the
-    sequence, formed from the kept T (rebuild.rebuilt_w, rebuild.u_product); a chunk past its
-    end (the last step's look-ahead) reads the last chunk's T and stores nothing."""
-    rows = tl.arange(0, CHUNK)
-    offs_t = bos + j * CHUNK + rows
-    mask_t = offs_t < eos
-    c = tl.maximum(tl.minimum(c_first + j, c_first + n_chunks - 1), 0).to(tl.int64)
-    b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-    b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps, rule, neg,
-                            H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
-    if STORE_W:
-        store_rows(w_ptr, b_w, offs_t, mask_t, i_h, offs_k, offs_k < w_cols, H, Dk)
-    v32 = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
-    return b_w, u_product(T_u, v32, b, FOLD, PREC, DT).to(DT).to(tl.float32)
 
 
 def pass_stages(BK: int, *, split: bool) -> int:
@@ -423,7 +413,7 @@ def launch_states(
     ``v_new`` (U, like v) and ``final_state``, in value blocks of ``block_v`` columns.
     ``split_k``, ``maxnreg``: the caller's rows per block and register cap (0: STATES_SPLIT_K's
     rows, no cap): the segments' step 3 may take its own. ``from_t``: rebuild.pass_args' for W
-    and Ũ formed in the pass (``w``: W's buffer with STORE_W, ``u`` unread), unsplit only."""
+    and Ũ formed in the pass (``w``: W's buffer, written; ``u`` unread), unsplit only."""
     H, Dk, Dv = k.shape[2], k.shape[3], u.shape[3]
     N = tables.cu_seqlens.numel() - 1
     BV = min(head_block(Dv, k.dtype), block_v)
@@ -436,7 +426,8 @@ def launch_states(
         if from_t is not None:
             raise ValueError("launch_states: from_t is for the unsplit pass")
     else:
-        kernel, launch = chunk_states_kernel, {**launch, **(from_t or pass_args(tables))}
+        kernel = chunk_states_kernel
+        launch.update(from_t or pass_args(None, None, tables=tables))
     kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,
