@@ -61,13 +61,16 @@ ALL_KERNELS = {n for names in KERNELS.values() for n in names}
 def launched(Dk: int, Dv: int, dtype: torch.dtype) -> set[str]:
     """ALL_KERNELS as one op launches them at these heads (``dtype``: its kernels' dtype): one of
     the gradient kernels (gradients.use_fused: the fused kernel at small half-precision heads;
-    gradients.use_lean: the lean pair at wide key blocks; the plain pair)."""
+    gradients.use_lean: the lean pair at wide key blocks; the plain pair), and the rebuild only
+    where the recomputed state pass does not form W and Ũ itself (states.rebuilds_w_u)."""
     grads = {gradients, gradients_lean, gradients_fused}
     if gradients.use_fused(Dk, Dv, dtype):
         used = gradients_fused
     else:
         used = gradients_lean if gradients.use_lean(Dk, Dv, dtype) else gradients
-    return ALL_KERNELS - {n for module in grads - {used} for n in KERNELS[module]}
+    k, v = (torch.empty(1, 1, 1, d, dtype=dtype, device="meta") for d in (Dk, Dv))
+    unused = grads - {used} | ({rebuild} if states.rebuilds_w_u(k, v) else set())
+    return ALL_KERNELS - {n for module in unused for n in KERNELS[module]}
 
 
 NARROW_HEADS = [(16, 16), (16, 64), (64, 16), (32, 32)]

@@ -18,15 +18,19 @@ if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 from deltaflow.ops import triton_ops  # noqa: E402
+from deltaflow.ops.triton import states  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
 STAGES = ("prepare", "rebuild", "states", "forward", "outputs", "dstates", "gradients")
 # The stage launches of the forward and of the backward (the forward pinned to its fused form,
-# the interpreter's; a GPU's "auto" takes the two-pass form at these few programs).
+# the interpreter's; a GPU's "auto" takes the two-pass form at these few programs). "t" at key
+# blocks of at most states.STATES_REBUILD_MAX_BK (every case here): the recomputed state pass
+# forms W and Ũ, no rebuild (tests/test_rebuild_in_state_pass.py).
 LAUNCHES = {
     "none": (["prepare", "forward"], ["prepare", "states", "dstates", "gradients"]),
     "t": (["prepare", "forward"], ["rebuild", "states", "dstates", "gradients"]),
+    "t folded": (["prepare", "forward"], ["states", "dstates", "gradients"]),
 }
 LENGTHS = [0, 5, 66, 0, 1]  # efla-varlen's packed sequences (empty ones too, a ragged chunk)
 # (make_inputs arguments, delta_rule options): every Triton rule; negative eigenvalues, decay
@@ -101,15 +105,20 @@ def test_against_the_reference_and_none(case, launches, monkeypatch):
     monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "none")
     off, backward_off = run(inputs, launches, **kwargs)
     monkeypatch.setattr(triton_backend, "SAVE_FOR_BACKWARD", "t")
-    launches.clear()
-    on, backward_on = run(inputs, launches, **kwargs)
-    assert (backward_off, backward_on) == (LAUNCHES["none"][1], LAUNCHES["t"][1])
-    for name, g, g_off, g_ref in zip(["o", "state", *NAMES], on, off, ref):
-        assert (g is None) == (g_ref is None), name
-        if g is not None:
-            assert torch.isfinite(g).all() and rel_err(g, g_ref) <= 1e-4, name
-            # the same kernels on the same values ("prepare"'s precedent: 1e-6; in fact equal)
-            assert rel_err(g, g_off) <= 1e-6, name
+    assert backward_off == LAUNCHES["none"][1]
+    assert states.rebuilds_w_u(inputs["k"], inputs["v"])  # fp32 (the kernels'), small heads
+    for form in ("t folded", "t"):  # W, Ũ formed by the state pass, then by the rebuild
+        if form == "t":
+            monkeypatch.setattr(states, "STATES_REBUILD_MAX_BK", 0)
+        launches.clear()
+        on, backward_on = run(inputs, launches, **kwargs)
+        assert backward_on == LAUNCHES[form][1], form
+        for name, g, g_off, g_ref in zip(["o", "state", *NAMES], on, off, ref):
+            assert (g is None) == (g_ref is None), name
+            if g is not None:
+                assert torch.isfinite(g).all() and rel_err(g, g_ref) <= 1e-4, name
+                # the same lines on the same values ("prepare"'s precedent: 1e-6; in fact equal)
+                assert rel_err(g, g_off) <= 1e-6, (form, name)
 
 
 def test_half_precision_keeps_t_rounded(monkeypatch, request):
