@@ -461,7 +461,8 @@ def _backward(
     rule = dict(beta=beta, log_decay=log_decay, tables=tables, kernel_id=kernel_id)
     rule.update(negative_eigenvalues=negative_eigenvalues, eps=eps)  # prepare's and gradients'
     segments = _segments(tables, B, T, packed, H, Dv, dstates.DSTATES_BV)  # the reverse pass's
-    state_segments = _segments(tables, B, T, packed, H, Dv, states.BWD_STATES_BV)
+    bwd_bv = states.BWD_STATES_BV  # the recomputed state pass's value block (none: "h" kept)
+    state_segments = None if "h" in kept else _segments(tables, B, T, packed, H, Dv, bwd_bv)
     p = None  # the split reverse pass's scale·P, where the rebuild forms it (dstates.DSTATES_P)
     from_t = None  # W, Ũ formed by the state pass (states.rebuilds_w_u): rebuild.pass_args
     if "w" in kept:  # the forward's prepare (SAVE_FOR_BACKWARD "prepare" or "states")
@@ -490,7 +491,7 @@ def _backward(
             initial_state=s0,
             first_bad=first_bad,
             tables=tables,
-            block_v=states.BWD_STATES_BV,
+            block_v=bwd_bv,
             h_dtype=torch.float32 if BACKWARD_STATES_FP32 else None,
             final_state=None if initial_state is not None else ds0,
             segments=state_segments,

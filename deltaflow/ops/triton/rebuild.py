@@ -11,7 +11,9 @@ programs an SM): 0.50 ms at (16, 2048, 32, 64) bf16 on the H200 against fla's 0.
 this kernel 0.23 ms, and 0.21 against 0.37 at (8, 4096, 16, 128) (call 2; benchmarks/NOTES.md).
 Its programs are short, so how many an SM holds decides the time. Given ``p``
 (``dstates.DSTATES_P``) it also writes scale·P of the chunk for the split reverse pass,
-last, with the prepare's lines (``prepare.store_p``).
+last, with the prepare's lines (``prepare.store_p``). At key blocks of at most
+``states.STATES_REBUILD_MAX_BK`` columns the backward's recomputed state pass runs these lines
+itself, a chunk at a time (``rebuilt_w``, ``u_product``), and this kernel does not run.
 
 A value tile with a row that is not finite has that row zeroed before its product, as the
 prepare does when the tile's Ũ is not finite (the same product where every row is finite: a

@@ -4,7 +4,9 @@ the chunks in order (the only sequential work), with the state in registers.
 - ``chunk_forward_kernel``: the forward in one pass, (4)–(6) of docs/design.md §3: ``U = Ũ − W S``,
   the chunk's outputs (5) and the state update (6). It never sees β or the rule.
 - ``chunk_states_kernel``: the state pass alone, (4) and (6), storing the state entering every
-  chunk and U for the per-chunk output kernel (outputs.py) and the gradients (gradients.py).
+  chunk and U for the per-chunk output kernel (outputs.py) and the gradients (gradients.py);
+  recomputed by the backward at narrow key blocks, it forms W and Ũ from the kept T itself
+  (``rebuilds_w_u``: the rebuild kernel's lines, rebuild.py).
   With few sequences × heads, more programs with narrower value blocks beat the fused kernel.
 
 The backward's reverse pass, (7)–(8) of docs/design.md §7, is dstates.py's, with the same launch
