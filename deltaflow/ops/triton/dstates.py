@@ -62,9 +62,6 @@ DSTATES_MAXNREG = 0
 # fp16, as the forward's (its fp16 fault on the H200 unexplained: benchmarks/NOTES.md).
 DSTATES_P = True
 DSTATES_P_SKIP = (torch.float16,)
-# The unsplit kernel too at key blocks of at least DSTATES_P_UNSPLIT_MIN_BK rows (0: never; under
-# trial at D = 128, two value blocks' programs forming Q Kᵀ a chunk, issue 32 session 25).
-DSTATES_P_UNSPLIT_MIN_BK = 0
 
 
 # The reverse pass's chunk step in four parts: the segments' reverse pass (segment_states.py)
@@ -114,7 +111,6 @@ def chunk_dstates_kernel(
     ds0_ptr,
     cu_seqlens_ptr,
     chunk_offsets_ptr,
-    p_ptr,
     scale,
     H: tl.constexpr,
     Dk: tl.constexpr,
@@ -124,14 +120,10 @@ def chunk_dstates_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
-    HAS_P: tl.constexpr,
 ):
     """(7)–(8) along one sequence from its end, for one head and BV value columns:
     dU = scale·Pᵀ dO + K̃ G,   G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU,
     with G the gradient of the state leaving the chunk (stored as dh) and K̃ = diag(e^{γ_C − γ}) K.
-    ``HAS_P``: scale·P as the backward's rebuild formed it once a chunk ([chunks, H, C, C] in DT
-    at ``p_ptr``; DSTATES_P_UNSPLIT_MIN_BK), rather than Q Kᵀ formed by each value block's
-    program.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -171,12 +163,7 @@ def chunk_dstates_kernel(
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         # (8) dU = K̃ G + scale·Pᵀ dO
         dU = du_from_state(G, b_k, gamma, gamma_last, DT, PREC)
-        if HAS_P:
-            p_offs = (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :]
-            scaled_p = tl.load(p_ptr + p_offs).to(DT)
-            dU = tl.dot(tl.trans(scaled_p), b_do, acc=dU, input_precision=PREC)
-        else:
-            dU = du_add_outputs(dU, b_q, b_k, b_do, gamma, scale, DT, PREC)
+        dU = du_add_outputs(dU, b_q, b_k, b_do, gamma, scale, DT, PREC)
         tl.store(
             du_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
             dU.to(DT),
@@ -200,13 +187,12 @@ def dstates_split_k(BK: int) -> int:
 
 def dstates_takes_p(Dk: int, Dv: int, dtype: torch.dtype) -> bool:
     """Whether the reverse pass over heads of ``Dk`` / ``Dv`` columns (``dtype``: its dot dtype;
-    a sequence-long launch, not the segments') reads the rebuild's scale·P (DSTATES_P: the split
-    kernel; the unsplit one at key blocks of DSTATES_P_UNSPLIT_MIN_BK rows or more)."""
+    a sequence-long launch, not the segments') reads the rebuild's scale·P (DSTATES_P; the split
+    kernel only)."""
     if not DSTATES_P or dtype in DSTATES_P_SKIP:
         return False
     BK = key_block(Dk, Dv, dtype)
-    unsplit = DSTATES_P_UNSPLIT_MIN_BK and BK >= DSTATES_P_UNSPLIT_MIN_BK
-    return bool(split_rows(BK, dtype, dstates_split_k(BK)) or unsplit)
+    return bool(split_rows(BK, dtype, dstates_split_k(BK)))
 
 
 def dstates_stages(BK: int, *, split: bool) -> int:
@@ -250,7 +236,10 @@ def launch_dstates(
     if maxnreg or DSTATES_MAXNREG:
         launch["maxnreg"] = maxnreg or DSTATES_MAXNREG
     kernel = split_dstates_kernel if "BKS" in launch else chunk_dstates_kernel
-    launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
+    if "BKS" in launch:
+        launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
+    elif p is not None:
+        raise ValueError("launch_dstates: p is for the split reverse pass (dstates_takes_p)")
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
