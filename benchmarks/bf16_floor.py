@@ -65,6 +65,7 @@ KNOBS = {
     "dh": "G (the state's gradient) stored in bf16 by the reverse pass (dh)",
     "dU": "dU stored in bf16 by the reverse pass (du)",
     "rev_P": "reverse pass: P cast to bf16 for dU = scale·Pᵀ dO",
+    "dv_local": "scale·Pᵀ dO stored in bf16 before K̃ G is added (fla's dv_local, not the kernels')",
     "rev_K": "reverse pass: K̃ = diag(e^{γ_C − γ}) K cast to bf16 for dU += K̃ G",
     "rev_G": "reverse pass: G cast to bf16 for dU += K̃ G",
     "rev_update": "reverse pass: dU cast to bf16 for the G update's Wᵀ dU",
@@ -257,7 +258,7 @@ def _sequence(x: dict, do: Tensor, ds: Tensor, rule, ne, knobs, scale, eps, give
         dh[c] = r("dh", G)
         P = r("rev_P", scale * QK[c] * Dm[c])  # scaled, then rounded (the kernel, fla)
         k_te = r("rev_K", k[c] * to_end[c][..., None])
-        dUc = P.mT @ do[c] + k_te @ r("rev_G", G)
+        dUc = r("dv_local", P.mT @ do[c]) + k_te @ r("rev_G", G)
         dU[c] = r("dU", dUc)
         q_g = r("rev_q", q[c] * (scale * Gamma[c])[..., None])
         G = Gamma[c, :, -1, None, None] * G + q_g.mT @ do[c] - W[c].mT @ r("rev_update", dUc)
