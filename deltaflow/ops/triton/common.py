@@ -294,6 +294,14 @@ def chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c):
 
 
 @triton.jit
+def load_chunk_square(ptr, c, i_h, H):
+    """The [CHUNK, CHUNK] tile of chunk ``c`` (int64), head ``i_h`` of a [chunks, H, CHUNK,
+    CHUNK] tensor: the kept T as the prepare stores it."""
+    rows = tl.arange(0, CHUNK)
+    return tl.load(ptr + (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :])
+
+
+@triton.jit
 def load_rows(ptr, offs_t, mask_t, i_h, offs_d, mask_d, H: tl.constexpr, D: tl.constexpr):
     """Rows ``offs_t`` of head ``i_h`` of a [.., T, H, D] tensor (zeros where masked)."""
     return tl.load(

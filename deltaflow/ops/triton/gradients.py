@@ -28,6 +28,7 @@ from deltaflow.ops.triton.common import (
     dot_split,
     head_block,
     key_block,
+    load_chunk_square,
     load_gates,
     load_rows,
 )
@@ -140,9 +141,7 @@ def scratch_rows(Dk: int, Dv: int, dtype: torch.dtype) -> int:
 @triton.jit
 def _load_t_transposed(t_ptr, c, i_h, H):
     """Tᵀ of chunk c and head i_h, as the prepare kernel stored it (prepare.t_dtype)."""
-    rows = tl.arange(0, CHUNK)
-    T = tl.load(t_ptr + (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :])
-    return tl.trans(T)
+    return tl.trans(load_chunk_square(t_ptr, c, i_h, H))
 
 
 @triton.jit

@@ -33,6 +33,7 @@ from deltaflow.ops.triton.common import (
     ChunkTables,
     chunk_bounds,
     dot_precision,
+    load_chunk_square,
     load_rows,
     mm,
     store_rows,
@@ -134,8 +135,7 @@ def rebuilt_w(
     ``i_h`` from its kept T and its keys ``b_k`` (every key column: λ sums them), rounded to DT
     as the rebuild stores it; with Ũ's left operand and the strengths b for :func:`u_product`.
     The rebuild kernel's lines on the whole key block at once."""
-    rows = tl.arange(0, CHUNK)
-    T = tl.load(t_ptr + (c * H + i_h) * (CHUNK * CHUNK) + rows[:, None] * CHUNK + rows[None, :])
+    T = load_chunk_square(t_ptr, c, i_h, H)
     k32 = b_k.to(tl.float32)
     a, b, ok, gamma = chunk_strengths(
         tl.sum(k32 * k32, axis=1), beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H,
