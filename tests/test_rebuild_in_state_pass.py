@@ -11,18 +11,17 @@ import pytest
 import torch
 from _inputs import make_inputs, rel_err
 
-from deltaflow import delta_rule
 from deltaflow.rules import RULES
 
 triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
+from test_state_pass_variants import DEVICE, NAMES, run  # noqa: E402
+
 from deltaflow.ops.triton import states  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter has no bf16 dots
-NAMES = ["q", "k", "v", "beta", "log_decay", "initial_state"]
 
 
 @pytest.fixture
@@ -55,10 +54,8 @@ def _inputs(rule, T, Dk, Dv, dtype, decay=True, lengths=None, seed=0):
 
 
 def _run(inputs, backend, **kw):
-    leaves = {n: None if t is None else t.clone().requires_grad_(True) for n, t in inputs.items()}
-    o, s = delta_rule(**leaves, output_final_state=True, backend=backend, **kw)
-    (o.sin().sum() + s.pow(2).sum()).backward()
-    return [None if leaves[n] is None else leaves[n].grad for n in NAMES]
+    """The six input gradients (test_state_pass_variants.run's, without o and the state)."""
+    return run(inputs, backend, True, **kw)[2:]
 
 
 # rule, T (None: packed lengths), Dk, Dv, half precision, decay, negative eigenvalues, lengths
