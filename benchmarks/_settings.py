@@ -38,6 +38,7 @@ MODULES = {
         "deltaflow.ops.triton.segment_chain",
         "deltaflow.ops.triton.outputs",
         "deltaflow.ops.triton.gradients",
+        "deltaflow.ops.triton.gradients_lean",
         "deltaflow.models.compile",
         "deltaflow.models.loss",
     )

@@ -129,6 +129,16 @@ def test_every_entry_matches_the_rules_definition_and_its_autograd(name):
     assert_table_matches_definition(RULES[name])
 
 
+@pytest.mark.parametrize("name", triton_rules())
+def test_the_entries_free_of_the_norm_are_those_whose_erase_ignores_it(name):
+    """rule_table.ERASE_FREE_OF_NORM (the lean key side splits its key block for these: their
+    dk has no kᵀdX term) holds exactly the rules whose a has ∂a/∂λ = 0 on the whole grid."""
+    rule = RULES[name]
+    da_dlam = definition_values(rule)[3]
+    free = bool((da_dlam == 0).all())
+    assert free == (rule.kernel_id in rule_table.ERASE_FREE_OF_NORM), (name, free)
+
+
 def test_every_builtin_rule_has_an_entry_and_no_entry_is_orphaned():
     builtin = {r.kernel_id for r in RULES.values() if r.has_triton}
     assert builtin == set(rule_table.KERNEL_IDS)

@@ -31,6 +31,7 @@ c0 and c1 of dλ (dk's ``2 (da ∂a/∂λ + db ∂b/∂λ) k``), of dβ and of t
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -52,6 +53,16 @@ from deltaflow.ops.triton.gradients import (
 )
 
 LEAN_ROWS = tl.constexpr(8)  # rows of the row scratch (module docstring)
+# The key side split over key blocks of K_SPLIT_BK columns (0: never), each block a program of
+# K_SPLIT_WARPS warps (0: the unsplit side's) and K_SPLIT_STAGES stages (0: Triton's), for the
+# rules whose dk has no kᵀdX term (rules.ERASE_FREE_OF_NORM) in half precision: at 128 key
+# columns the unsplit side is one 8-warp program an SM (255 registers, 139 KB of shared
+# memory), its epilogue (the C×C products' and dX's loads and products) exposed; split, each
+# program holds three C×64 accumulators and several share an SM (benchmarks/NOTES.md, issue
+# 32, session 26).
+K_SPLIT_BK = 64
+K_SPLIT_WARPS = 4
+K_SPLIT_STAGES = 0
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -198,6 +209,7 @@ def chunk_grads_k_lean_kernel(
     chunk_indices_ptr,
     scale,
     rule,
+    split_stride,
     H: tl.constexpr,
     Dk: tl.constexpr,
     Dv: tl.constexpr,
@@ -207,18 +219,24 @@ def chunk_grads_k_lean_kernel(
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
     DQ_FIRST: tl.constexpr,
+    NK: tl.constexpr,
 ):
     """``gradients.chunk_grads_k_kernel``'s key side (dq, dk, dβ, d log α) without the rule
     table (its terms come from the value side's rows) and with each accumulator retired in
-    place (module docstring)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    place (module docstring). NK > 1 (:func:`key_blocks`): the chunk's NK programs (adjacent
+    in the grid, so that they share its value-side tiles in L2) each take BK key columns, and
+    store their parts of dβ and d log α at ``dbeta_ptr``, ``dg_ptr`` + i_k·``split_stride``
+    (fp32, summed on the host)."""
+    i_c, i_h = tl.program_id(0) // NK, tl.program_id(1)
+    i_k = tl.program_id(0) % NK
+    first = i_k == 0  # the block that adds the value side's terms of dβ and d log α
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
     mask_t = offs_t < eos
-    offs_k = tl.arange(0, BK)
+    offs_k = i_k * BK + tl.arange(0, BK)
     mask_k = offs_k < Dk
     # This chunk's blocks of the per-chunk tensors as scalar pointers, so that the tile offsets
     # added to them are 32-bit (a 64-bit offset tile takes twice the registers)
@@ -311,30 +329,45 @@ def chunk_grads_k_lean_kernel(
     # k again (L2) rather than held in registers across both products
     k32 = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0).to(tl.float32)
     xk = tl.sum(dX * k32, axis=1)
-    # the rule's 2 dλ k with da = da(value side) + Γ kᵀdX (module docstring)
+    # the rule's 2 dλ k with da = da(value side) + Γ kᵀdX (module docstring). Split (NK > 1),
+    # xk is this block's part of kᵀdX: only rules whose a does not read λ split (c1 = 2∂a/∂λ
+    # = 0, gradients.key_blocks), and their dk takes c0 alone
     a = tl.load(r_c + CHUNK + rows)
     da_x = Gamma * xk
-    c_lam = tl.load(r_c + 2 * CHUNK + rows) + tl.load(r_c + 3 * CHUNK + rows) * da_x
+    c_lam = tl.load(r_c + 2 * CHUNK + rows)
+    if NK == 1:
+        c_lam += tl.load(r_c + 3 * CHUNK + rows) * da_x
     dk += (a * Gamma)[:, None] * dX + c_lam[:, None] * k32
     tl.store(dk_ptr + k_offs, dk.to(dk_ptr.dtype.element_ty), mask=k_mask)
+    part = offs_t * H + i_h + i_k * split_stride  # dβ, d log α (or this block's parts of them)
     if HAS_BETA:
-        dbeta = tl.load(r_c + 4 * CHUNK + rows) + tl.load(r_c + 5 * CHUNK + rows) * da_x
-        tl.store(dbeta_ptr + offs_t * H + i_h, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
+        dbeta = tl.load(r_c + 5 * CHUNK + rows) * da_x
+        dbeta += tl.where(first, tl.load(r_c + 4 * CHUNK + rows), 0.0)
+        tl.store(dbeta_ptr + part, dbeta.to(dbeta_ptr.dtype.element_ty), mask=mask_t)
     if HAS_DECAY:
         # (12) dγ: the decay matrix (value side), Γ_i, and γ_C through (6)
-        d_gamma = tl.load(r_c + rows) - t + (d_Gamma + a * xk) * Gamma
+        d_gamma = tl.where(first, tl.load(r_c + rows), 0.0) - t + (d_Gamma + a * xk) * Gamma
         d_gamma_last = tl.sum(t, axis=0) + tl.exp(gamma_last) * gs
         d_gamma += tl.where(rows == CHUNK - 1, d_gamma_last, 0.0)
         d_log_alpha = tl.sum(d_gamma, axis=0) - tl.cumsum(d_gamma, axis=0) + d_gamma
         if rule_table.reads_decay(rule):  # gated_efla: log α also enters a and b
-            d_log_alpha += tl.load(r_c + 6 * CHUNK + rows)
+            d_log_alpha += tl.where(first, tl.load(r_c + 6 * CHUNK + rows), 0.0)
             d_log_alpha += tl.load(r_c + 7 * CHUNK + rows) * da_x
-        tl.store(dg_ptr + offs_t * H + i_h, d_log_alpha.to(dg_ptr.dtype.element_ty), mask=mask_t)
+        tl.store(dg_ptr + part, d_log_alpha.to(dg_ptr.dtype.element_ty), mask=mask_t)
 
 
 # Each kernel's tensors, from its signature (gradients.pointer_params)
 V_LEAN_POINTERS = pointer_params(chunk_grads_v_lean_kernel)
 K_LEAN_POINTERS = pointer_params(chunk_grads_k_lean_kernel)
+
+
+def key_blocks(Dk: int, dtype: torch.dtype, kernel_id: int) -> int:
+    """How many key blocks of K_SPLIT_BK columns the lean key side splits heads of ``Dk`` key
+    columns into (1: unsplit), for inputs of ``dtype`` under rule ``kernel_id``."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if not (K_SPLIT_BK and half and kernel_id in rule_table.ERASE_FREE_OF_NORM):
+        return 1
+    return triton.cdiv(Dk, K_SPLIT_BK)
 
 
 def launch_lean(
@@ -343,7 +376,24 @@ def launch_lean(
     """Both lean kernels over ``grid`` (chunks, heads): ``pointers``, ``value_side`` and
     ``key_side`` are ``gradients.launch_gradients``' tensors and the launch settings of its two
     kernels (the key side's kernel takes no β, ε or negative-eigenvalue flag: the value side's
-    rows carry the rule)."""
+    rows carry the rule). Split (:func:`key_blocks`), each key block's parts of dβ and d log α
+    go to fp32 buffers summed into theirs after the launch (a fixed order: deterministic)."""
     chunk_grads_v_lean_kernel[grid](**take(pointers, V_LEAN_POINTERS), **value_side)
     key_side = {n: x for n, x in key_side.items() if n not in ("eps", "neg")}
-    chunk_grads_k_lean_kernel[grid](**take(pointers, K_LEAN_POINTERS), **key_side)
+    key_pointers = take(pointers, K_LEAN_POINTERS)
+    q = pointers["q_ptr"]
+    nk = key_blocks(key_side["Dk"], q.dtype, key_side["rule"])
+    parts = {}
+    if nk > 1:
+        key_side.update(BK=K_SPLIT_BK, DQ_FIRST=False)
+        key_side.update({"num_warps": K_SPLIT_WARPS} if K_SPLIT_WARPS else {})
+        key_side.update({"num_stages": K_SPLIT_STAGES} if K_SPLIT_STAGES else {})
+        for name, flag in (("dbeta_ptr", "HAS_BETA"), ("dg_ptr", "HAS_DECAY")):
+            if key_side[flag]:
+                out = key_pointers[name]
+                parts[name] = key_pointers[name] = out.new_empty((nk, *out.shape))
+    chunk_grads_k_lean_kernel[(grid[0] * nk, grid[1])](
+        **key_pointers, **key_side, NK=nk, split_stride=q.numel() // key_side["Dk"]
+    )
+    for name, part in parts.items():
+        torch.sum(part, dim=0, out=pointers[name])

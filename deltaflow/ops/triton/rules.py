@@ -48,6 +48,10 @@ KERNEL_IDS = tuple(
     i.value
     for i in (LINEAR, DELTA, EFLA, GATED_EFLA, LONGHORN, TRAPEZOID, KACZMARZ, RELAXED_KACZMARZ)
 )
+# The entries whose erase strength a does not read λ (∂a/∂λ = 0 at every β, λ: the backward's
+# dk then has no term in kᵀdX), for which the lean key side splits its key block
+# (gradients_lean.key_blocks). tests/test_rule_table.py checks this against the definitions.
+ERASE_FREE_OF_NORM = (LINEAR.value, DELTA.value)
 # The entries that read the decay: the map from the layer's log α to the op's (the rule's own
 # definition in deltaflow/rules.py) and its derivative, both applied on the host (triton_backend)
 # around the kernels, which see the op's log α only: in the recurrence and in the entry.

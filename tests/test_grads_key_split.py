@@ -1,0 +1,124 @@
+"""The lean key side split over key blocks (``gradients_lean.key_blocks``: rules whose erase
+strength ignores λ, half precision) against the float64 reference and against the unsplit key
+side: dq, dk, dv bitwise (each key column's sums are the same), dβ and d log α up to the order of
+their fp32 row sums (summed per block, then over blocks). On the interpreter the blocks are 32
+key columns of 64 (``K_SPLIT_BK`` 32: the interpreter's half kernels hold 64-column blocks and
+128 would be slow), on a GPU the default's 64 of 128."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _inputs import make_inputs, rel_err
+
+from deltaflow import delta_rule
+from deltaflow.rules import RULES, triton_rules
+
+triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
+if not triton_backend.available():
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from deltaflow.ops.triton import gradients, gradients_lean  # noqa: E402 - after the skip
+from deltaflow.ops.triton import rules as rule_table  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+HALF = torch.bfloat16 if GPU else torch.float16  # the interpreter's bf16 tl.dot is wrong
+SPLIT_BK = 64 if GPU else 32
+DK = 2 * SPLIT_BK
+pytestmark = pytest.mark.usefixtures("narrow_half_kernels")  # 24-48-column value heads in half
+NAMES = ["o", "state", "q", "k", "v", "beta", "log_decay", "initial_state"]
+
+
+@pytest.fixture
+def splits(monkeypatch) -> list[int]:
+    """The lean kernels on (the fused one off), K_SPLIT_BK as above; the key blocks of each
+    lean launch, which the tests check."""
+    monkeypatch.setattr(gradients, "GRADS_LEAN", "on")
+    monkeypatch.setattr(gradients, "GRADS_FUSED", "off")
+    monkeypatch.setattr(gradients_lean, "K_SPLIT_BK", SPLIT_BK)
+    seen: list[int] = []
+    key_blocks = gradients_lean.key_blocks
+
+    def counted(*args) -> int:
+        seen.append(key_blocks(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(gradients_lean, "key_blocks", counted)
+    return seen
+
+
+def _fwd_bwd(inputs: dict, backend: str, **kwargs) -> list:
+    leaves = {n: None if t is None else t.clone().requires_grad_(True) for n, t in inputs.items()}
+    o, s = delta_rule(**leaves, output_final_state=True, backend=backend, **kwargs)
+    (o.sin().sum() + s.pow(2).sum()).backward()
+    return [o, s] + [None if leaves[n] is None else leaves[n].grad for n in NAMES[2:]]
+
+
+def _inputs(rule: str, T: int, Dk: int, Dv: int, seed: int, **kwargs) -> dict:
+    inputs = make_inputs(1, T, 2, Dk, Dv, rule=rule, dtype=torch.float32, seed=seed, **kwargs)
+    inputs = {n: None if t is None else t.to(DEVICE) for n, t in inputs.items()}
+    for n in ("q", "k", "v"):
+        inputs[n] = inputs[n].to(HALF)
+    if not RULES[rule].needs_beta:
+        inputs["beta"] = None
+    return inputs
+
+
+def _check(inputs: dict, splits: list[int], monkeypatch, nk: int, **kwargs) -> None:
+    """Split against float64 (the half tolerance of tests/test_grads_variants.py) and against
+    the unsplit key side (K_SPLIT_BK 0) on the same inputs."""
+    ref = _fwd_bwd({n: None if t is None else t.double() for n, t in inputs.items()},
+                   "reference", **kwargs)  # fmt: skip
+    split = _fwd_bwd(inputs, "triton", **kwargs)
+    assert splits == [nk], splits
+    monkeypatch.setattr(gradients_lean, "K_SPLIT_BK", 0)
+    whole = _fwd_bwd(inputs, "triton", **kwargs)
+    assert splits == [nk, 1], splits
+    for name, s, w, r in zip(NAMES, split, whole, ref):
+        assert (s is None) == (w is None) == (r is None), name
+        if s is None:
+            continue
+        assert torch.isfinite(s).all() and rel_err(s, r) <= 1e-2, f"{name}: {rel_err(s, r):.2e}"
+        if name in ("beta", "log_decay"):  # fp32 row sums: per block, then over blocks
+            assert rel_err(s, w) <= 1e-5, f"{name}: {rel_err(s, w):.2e}"
+        else:
+            assert torch.equal(s, w), name
+
+
+@pytest.mark.parametrize(
+    "rule, negative_eigenvalues, decay, state",
+    [("delta", False, True, True), ("delta", True, True, False), ("linear", False, False, True)],
+)
+def test_split_rules(splits, monkeypatch, rule, negative_eigenvalues, decay, state):
+    # T = 130: two full chunks and a two-token one; the value side wider than one block
+    inputs = _inputs(rule, 130, DK, 48, seed=41, decay=decay, initial_state=state)
+    _check(inputs, splits, monkeypatch, 2, rule=rule, negative_eigenvalues=negative_eigenvalues)
+
+
+def test_split_packed_and_ragged(splits, monkeypatch):
+    # unequal lengths with empty and one-token sequences, and a key head no block count fits
+    # (the last block masked: Dk = 1.5 blocks)
+    lengths = [5, 64, 0, 70, 1]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(DEVICE)
+    inputs = _inputs("delta", sum(lengths), DK * 3 // 4, 40, seed=42, n_states=len(lengths))
+    _check(inputs, splits, monkeypatch, 2, rule="delta", cu_seqlens=cu)
+
+
+def test_t_equals_one(splits, monkeypatch):
+    inputs = _inputs("delta", 1, DK, 24, seed=43, decay=True)
+    _check(inputs, splits, monkeypatch, 2, rule="delta")
+
+
+@pytest.mark.parametrize("rule", triton_rules())
+def test_which_launches_split(monkeypatch, rule):
+    # the rules of rule_table.ERASE_FREE_OF_NORM in half precision, over as many blocks as the
+    # key head needs; never fp32, never another rule, never with the setting 0
+    kid = RULES[rule].kernel_id
+    free = kid in rule_table.ERASE_FREE_OF_NORM
+    assert gradients_lean.key_blocks(128, torch.bfloat16, kid) == (2 if free else 1)
+    assert gradients_lean.key_blocks(100, torch.float16, kid) == (2 if free else 1)
+    assert gradients_lean.key_blocks(256, torch.bfloat16, kid) == (4 if free else 1)
+    assert gradients_lean.key_blocks(128, torch.float32, kid) == 1
+    monkeypatch.setattr(gradients_lean, "K_SPLIT_BK", 0)
+    assert gradients_lean.key_blocks(128, torch.bfloat16, kid) == 1
