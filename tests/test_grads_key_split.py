@@ -3,7 +3,7 @@ strength ignores λ, half precision) against the float64 reference and against t
 side: dq, dk, dv bitwise (each key column's sums are the same), dβ and d log α up to the order of
 their fp32 row sums (summed per block, then over blocks). On the interpreter the blocks are 32
 key columns of 64 (``K_SPLIT_BK`` 32: the interpreter's half kernels hold 64-column blocks and
-128 would be slow), on a GPU the default's 64 of 128."""
+128 would be slow), on a GPU 64 (the default) and 32 of 128."""
 
 from __future__ import annotations
 
@@ -24,19 +24,20 @@ from deltaflow.ops.triton import rules as rule_table  # noqa: E402
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 HALF = torch.bfloat16 if GPU else torch.float16  # the interpreter's bf16 tl.dot is wrong
-SPLIT_BK = 64 if GPU else 32
-DK = 2 * SPLIT_BK
+# (K_SPLIT_BK, key head): on a GPU the default's blocks and the narrower ones under trial
+SPLITS = [(64, 128), (32, 128)] if GPU else [(32, 64)]
 pytestmark = pytest.mark.usefixtures("narrow_half_kernels")  # 24-48-column value heads in half
 NAMES = ["o", "state", "q", "k", "v", "beta", "log_decay", "initial_state"]
 
 
-@pytest.fixture
-def splits(monkeypatch) -> list[int]:
-    """The lean kernels on (the fused one off), K_SPLIT_BK as above; the key blocks of each
-    lean launch, which the tests check."""
+@pytest.fixture(params=SPLITS, ids=lambda s: f"bk{s[0]}")
+def split(request, monkeypatch) -> tuple[int, list[int]]:
+    """The lean kernels on (the fused one off), K_SPLIT_BK as above: the key head to test and
+    the key blocks of each lean launch, which the tests check."""
+    bk, dk = request.param
     monkeypatch.setattr(gradients, "GRADS_LEAN", "on")
     monkeypatch.setattr(gradients, "GRADS_FUSED", "off")
-    monkeypatch.setattr(gradients_lean, "K_SPLIT_BK", SPLIT_BK)
+    monkeypatch.setattr(gradients_lean, "K_SPLIT_BK", bk)
     seen: list[int] = []
     key_blocks = gradients_lean.key_blocks
 
@@ -45,7 +46,7 @@ def splits(monkeypatch) -> list[int]:
         return seen[-1]
 
     monkeypatch.setattr(gradients_lean, "key_blocks", counted)
-    return seen
+    return dk, seen
 
 
 def _fwd_bwd(inputs: dict, backend: str, **kwargs) -> list:
@@ -65,16 +66,16 @@ def _inputs(rule: str, T: int, Dk: int, Dv: int, seed: int, **kwargs) -> dict:
     return inputs
 
 
-def _check(inputs: dict, splits: list[int], monkeypatch, nk: int, **kwargs) -> None:
+def _check(inputs: dict, seen: list[int], monkeypatch, nk: int, **kwargs) -> None:
     """Split against float64 (the half tolerance of tests/test_grads_variants.py) and against
     the unsplit key side (K_SPLIT_BK 0) on the same inputs."""
     ref = _fwd_bwd({n: None if t is None else t.double() for n, t in inputs.items()},
                    "reference", **kwargs)  # fmt: skip
     split = _fwd_bwd(inputs, "triton", **kwargs)
-    assert splits == [nk], splits
+    assert seen == [nk], seen
     monkeypatch.setattr(gradients_lean, "K_SPLIT_BK", 0)
     whole = _fwd_bwd(inputs, "triton", **kwargs)
-    assert splits == [nk, 1], splits
+    assert seen == [nk, 1], seen
     for name, s, w, r in zip(NAMES, split, whole, ref):
         assert (s is None) == (w is None) == (r is None), name
         if s is None:
@@ -90,24 +91,29 @@ def _check(inputs: dict, splits: list[int], monkeypatch, nk: int, **kwargs) -> N
     "rule, negative_eigenvalues, decay, state",
     [("delta", False, True, True), ("delta", True, True, False), ("linear", False, False, True)],
 )
-def test_split_rules(splits, monkeypatch, rule, negative_eigenvalues, decay, state):
+def test_split_rules(split, monkeypatch, rule, negative_eigenvalues, decay, state):
     # T = 130: two full chunks and a two-token one; the value side wider than one block
-    inputs = _inputs(rule, 130, DK, 48, seed=41, decay=decay, initial_state=state)
-    _check(inputs, splits, monkeypatch, 2, rule=rule, negative_eigenvalues=negative_eigenvalues)
+    dk, seen = split
+    inputs = _inputs(rule, 130, dk, 48, seed=41, decay=decay, initial_state=state)
+    _check(inputs, seen, monkeypatch, dk // gradients_lean.K_SPLIT_BK, rule=rule,
+           negative_eigenvalues=negative_eigenvalues)  # fmt: skip
 
 
-def test_split_packed_and_ragged(splits, monkeypatch):
+def test_split_packed_and_ragged(split, monkeypatch):
     # unequal lengths with empty and one-token sequences, and a key head no block count fits
-    # (the last block masked: Dk = 1.5 blocks)
+    # (the last block masked: 3/4 of the head, e.g. 1.5 blocks of 64 columns)
+    dk, seen = split
     lengths = [5, 64, 0, 70, 1]
     cu = torch.tensor([0, *lengths]).cumsum(0).to(DEVICE)
-    inputs = _inputs("delta", sum(lengths), DK * 3 // 4, 40, seed=42, n_states=len(lengths))
-    _check(inputs, splits, monkeypatch, 2, rule="delta", cu_seqlens=cu)
+    inputs = _inputs("delta", sum(lengths), dk * 3 // 4, 40, seed=42, n_states=len(lengths))
+    nk = -(-dk * 3 // 4 // gradients_lean.K_SPLIT_BK)
+    _check(inputs, seen, monkeypatch, nk, rule="delta", cu_seqlens=cu)
 
 
-def test_t_equals_one(splits, monkeypatch):
-    inputs = _inputs("delta", 1, DK, 24, seed=43, decay=True)
-    _check(inputs, splits, monkeypatch, 2, rule="delta")
+def test_t_equals_one(split, monkeypatch):
+    dk, seen = split
+    inputs = _inputs("delta", 1, dk, 24, seed=43, decay=True)
+    _check(inputs, seen, monkeypatch, dk // gradients_lean.K_SPLIT_BK, rule="delta")
 
 
 @pytest.mark.parametrize("rule", triton_rules())
