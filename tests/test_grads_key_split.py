@@ -3,7 +3,7 @@ strength ignores λ, half precision) against the float64 reference and against t
 side: dq, dk, dv bitwise (each key column's sums are the same), dβ and d log α up to the order of
 their fp32 row sums (summed per block, then over blocks). On the interpreter the blocks are 32
 key columns of 64 (``K_SPLIT_BK`` 32: the interpreter's half kernels hold 64-column blocks and
-128 would be slow), on a GPU 64 (the default) and 32 of 128."""
+128 would be slow), on a GPU the default's 64 of 128."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from deltaflow.ops.triton import rules as rule_table  # noqa: E402
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 HALF = torch.bfloat16 if GPU else torch.float16  # the interpreter's bf16 tl.dot is wrong
-# (K_SPLIT_BK, key head): on a GPU the default's blocks and the narrower ones under trial
-SPLITS = [(64, 128), (32, 128)] if GPU else [(32, 64)]
+# (K_SPLIT_BK, key head): on a GPU the default's blocks (32 columns miscompile there: session
+# 26, call 3), on the interpreter 32
+SPLITS = [(64, 128)] if GPU else [(32, 64)]
 pytestmark = pytest.mark.usefixtures("narrow_half_kernels")  # 24-48-column value heads in half
 NAMES = ["o", "state", "q", "k", "v", "beta", "log_decay", "initial_state"]
 

@@ -58,8 +58,11 @@ LEAN_ROWS = tl.constexpr(8)  # rows of the row scratch (module docstring)
 # rules whose dk has no kᵀdX term (rules.ERASE_FREE_OF_NORM) in half precision: at 128 key
 # columns the unsplit side is one 8-warp program an SM (255 registers, 139 KB of shared
 # memory), its epilogue (the C×C products' and dX's loads and products) exposed; split, each
-# program holds three C×64 accumulators and several share an SM (benchmarks/NOTES.md, issue
-# 32, session 26).
+# program holds three C×64 accumulators and two share an SM. Measured (H200, bf16, session 26
+# call 1, kernel_times): the key side 2.79 → 2.15 ms at (8, 2048, 32, 256) (forward + backward
+# 9.67 → 9.04), 0.94 → 0.915 at (8, 4096, 16, 128). 2 stages, 8 warps, register caps: slower;
+# 32-column blocks: wrong on the GPU at 4 warps (an illegal address after), slower at 8 (call 3),
+# so 32 is for the interpreter's tests only (benchmarks/NOTES.md, issue 32, session 26).
 K_SPLIT_BK = 64
 K_SPLIT_WARPS = 4
 K_SPLIT_STAGES = 0
