@@ -511,8 +511,11 @@ def _backward(
     dq = _output(B, T, H, Dk, like=q, dtype=q.dtype)
     dk = _output(B, T, H, Dk, like=q, dtype=q.dtype)
     dv = _output(B, T, H, Dv, like=q, dtype=q.dtype)
-    dbeta = None if beta is None else _output(*beta.shape, like=q, dtype=torch.float32)
-    dg = None if log_decay is None else _output(*log_decay.shape, like=q, dtype=torch.float32)
+    # dβ, d log α stored in their inputs' dtypes (the kernels round once from fp32, as a .to()
+    # after would: no conversion launches), d log α in fp32 where the host maps it (DECAY_MAPS)
+    dbeta = None if beta is None else _output(*beta.shape, like=q, dtype=dtypes[3])
+    dg_dtype = torch.float32 if kernel_id in rule_table.DECAY_MAPS else dtypes[4]
+    dg = None if log_decay is None else _output(*log_decay.shape, like=q, dtype=dg_dtype)
     C = CHUNK.value
     launch_gradients(
         q,

@@ -380,7 +380,8 @@ def launch_lean(
     ``key_side`` are ``gradients.launch_gradients``' tensors and the launch settings of its two
     kernels (the key side's kernel takes no β, ε or negative-eigenvalue flag: the value side's
     rows carry the rule). Split (:func:`key_blocks`), each key block's parts of dβ and d log α
-    go to fp32 buffers summed into theirs after the launch (a fixed order: deterministic)."""
+    go to fp32 buffers summed into theirs after the launch (a fixed order: deterministic; at
+    two blocks one launch)."""
     chunk_grads_v_lean_kernel[grid](**take(pointers, V_LEAN_POINTERS), **value_side)
     key_side = {n: x for n, x in key_side.items() if n not in ("eps", "neg")}
     key_pointers = take(pointers, K_LEAN_POINTERS)
@@ -394,9 +395,13 @@ def launch_lean(
         for name, flag in (("dbeta_ptr", "HAS_BETA"), ("dg_ptr", "HAS_DECAY")):
             if key_side[flag]:
                 out = key_pointers[name]
-                parts[name] = key_pointers[name] = out.new_empty((nk, *out.shape))
+                part = out.new_empty((nk, *out.shape), dtype=torch.float32)
+                parts[name] = key_pointers[name] = part
     chunk_grads_k_lean_kernel[(grid[0] * nk, grid[1])](
         **key_pointers, **key_side, NK=nk, split_stride=q.numel() // key_side["Dk"]
     )
-    for name, part in parts.items():
-        torch.sum(part, dim=0, out=pointers[name])
+    for name, part in parts.items():  # block by block in fp32, rounded once into the output
+        total = part[0]
+        for i in range(1, nk - 1):
+            total = total + part[i]
+        torch.add(total, part[nk - 1], out=pointers[name])
