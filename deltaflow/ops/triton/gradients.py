@@ -81,6 +81,7 @@ GRADS_LEAN_STAGES = 0
 # and 2 stages, two programs an SM at D = 128, lost +0.40).
 GRADS_LEAN_DQ_FIRST_MIN_BK = 256
 GRADS_LEAN_K_WARPS = 0
+GRADS_LEAN_V_WARPS = 0  # the lean value side's warps (0: GRADS_WARPS)
 GRADS_LEAN_K_MAXNREG = 0  # the lean key side's register cap (0: none)
 # The fused gradient kernel (gradients_fused.py; issue 32, benchmarks/NOTES.md "Issue 32, session
 # 19"): both sides in one program per (chunk, head), whole heads in one block each, no scratch.
@@ -587,7 +588,9 @@ def launch_gradients(
         key_side["DQ_FIRST"] = bool(min_bk) and key_side["BK"] >= min_bk
         key_side["num_warps"] = GRADS_LEAN_K_WARPS or key_side["num_warps"]
         key_side.update({"maxnreg": GRADS_LEAN_K_MAXNREG} if GRADS_LEAN_K_MAXNREG else {})
-        launch_lean(pointers, {**common, **stages, **v_options}, {**key_side, **stages}, grid)
+        v_warps = {"num_warps": GRADS_LEAN_V_WARPS} if GRADS_LEAN_V_WARPS else {}
+        value_side = {**common, **stages, **v_options, **v_warps}
+        launch_lean(pointers, value_side, {**key_side, **stages}, grid)
         return
     if not fp32 and GRADS_K_HALF_WARPS:  # the plain key side (the lean pair returned above)
         key_side["num_warps"] = GRADS_K_HALF_WARPS
