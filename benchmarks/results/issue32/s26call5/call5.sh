@@ -8,7 +8,7 @@ O=${1:?out}; mkdir -p "$O"; O=$(cd "$O" && pwd)
 ROOT=$(cd "$(dirname "$0")/../../../.." && pwd); cd "$ROOT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/c5cache PYTHONPATH=$ROOT
 T0=$SECONDS
-st() { echo "$1: exit $2 at $((SECONDS - T0)) s" | tee -a "$O/summary.txt"; }
+st() { echo "$1: exit $2 at $((SECONDS - T0)) s" | tee -a "$O/summary.txt"; return "$2"; }
 declare -A SET=(
   [base]="gradients.GRADS_LEAN_V_WARPS=0"
   [v4]="gradients.GRADS_LEAN_V_WARPS=4,gradients.GRADS_LEAN_V_MAXNREG=0"
@@ -27,7 +27,8 @@ st ncu_src $?
 for k in grads_k_lean chunk_dstates; do
   timeout 60 "$NCU_BIN" --import "$O/src.ncu-rep" -k "regex:$k" --page source --csv \
     --print-source sass > "$O/src_$k.csv" 2>&1
-  st "src_$k" $?
+  st "src_$k" $? || { timeout 60 "$NCU_BIN" --import "$O/src.ncu-rep" -k "regex:$k" \
+    --page source --csv > "$O/src2_$k.csv" 2>&1; st "src2_$k" $?; }
 done
 for f in "$O"/kt_*.log; do grep -E "forward\+backward|grads_v" "$f" | grep -v JSON; done
 ls -la "$O"
