@@ -47,8 +47,7 @@ GRADS_WARPS = 8
 # launches keep GRADS_WARPS (untimed at 4).
 GRADS_K_HALF_WARPS = 4
 # The value-side kernel's register cap per thread: 128 lets two programs of 8 warps share an SM
-# (AOT sm_90: 138-239 registers uncapped; capped, 8-240 B of spill stack, 32-80 KB of shared
-# memory each). 0 or None: no cap.
+# (AOT sm_90: 138-239 registers uncapped; capped, 8-240 B of spill stack). 0 or None: no cap.
 GRADS_V_MAXNREG: int | None = 128
 # fp32 operands as tf32x3 (common.dot_precision) stage each dot operand twice, its tf32 part and
 # its remainder: at a key block wider than this the key-side kernel then asks for 256-304 KB of
@@ -81,7 +80,10 @@ GRADS_LEAN_STAGES = 0
 # and 2 stages, two programs an SM at D = 128, lost +0.40).
 GRADS_LEAN_DQ_FIRST_MIN_BK = 256
 GRADS_LEAN_K_WARPS = 0
-GRADS_LEAN_V_WARPS = 0  # the lean value side's warps (0: GRADS_WARPS)
+# The lean value side in half precision at this many warps, uncapped (0: the cap above): two
+# programs an SM (AOT bf16 D = 128: 255 registers, 72 B of stack; fp32 would spill 1.3-2.6 KB);
+# H200, session 26 call 5: 0.556 → 0.516 ms at (8, 4096, 16, 128), 1.19 → 1.03 at D = 256.
+GRADS_LEAN_V_HALF_WARPS = 4
 GRADS_LEAN_K_MAXNREG = 0  # the lean key side's register cap (0: none)
 # The fused gradient kernel (gradients_fused.py; issue 32, benchmarks/NOTES.md "Issue 32, session
 # 19"): both sides in one program per (chunk, head), whole heads in one block each, no scratch.
@@ -582,15 +584,15 @@ def launch_gradients(
             raise ValueError(f"scratch_r has {scratch_r.shape[2]} rows, the lean kernels "
                              f"take {LEAN_ROWS.value} (scratch_rows)")  # fmt: skip
         stages = {"num_stages": GRADS_LEAN_STAGES} if GRADS_LEAN_STAGES else {}
+        half_warps = not fp32 and GRADS_LEAN_V_HALF_WARPS
         capped = GRADS_LEAN_V_MAXNREG and common["BK"] <= GRADS_LEAN_V_MAXNREG_MAX_BK
         v_options = {"maxnreg": GRADS_LEAN_V_MAXNREG} if capped else {}
+        v_options = {"num_warps": GRADS_LEAN_V_HALF_WARPS} if half_warps else v_options
         min_bk = GRADS_LEAN_DQ_FIRST_MIN_BK
         key_side["DQ_FIRST"] = bool(min_bk) and key_side["BK"] >= min_bk
         key_side["num_warps"] = GRADS_LEAN_K_WARPS or key_side["num_warps"]
         key_side.update({"maxnreg": GRADS_LEAN_K_MAXNREG} if GRADS_LEAN_K_MAXNREG else {})
-        v_warps = {"num_warps": GRADS_LEAN_V_WARPS} if GRADS_LEAN_V_WARPS else {}
-        value_side = {**common, **stages, **v_options, **v_warps}
-        launch_lean(pointers, value_side, {**key_side, **stages}, grid)
+        launch_lean(pointers, {**common, **stages, **v_options}, {**key_side, **stages}, grid)
         return
     if not fp32 and GRADS_K_HALF_WARPS:  # the plain key side (the lean pair returned above)
         key_side["num_warps"] = GRADS_K_HALF_WARPS
