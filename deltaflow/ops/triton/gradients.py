@@ -80,11 +80,11 @@ GRADS_LEAN_STAGES = 0
 # and 2 stages, two programs an SM at D = 128, lost +0.40).
 GRADS_LEAN_DQ_FIRST_MIN_BK = 256
 GRADS_LEAN_K_WARPS = 0
+GRADS_LEAN_K_MAXNREG = 0  # the lean key side's register cap (0: none)
 # The lean value side in half precision at this many warps, uncapped (0: the cap above): two
 # programs an SM (AOT bf16 D = 128: 255 registers, 72 B of stack; fp32 would spill 1.3-2.6 KB);
 # H200, session 26 call 5: 0.556 → 0.516 ms at (8, 4096, 16, 128), 1.19 → 1.03 at D = 256.
 GRADS_LEAN_V_HALF_WARPS = 4
-GRADS_LEAN_K_MAXNREG = 0  # the lean key side's register cap (0: none)
 # The fused gradient kernel (gradients_fused.py; issue 32, benchmarks/NOTES.md "Issue 32, session
 # 19"): both sides in one program per (chunk, head), whole heads in one block each, no scratch.
 # "off" | "on" (every launch: any dtype and head width, for tests and trials) | "auto": the
