@@ -24,6 +24,9 @@ the same; fp32 sums are reassociated):
   e^{γ_C − γ} ⊙ U Gᵀ, each row sum taken just before; k is loaded again (L2) for the last terms.
 - The value side forms Q Kᵀ and K Kᵀ one after the other, each folded into dγ, M_P or M_A
   before the next (the plain kernel holds dP, dA, D, Q Kᵀ, K Kᵀ and dE together).
+- For rules whose c1 is 0 (``rules.ERASE_FREE_OF_NORM``) the key side splits over key blocks
+  (:func:`key_blocks`, session 26): nothing else in dq or dk couples key columns, and dβ and
+  d log α, row sums over them, are summed from each block's fp32 part.
 
 Row scratch (``[chunks, H, LEAN_ROWS, C]`` fp32), by row: dγ from the decay matrix, a,
 c0 and c1 of dλ (dk's ``2 (da ∂a/∂λ + db ∂b/∂λ) k``), of dβ and of the rule's d log α term.
