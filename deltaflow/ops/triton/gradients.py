@@ -584,10 +584,10 @@ def launch_gradients(
             raise ValueError(f"scratch_r has {scratch_r.shape[2]} rows, the lean kernels "
                              f"take {LEAN_ROWS.value} (scratch_rows)")  # fmt: skip
         stages = {"num_stages": GRADS_LEAN_STAGES} if GRADS_LEAN_STAGES else {}
-        half_warps = not fp32 and GRADS_LEAN_V_HALF_WARPS
         capped = GRADS_LEAN_V_MAXNREG and common["BK"] <= GRADS_LEAN_V_MAXNREG_MAX_BK
         v_options = {"maxnreg": GRADS_LEAN_V_MAXNREG} if capped else {}
-        v_options = {"num_warps": GRADS_LEAN_V_HALF_WARPS} if half_warps else v_options
+        if not fp32 and GRADS_LEAN_V_HALF_WARPS:  # half precision: these warps, no cap
+            v_options = {"num_warps": GRADS_LEAN_V_HALF_WARPS}
         min_bk = GRADS_LEAN_DQ_FIRST_MIN_BK
         key_side["DQ_FIRST"] = bool(min_bk) and key_side["BK"] >= min_bk
         key_side["num_warps"] = GRADS_LEAN_K_WARPS or key_side["num_warps"]
