@@ -11,12 +11,13 @@ import pytest
 import torch
 from _inputs import make_inputs, rel_err
 
-from deltaflow import delta_rule
 from deltaflow.rules import RULES, triton_rules
 
 triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
 if not triton_backend.available():
     pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from test_grads_variants import NAMES, _fwd_bwd  # noqa: E402
 
 from deltaflow.ops.triton import gradients, gradients_lean  # noqa: E402 - after the skip
 from deltaflow.ops.triton import rules as rule_table  # noqa: E402
@@ -28,7 +29,6 @@ HALF = torch.bfloat16 if GPU else torch.float16  # the interpreter's bf16 tl.dot
 # 26, call 3), on the interpreter 32
 SPLITS = [(64, 128)] if GPU else [(32, 64)]
 pytestmark = pytest.mark.usefixtures("narrow_half_kernels")  # 24-48-column value heads in half
-NAMES = ["o", "state", "q", "k", "v", "beta", "log_decay", "initial_state"]
 
 
 @pytest.fixture(params=SPLITS, ids=lambda s: f"bk{s[0]}")
@@ -48,13 +48,6 @@ def split(request, monkeypatch) -> tuple[int, list[int]]:
 
     monkeypatch.setattr(gradients_lean, "key_blocks", counted)
     return dk, seen
-
-
-def _fwd_bwd(inputs: dict, backend: str, **kwargs) -> list:
-    leaves = {n: None if t is None else t.clone().requires_grad_(True) for n, t in inputs.items()}
-    o, s = delta_rule(**leaves, output_final_state=True, backend=backend, **kwargs)
-    (o.sin().sum() + s.pow(2).sum()).backward()
-    return [o, s] + [None if leaves[n] is None else leaves[n].grad for n in NAMES[2:]]
 
 
 def _inputs(rule: str, T: int, Dk: int, Dv: int, seed: int, **kwargs) -> dict:
