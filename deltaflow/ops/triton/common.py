@@ -4,6 +4,7 @@ and the small loads and products the kernels are written with. Equations: docs/d
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -402,3 +403,62 @@ def multiprocessors(device: torch.device) -> int:
 @functools.cache
 def _cuda_multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# L2 prefetch hints (PTX ``prefetch.global.L2``, one a 128-byte line; issue 32, session 27): a
+# tile a kernel will load later is asked into L2 now, so that its load then waits on L2 rather
+# than DRAM. The passes that walk a sequence at one pipeline stage (their tiles staged through
+# registers) and the key side's epilogue wait on such loads (benchmarks/NOTES.md, "where call
+# 5's per-instruction samples wait"). A hint costs no registers beyond its addresses, faults on
+# nothing and changes no value. PREFETCH: whether launches ask for them (never on the
+# interpreter, which runs no PTX: ``prefetch_on``).
+PREFETCH = True
+LINE_BITS = tl.constexpr(1024)  # 128 bytes
+
+
+def prefetch_on() -> bool:
+    """The kernels' ``PREFETCH`` constexpr: the setting, off under TRITON_INTERPRET."""
+    return PREFETCH and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """One L2 prefetch a pointer of ``ptrs`` (the result, a zero, unused)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def row_lines(offs_t, last_t, i_h, col0, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+              BITS: tl.constexpr):  # fmt: skip
+    """Element offsets, one a 128-byte line, covering columns [col0, col0 + BD) (within D) of
+    rows ``offs_t`` (past ``last_t``: that row) of head ``i_h`` of a [.., T, H, D] tensor of
+    BITS-bit elements: :func:`prefetch_rows`' addresses (tests/test_prefetch.py). A row that
+    does not start on a line boundary spans one line more than this covers: its last is left
+    out (a hint only; the op's fast heads are 64-128-column multiples)."""
+    NL: tl.constexpr = (BD * BITS + LINE_BITS - 1) // LINE_BITS
+    cols = tl.minimum(col0 + tl.arange(0, NL) * (LINE_BITS // BITS), D - 1)
+    t = tl.minimum(offs_t, last_t)
+    return (t[:, None] * H + i_h) * D + cols[None, :]
+
+
+@triton.jit
+def prefetch_rows(ptr, offs_t, last_t, i_h, col0, H: tl.constexpr, D: tl.constexpr,
+                  BD: tl.constexpr):  # fmt: skip
+    """Ask L2 for :func:`load_rows`' tile of columns [col0, col0 + BD) of rows ``offs_t``
+    (clamped to ``last_t``) of head ``i_h`` of a [.., T, H, D] tensor, one hint a line."""
+    BITS: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth
+    _prefetch_l2(ptr + row_lines(offs_t, last_t, i_h, col0, H, D, BD, BITS))
+
+
+@triton.jit
+def prefetch_block(ptr, N: tl.constexpr):
+    """Ask L2 for ``N`` contiguous elements from ``ptr`` (N · bits a multiple of 1024)."""
+    BITS: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth
+    _prefetch_l2(ptr + tl.arange(0, N * BITS // LINE_BITS) * (LINE_BITS // BITS))

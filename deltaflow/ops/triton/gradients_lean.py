@@ -47,6 +47,9 @@ from deltaflow.ops.triton.common import (
     decay_matrix,
     dot_split,
     load_rows,
+    prefetch_block,
+    prefetch_on,
+    prefetch_rows,
 )
 from deltaflow.ops.triton.gradients import (
     _chunk_keys,
@@ -69,6 +72,9 @@ LEAN_ROWS = tl.constexpr(8)  # rows of the row scratch (module docstring)
 K_SPLIT_BK = 64
 K_SPLIT_WARPS = 4
 K_SPLIT_STAGES = 0
+# The key side asks L2 for its epilogue's tiles (M, T, the rows, q and k) as it starts
+# (common.prefetch_block, prefetch_rows): its epilogue's loads wait on DRAM otherwise.
+K_PREFETCH = True
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -226,6 +232,7 @@ def chunk_grads_k_lean_kernel(
     PREC: tl.constexpr,
     DQ_FIRST: tl.constexpr,
     NK: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """``gradients.chunk_grads_k_kernel``'s key side (dq, dk, dβ, d log α) without the rule
     table (its terms come from the value side's rows) and with each accumulator retired in
@@ -251,6 +258,12 @@ def chunk_grads_k_lean_kernel(
     dh_c = dh_ptr + ch * (Dk * Dv)
     m_c = m_ptr + ch * (2 * CHUNK * CHUNK)
     r_c = r_ptr + ch * (LEAN_ROWS * CHUNK)
+    if PREFETCH:  # the epilogue's tiles into L2 while the value loop runs (common.prefetch_*)
+        prefetch_block(m_c, 2 * CHUNK * CHUNK)
+        prefetch_block(t_ptr + ch * (CHUNK * CHUNK), CHUNK * CHUNK)
+        prefetch_block(r_c, LEAN_ROWS * CHUNK)
+        prefetch_rows(q_ptr, offs_t, eos - 1, i_h, i_k * BK, H, Dk, BK)
+        prefetch_rows(k_ptr, offs_t, eos - 1, i_h, i_k * BK, H, Dk, BK)
     # fp32 inputs: dX = −dY S_0ᵀ per value block, as in gradients.py
     PER_BLOCK: tl.constexpr = DT == tl.float32
     if PER_BLOCK:
@@ -401,7 +414,11 @@ def launch_lean(
                 part = out.new_empty((nk, *out.shape), dtype=torch.float32)
                 parts[name] = key_pointers[name] = part
     chunk_grads_k_lean_kernel[(grid[0] * nk, grid[1])](
-        **key_pointers, **key_side, NK=nk, split_stride=q.numel() // key_side["Dk"]
+        **key_pointers,
+        **key_side,
+        NK=nk,
+        split_stride=q.numel() // key_side["Dk"],
+        PREFETCH=prefetch_on() and K_PREFETCH,
     )
     for name, part in parts.items():  # block by block in fp32, rounded once into the output
         total = part[0]
