@@ -69,16 +69,20 @@ def test_row_lines_cover_the_loaded_tile(case):
 
 
 @pytest.mark.skipif(not GPU, reason="the hints run on a GPU only")
+@pytest.mark.parametrize("rule", ["delta", "kaczmarz"])  # the key side split and unsplit
 @pytest.mark.parametrize("D", [64, 128, 256])
-def test_prefetch_changes_no_value(D, monkeypatch):
+def test_prefetch_changes_no_value(D, rule, monkeypatch):
     lengths = [0, 200, 1, 333]  # packed, an empty and a one-token sequence
-    x = make_inputs(1, sum(lengths), 2, D, D, rule="delta", seed=D, dtype=torch.bfloat16)
+    x = make_inputs(1, sum(lengths), 2, D, D, rule=rule, seed=D, n_states=len(lengths),
+                    dtype=torch.bfloat16)  # fmt: skip
+    if rule == "kaczmarz":
+        x["beta"] = None
     x = {n: None if t is None else t.cuda() for n, t in x.items()}
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
     runs = []
     for on in (False, True):
         monkeypatch.setattr(common, "PREFETCH", on)
-        runs.append(_fwd_bwd(x, "triton", cu_seqlens=cu))
+        runs.append(_fwd_bwd(x, "triton", cu_seqlens=cu, rule=rule))
     for a, b in zip(*runs):
         assert (a is None) == (b is None)
         if a is not None:

@@ -35,8 +35,6 @@ from deltaflow.ops.triton.common import (
     head_block,
     key_block,
     load_rows,
-    prefetch_on,
-    prefetch_rows,
     scaled_grad_o,
 )
 from deltaflow.ops.triton.states import split_launch, split_rows
@@ -63,9 +61,6 @@ DSTATES_MAXNREG = 0
 # split_dstates 2.475 → 1.955 ms, the rebuild 0.41 → 0.60, forward + backward −0.33 ms. Not in
 # fp16, as the forward's (its fp16 fault on the H200 unexplained: benchmarks/NOTES.md).
 DSTATES_P = True
-# The unsplit pass asks L2 for the next step's tiles (common.prefetch_rows): at one stage
-# (D = 128) its loads, staged through registers, wait on DRAM otherwise.
-DSTATES_PREFETCH = True
 DSTATES_P_SKIP = (torch.float16,)
 
 
@@ -125,7 +120,6 @@ def chunk_dstates_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """(7)–(8) along one sequence from its end, for one head and BV value columns:
     dU = scale·Pᵀ dO + K̃ G,   G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU,
@@ -156,14 +150,6 @@ def chunk_dstates_kernel(
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
-        if PREFETCH:  # the next step's tiles into L2 (common.prefetch_rows; at j = 0, its own)
-            prev = tl.maximum(offs_t - CHUNK, bos)
-            prefetch_rows(q_ptr, prev, eos - 1, i_h, 0, H, Dk, BK)
-            prefetch_rows(k_ptr, prev, eos - 1, i_h, 0, H, Dk, BK)
-            prefetch_rows(w_ptr, prev, eos - 1, i_h, 0, H, Dk, BK)
-            prefetch_rows(do_ptr, prev, eos - 1, i_h, i_v * BV, H, Dv, BV)
-            if HAS_DECAY:
-                prefetch_rows(g_ptr, prev, eos - 1, i_h, 0, H, 1, 1)
         tl.store(
             dh_ptr + (c * H + i_h) * Dk * Dv + state_offs,
             G.to(dh_ptr.dtype.element_ty),
@@ -276,6 +262,5 @@ def launch_dstates(
         HAS_DST=grad_final_state is not None,
         PREC=dot_precision(q.dtype),
         **launch,
-        **({} if "BKS" in launch else {"PREFETCH": prefetch_on() and DSTATES_PREFETCH}),
         num_stages=dstates_stages(BK, split="BKS" in launch),
     )
