@@ -34,8 +34,6 @@ from deltaflow.ops.triton.common import (
     load_gates,
     load_rows,
     mm,
-    prefetch_on,
-    prefetch_rows,
     store_rows,
 )
 
@@ -55,8 +53,6 @@ PREPARE_DIAG_PRECISION = "tf32x3"
 # (the off-diagonal part) at the inputs' dot precision (common.dot_precision: "tf32" for
 # bf16/fp16, truncated on sm_90; "tf32x3" for fp32).
 PREPARE_FOLD_STRENGTHS = True
-# V's rows asked into L2 as a program starts (common.prefetch_rows): read after the inverse
-PREPARE_PREFETCH = True
 # The backward's prepare (bf16/fp16 inputs) rounds where fla's does: T fp32-accurate, rounded
 # once to the dot dtype, and diag(aΓ) K, diag(b) V rounded apart (benchmarks/bf16_floor.py,
 # FLOOR: T_W, X, Y). The gradients' bf16 error is then the bf16 floor's, draw for draw: a
@@ -265,7 +261,6 @@ def chunk_prepare_kernel(
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_P: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages,
@@ -280,9 +275,6 @@ def chunk_prepare_kernel(
     cols = tl.arange(0, TILE)
     # Operand dtype of the W and Ũ products: the inputs' (bf16/fp16) or fp32.
     DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
-    if PREFETCH:  # V, read after the inverse, into L2 meanwhile (common.prefetch_rows)
-        for c in range(0, Dv, TILE):
-            prefetch_rows(v_ptr, offs_t, eos - 1, i_h, c, H, Dv, TILE)
 
     # K Kᵀ and λ = ‖k‖², one column tile at a time (λ over every column: the strengths need it)
     kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
@@ -408,7 +400,6 @@ def launch_prepare(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
-        PREFETCH=prefetch_on() and PREPARE_PREFETCH,
         num_warps=PREPARE_WARPS,
         **({"maxnreg": PREPARE_MAXNREG} if PREPARE_MAXNREG else {}),  # 0 would reach ptxas
     )

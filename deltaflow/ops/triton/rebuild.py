@@ -36,8 +36,6 @@ from deltaflow.ops.triton.common import (
     load_chunk_square,
     load_rows,
     mm,
-    prefetch_on,
-    prefetch_rows,
     store_rows,
 )
 from deltaflow.ops.triton.prepare import (
@@ -56,8 +54,6 @@ from deltaflow.ops.triton.prepare import (
 # 256) 11.099 → 11.067.
 REBUILD_WARPS = 8
 REBUILD_MAXNREG = 0
-# V's rows asked into L2 as a program starts (common.prefetch_rows), read after T and the keys
-REBUILD_PREFETCH = True
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -87,7 +83,6 @@ def chunk_rebuild_kernel(
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_P: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """W and Ũ of chunk program_id(0), head program_id(1), from its kept T; with STORE_P also
     scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p)."""
@@ -101,9 +96,6 @@ def chunk_rebuild_kernel(
     # T first: its load is in flight while λ is summed
     t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
     T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :])
-    if PREFETCH:  # V, read last, into L2 meanwhile (common.prefetch_rows)
-        for c in range(0, Dv, TILE):
-            prefetch_rows(v_ptr, offs_t, eos - 1, i_h, c, H, Dv, TILE)
     lam = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, Dk, TILE):
         k32 = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk).to(tl.float32)
@@ -238,7 +230,6 @@ def launch_rebuild(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
-        PREFETCH=prefetch_on() and REBUILD_PREFETCH,
         num_warps=REBUILD_WARPS,
         **({"maxnreg": REBUILD_MAXNREG} if REBUILD_MAXNREG else {}),
     )

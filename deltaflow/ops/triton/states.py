@@ -38,7 +38,6 @@ from deltaflow.ops.triton.common import (
     head_block,
     key_block,
     load_rows,
-    prefetch_block,
     prefetch_on,
     prefetch_rows,
     store_rows,
@@ -97,16 +96,12 @@ SPLIT_FORWARD_P = True
 SPLIT_FORWARD_P_SKIP = (torch.float16,)
 
 
-# The unsplit state passes ask L2 for the tiles of the chunk STATES_PREFETCH_AHEAD (the state
-# pass) or FUSED_PREFETCH_AHEAD (the fused forward) steps on (0: none; common.prefetch_rows),
-# beyond the pipeline's one step of loads in flight.
-STATES_PREFETCH_AHEAD = 2
+# The fused forward asks L2 for the tiles of the chunk FUSED_PREFETCH_AHEAD steps on (0: none;
+# common.prefetch_rows), beyond its pipeline's one step of loads in flight. H200, bf16, session
+# 27 call 2: the forward kernel 0.346 → 0.332 ms at (8, 4096, 16, 128), 0.297 → 0.283 at
+# (16, 2048, 32, 64); the same hints in the state pass lost (0.267 → 0.274, 0.322 → 0.342), as
+# did V's in the prepare and the rebuild (0.398 → 0.403, 0.188 → 0.205; results/issue32/s27call2).
 FUSED_PREFETCH_AHEAD = 2
-
-
-def prefetch_ahead(steps: int) -> int:
-    """A pass's AHEAD constexpr: ``steps``, or 0 where hints are off (common.prefetch_on)."""
-    return steps if prefetch_on() else 0
 
 
 def split_rows(BK: int, dtype: torch.dtype, split_k: int | None = None) -> int:
@@ -177,7 +172,7 @@ def chunk_forward_kernel(
     AHEAD: tl.constexpr,
 ):
     """(4)–(6) along one sequence for one head and BV value columns, state S in registers.
-    AHEAD > 0: each step asks L2 for the tiles of the chunk AHEAD steps on (prefetch_ahead)."""
+    AHEAD > 0: each step asks L2 for the tiles of the chunk AHEAD steps on (L2 hints)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
@@ -300,7 +295,7 @@ def launch_forward(
         HAS_S0=initial_state is not None,
         PREC=dot_precision(q.dtype),
         **launch,
-        **({} if "BKS" in launch else {"AHEAD": prefetch_ahead(FUSED_PREFETCH_AHEAD)}),
+        **({} if "BKS" in launch else {"AHEAD": FUSED_PREFETCH_AHEAD if prefetch_on() else 0}),
         num_stages=stages,
     )
 
@@ -351,7 +346,6 @@ def chunk_states_kernel(
     HAS_BETA: tl.constexpr,
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
-    AHEAD: tl.constexpr,
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
     States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
@@ -385,16 +379,6 @@ def chunk_states_kernel(
         c = (c_first + j).to(tl.int64)
         h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
         tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
-        if AHEAD > 0:  # the tiles AHEAD chunks on into L2 (prefetch_ahead)
-            on = tl.minimum(offs_t + AHEAD * CHUNK, eos - 1)
-            prefetch_rows(k_ptr, on, eos - 1, i_h, 0, H, Dk, BK)
-            if FROM_T:
-                c_on = tl.minimum(j + AHEAD, n_chunks - 1) + c_first
-                prefetch_block(t_ptr + (c_on.to(tl.int64) * H + i_h) * CHUNK * CHUNK, CHUNK * CHUNK)
-                prefetch_rows(v_ptr, on, eos - 1, i_h, i_v * BV, H, Dv, BV)
-            else:
-                prefetch_rows(w_ptr, on, eos - 1, i_h, 0, H, Dk, BK)
-                prefetch_rows(u_ptr, on, eos - 1, i_h, i_v * BV, H, Dv, BV)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         if FROM_T:  # the rebuild's W and Ũ (rebuild.py), W written for the reverse pass
             b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps,
@@ -465,7 +449,6 @@ def launch_states(
     else:
         kernel = chunk_states_kernel
         launch.update(from_t or pass_args(None, None, tables=tables))
-        launch["AHEAD"] = prefetch_ahead(STATES_PREFETCH_AHEAD)
     kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,
