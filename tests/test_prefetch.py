@@ -20,7 +20,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from test_grads_variants import _fwd_bwd  # noqa: E402
 
-from deltaflow.ops.triton import common, gradients_lean  # noqa: E402 - after the skip
+from deltaflow.ops.triton import common  # noqa: E402 - after the skip
 
 GPU = torch.cuda.is_available()
 
@@ -80,10 +80,8 @@ def test_prefetch_changes_no_value(D, rule, monkeypatch):
     x = {n: None if t is None else t.cuda() for n, t in x.items()}
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
     runs = []
-    for on in (False, True):  # every hint on: the lean kernels' one wave ahead too
+    for on in (False, True):
         monkeypatch.setattr(common, "PREFETCH", on)
-        monkeypatch.setattr(gradients_lean, "K_AHEAD_PER_SM", 2)
-        monkeypatch.setattr(gradients_lean, "V_AHEAD_PER_SM", 2)
         runs.append(_fwd_bwd(x, "triton", cu_seqlens=cu, rule=rule))
     for a, b in zip(*runs):
         assert (a is None) == (b is None)

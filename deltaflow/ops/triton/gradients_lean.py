@@ -47,7 +47,6 @@ from deltaflow.ops.triton.common import (
     decay_matrix,
     dot_split,
     load_rows,
-    multiprocessors,
     prefetch_block,
     prefetch_on,
     prefetch_rows,
@@ -79,10 +78,6 @@ K_SPLIT_STAGES = 0
 # side 0.911 → 0.848 ms at (8, 4096, 16, 128) (two trips), 2.146 → 2.20 at D = 256 (four).
 K_PREFETCH = True
 K_PREFETCH_MAX_TRIPS = 2
-# Both lean kernels hint the first tiles of the program one wave on (lean_ahead): programs an
-# SM that a wave holds (0: no such hints), under trial.
-K_AHEAD_PER_SM = 0
-V_AHEAD_PER_SM = 0
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -113,8 +108,6 @@ def chunk_grads_v_lean_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
-    ahead,
-    AHEAD: tl.constexpr,
 ):
     """``gradients.chunk_grads_v_kernel``'s value side (dv; M_P, M_A), then the rule's
     derivatives folded with da, db into the key side's rows (module docstring)."""
@@ -125,20 +118,6 @@ def chunk_grads_v_lean_kernel(
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
     mask_t = offs_t < eos
-    if AHEAD:  # the tiles of the program ``ahead`` places on into L2 (lean_ahead)
-        n0 = tl.num_programs(0)
-        nxt = i_c + i_h * n0 + ahead
-        if nxt < n0 * tl.num_programs(1):
-            c2, h2 = nxt % n0, nxt // n0
-            t2, e2 = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, c2)
-            r2 = t2 + rows
-            prefetch_rows(q_ptr, r2, e2 - 1, h2, 0, H, Dk, BK)
-            prefetch_rows(k_ptr, r2, e2 - 1, h2, 0, H, Dk, BK)
-            prefetch_block(t_ptr + (c2.to(tl.int64) * H + h2) * (CHUNK * CHUNK), CHUNK * CHUNK)
-            prefetch_rows(do_ptr, r2, e2 - 1, h2, 0, H, Dv, Dv)
-            prefetch_rows(v_new_ptr, r2, e2 - 1, h2, 0, H, Dv, Dv)
-            prefetch_rows(du_ptr, r2, e2 - 1, h2, 0, H, Dv, Dv)
-            prefetch_rows(v_ptr, r2, e2 - 1, h2, 0, H, Dv, Dv)
     _, _, _, _, _, b, _, _ = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
@@ -257,8 +236,6 @@ def chunk_grads_k_lean_kernel(
     DQ_FIRST: tl.constexpr,
     NK: tl.constexpr,
     PREFETCH: tl.constexpr,
-    ahead,
-    AHEAD: tl.constexpr,
 ):
     """``gradients.chunk_grads_k_kernel``'s key side (dq, dk, dβ, d log α) without the rule
     table (its terms come from the value side's rows) and with each accumulator retired in
@@ -290,18 +267,6 @@ def chunk_grads_k_lean_kernel(
         prefetch_block(r_c, LEAN_ROWS * CHUNK)
         prefetch_rows(q_ptr, offs_t, eos - 1, i_h, i_k * BK, H, Dk, BK)
         prefetch_rows(k_ptr, offs_t, eos - 1, i_h, i_k * BK, H, Dk, BK)
-        if AHEAD:  # the first tiles of the program ``ahead`` places on (lean_ahead)
-            n0 = tl.num_programs(0)
-            nxt = tl.program_id(0) + tl.program_id(1) * n0 + ahead
-            if nxt < n0 * tl.num_programs(1):
-                c2, h2, k2 = (nxt % n0) // NK, nxt // n0, (nxt % n0) % NK
-                t2, e2 = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, c2)
-                blk = (c2.to(tl.int64) * H + h2) * (Dk * Dv) + k2 * (BK * Dv)
-                prefetch_block(h_ptr + blk, BK * Dv)
-                prefetch_block(dh_ptr + blk, BK * Dv)
-                prefetch_rows(v_new_ptr, t2 + rows, e2 - 1, h2, 0, H, Dv, Dv)
-                prefetch_rows(du_ptr, t2 + rows, e2 - 1, h2, 0, H, Dv, Dv)
-                prefetch_rows(do_ptr, t2 + rows, e2 - 1, h2, 0, H, Dv, Dv)
     # fp32 inputs: dX = −dY S_0ᵀ per value block, as in gradients.py
     PER_BLOCK: tl.constexpr = DT == tl.float32
     if PER_BLOCK:
@@ -418,16 +383,6 @@ V_LEAN_POINTERS = pointer_params(chunk_grads_v_lean_kernel)
 K_LEAN_POINTERS = pointer_params(chunk_grads_k_lean_kernel)
 
 
-def lean_ahead(q: Tensor, Dv: int, per_sm: int) -> int:
-    """How many places on in the grid a lean kernel's program hints the tiles of (0: none):
-    ``per_sm`` programs an SM, one wave of the GPU on, so that a program's first loads find
-    them in L2 (common.prefetch_block, prefetch_rows); only with hints on and a power-of-two
-    value head (the hints' whole rows)."""
-    if not (per_sm and prefetch_on() and Dv & (Dv - 1) == 0):
-        return 0
-    return per_sm * multiprocessors(q.device)
-
-
 def key_blocks(Dk: int, dtype: torch.dtype, kernel_id: int) -> int:
     """How many key blocks of K_SPLIT_BK columns the lean key side splits heads of ``Dk`` key
     columns into (1: unsplit), for inputs of ``dtype`` under rule ``kernel_id``."""
@@ -446,13 +401,10 @@ def launch_lean(
     rows carry the rule). Split (:func:`key_blocks`), each key block's parts of dβ and d log α
     go to fp32 buffers summed into theirs after the launch (a fixed order: deterministic; at
     two blocks one launch)."""
-    q = pointers["q_ptr"]
-    v_ahead = lean_ahead(q, value_side["Dv"], V_AHEAD_PER_SM)
-    chunk_grads_v_lean_kernel[grid](
-        **take(pointers, V_LEAN_POINTERS), **value_side, ahead=v_ahead, AHEAD=v_ahead > 0
-    )
+    chunk_grads_v_lean_kernel[grid](**take(pointers, V_LEAN_POINTERS), **value_side)
     key_side = {n: x for n, x in key_side.items() if n not in ("eps", "neg")}
     key_pointers = take(pointers, K_LEAN_POINTERS)
+    q = pointers["q_ptr"]
     nk = key_blocks(key_side["Dk"], q.dtype, key_side["rule"])
     parts = {}
     if nk > 1:
@@ -465,15 +417,12 @@ def launch_lean(
                 part = out.new_empty((nk, *out.shape), dtype=torch.float32)
                 parts[name] = key_pointers[name] = part
     trips = triton.cdiv(key_side["Dv"], key_side["BV"])  # the value loop's
-    k_ahead = lean_ahead(q, key_side["Dv"], K_AHEAD_PER_SM)
     chunk_grads_k_lean_kernel[(grid[0] * nk, grid[1])](
         **key_pointers,
         **key_side,
         NK=nk,
         split_stride=q.numel() // key_side["Dk"],
         PREFETCH=prefetch_on() and K_PREFETCH and trips <= K_PREFETCH_MAX_TRIPS,
-        ahead=k_ahead,
-        AHEAD=k_ahead > 0,
     )
     for name, part in parts.items():  # block by block in fp32, rounded once into the output
         total = part[0]
