@@ -3,7 +3,7 @@ On the interpreter (which runs no PTX, so the kernels launch with PREFETCH off t
 hints' addresses cover exactly the 128-byte lines of the tile the kernel loads later where its
 rows start on line boundaries (all but one line a row otherwise), and never leave the tensor.
 On a GPU: the op's outputs and gradients with the hints are those without them, bit for bit,
-at the shapes whose kernels take them (the reverse pass at one stage, the split key side),
+at the shapes whose kernels take them (the key side split and unsplit, the fused forward),
 packed sequences included."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _row_lines_kernel(out_ptr, t0, last_t, i_h, col0, H: tl.constexpr, D: tl.con
 
 # (rows from, last row, head, first column, H, D, block columns, bits): a chunk inside the
 # tensor, one past its end, a value block of a wider head, bf16 and fp32, a head narrower than
-# its block, a head narrower than a line
+# its block, a head narrower than a line, a block two lines wide over a head of less than one
 CASES = [
     (0, 63, 1, 0, 2, 128, 128, 16),
     (40, 70, 0, 0, 3, 128, 128, 16),
@@ -44,6 +44,7 @@ CASES = [
     (0, 63, 1, 64, 2, 200, 128, 32),
     (5, 30, 1, 0, 2, 24, 32, 16),
     (0, 63, 0, 0, 1, 1, 1, 16),
+    (0, 63, 1, 0, 2, 20, 64, 32),
 ]
 
 

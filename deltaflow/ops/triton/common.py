@@ -407,11 +407,12 @@ def _cuda_multiprocessors(index: int) -> int:
 
 # L2 prefetch hints (PTX ``prefetch.global.L2``, one a 128-byte line; issue 32, session 27): a
 # tile a kernel will load later is asked into L2 now, so that its load then waits on L2 rather
-# than DRAM. The passes that walk a sequence at one pipeline stage (their tiles staged through
-# registers) and the key side's epilogue wait on such loads (benchmarks/NOTES.md, "where call
-# 5's per-instruction samples wait"). A hint costs no registers beyond its addresses, faults on
-# nothing and changes no value. PREFETCH: whether launches ask for them (never on the
-# interpreter, which runs no PTX: ``prefetch_on``).
+# than DRAM. They pay where a tile is read after a long phase nothing pipelines: the lean key
+# side's epilogue (gradients_lean.K_PREFETCH) and the fused forward two chunks ahead
+# (states.FUSED_PREFETCH_AHEAD). In the reverse pass (spills), the state pass, the prepare, the
+# rebuild and one wave of programs ahead they lost (benchmarks/NOTES.md, session 27). A hint
+# changes no value; its addresses stay inside the tensor (rows and columns clamped). PREFETCH:
+# whether launches ask for them (never on the interpreter, which runs no PTX: ``prefetch_on``).
 PREFETCH = True
 LINE_BITS = tl.constexpr(1024)  # 128 bytes
 
@@ -459,6 +460,6 @@ def prefetch_rows(ptr, offs_t, last_t, i_h, col0, H: tl.constexpr, D: tl.constex
 
 @triton.jit
 def prefetch_block(ptr, N: tl.constexpr):
-    """Ask L2 for ``N`` contiguous elements from ``ptr`` (N · bits a multiple of 1024)."""
+    """Ask L2 for ``N`` contiguous elements from ``ptr`` (N · bits / 1024 lines, a power of 2)."""
     BITS: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth
     _prefetch_l2(ptr + tl.arange(0, N * BITS // LINE_BITS) * (LINE_BITS // BITS))

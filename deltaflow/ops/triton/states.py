@@ -172,7 +172,7 @@ def chunk_forward_kernel(
     AHEAD: tl.constexpr,
 ):
     """(4)–(6) along one sequence for one head and BV value columns, state S in registers.
-    AHEAD > 0: each step asks L2 for the tiles of the chunk AHEAD steps on (L2 hints)."""
+    AHEAD > 0: each step asks L2 for the tiles of the chunk AHEAD steps on (prefetch_rows)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
