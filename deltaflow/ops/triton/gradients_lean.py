@@ -42,6 +42,7 @@ from torch import Tensor
 from deltaflow.ops.triton import rules as rule_table
 from deltaflow.ops.triton.common import (
     CHUNK,
+    cdiv,
     chunk_bounds,
     chunk_gamma,
     decay_matrix,
@@ -389,7 +390,7 @@ def key_blocks(Dk: int, dtype: torch.dtype, kernel_id: int) -> int:
     half = dtype in (torch.bfloat16, torch.float16)
     if not (K_SPLIT_BK and half and kernel_id in rule_table.ERASE_FREE_OF_NORM):
         return 1
-    return triton.cdiv(Dk, K_SPLIT_BK)
+    return cdiv(Dk, K_SPLIT_BK)
 
 
 def launch_lean(
@@ -416,7 +417,7 @@ def launch_lean(
                 out = key_pointers[name]
                 part = out.new_empty((nk, *out.shape), dtype=torch.float32)
                 parts[name] = key_pointers[name] = part
-    trips = triton.cdiv(key_side["Dv"], key_side["BV"])  # the value loop's
+    trips = cdiv(key_side["Dv"], key_side["BV"])  # the value loop's
     chunk_grads_k_lean_kernel[(grid[0] * nk, grid[1])](
         **key_pointers,
         **key_side,

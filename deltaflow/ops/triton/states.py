@@ -199,7 +199,7 @@ def chunk_forward_kernel(
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
         if AHEAD > 0:
-            on = tl.minimum(offs_t + AHEAD * CHUNK, eos - 1)
+            on = offs_t + AHEAD * CHUNK  # prefetch_rows clamps them to the last row
             prefetch_rows(w_ptr, on, eos - 1, i_h, 0, H, Dk, BK)
             prefetch_rows(u_ptr, on, eos - 1, i_h, i_v * BV, H, Dv, BV)
             prefetch_rows(k_ptr, on, eos - 1, i_h, 0, H, Dk, BK)
