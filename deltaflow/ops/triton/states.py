@@ -62,6 +62,7 @@ STATES_WARPS = 4
 # kernels (pass_stages; H200, session 20 call 1: 2 against 1 gains 0.03-0.26 ms at D ≤ 128, the
 # split kernels at D = 256 lose 0.36: one program an SM there).
 STATES_STAGES = 2
+STATES_EXPERIMENT = ""  # timing-only what-ifs of chunk_states_kernel (session 28, removed after)
 STATES_STAGES_MAX_BK = 128
 # At key blocks up to NARROW_MAX_BK (Dk ≤ 64) both state passes hold a [64, BV] state: a third
 # stage fits (H200, session 21 call 1: −0.03 / −0.05 ms at D = 64; at D = 128 it loses).
@@ -346,6 +347,7 @@ def chunk_states_kernel(
     HAS_BETA: tl.constexpr,
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
+    EXP: tl.constexpr = "",
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
     States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
@@ -378,7 +380,10 @@ def chunk_states_kernel(
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
         h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
-        tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
+        if EXP == "early_bad":
+            first_bad = tl.load(first_bad_ptr + c * H + i_h)
+        if EXP != "no_h":
+            tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         if FROM_T:  # the rebuild's W and Ũ (rebuild.py), W written for the reverse pass
             b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps,
@@ -389,13 +394,18 @@ def chunk_states_kernel(
         else:
             b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
             b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
-        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        if EXP == "no_cumsum":  # timing only: γ as if kept by the prepare
+            gamma = tl.load(g_ptr + offs_t * H + i_h, mask=mask_t, other=0.0).to(tl.float32)
+        else:
+            gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
         U = chunk_u(b_u, b_w, S, DT, PREC)  # (4)
         v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
-        tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
+        if EXP != "no_vnew":
+            tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
         S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)  # (6)
-        first_bad = tl.load(first_bad_ptr + c * H + i_h)
+        if EXP != "early_bad":
+            first_bad = tl.load(first_bad_ptr + c * H + i_h)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
 
     tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S + poison, mask=state_mask)
@@ -470,5 +480,6 @@ def launch_states(
         HAS_S0=initial_state is not None,
         PREC=dot_precision(k.dtype),
         **launch,
+        **({"EXP": STATES_EXPERIMENT} if STATES_EXPERIMENT else {}),
         num_stages=pass_stages(BK, split="BKS" in launch),
     )
