@@ -313,6 +313,38 @@ def load_rows(ptr, offs_t, mask_t, i_h, offs_d, mask_d, H: tl.constexpr, D: tl.c
 
 
 @triton.jit
+def rows_descriptor(ptr, bos, eos, i_h, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """A TMA descriptor over one sequence's rows (``bos`` to ``eos``) of head ``i_h`` of a
+    [.., T, H, D] tensor in tiles of [CHUNK, BLOCK]: ``.load([row, col])`` reads zeros past
+    ``eos`` and past D (:func:`load_rows`' masks), ``.store`` writes nothing there
+    (:func:`store_rows`'). Needs :func:`tma_ready` tensors and :func:`use_tma_allocator`."""
+    base = ptr + (bos.to(tl.int64) * H + i_h) * D
+    return tl.make_tensor_descriptor(
+        base, shape=[eos - bos, D], strides=[H * D, 1], block_shape=[CHUNK, BLOCK]
+    )
+
+
+def tma_ready(*tensors: Tensor) -> bool:
+    """Whether TMA may copy these tensors' tiles (:func:`rows_descriptor`): 16-byte aligned,
+    contiguous rows a multiple of 16 bytes (TMA's rules)."""
+    return all(
+        x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and (x.shape[-1] * x.element_size()) % 16 == 0
+        for x in tensors
+    )
+
+
+def use_tma_allocator() -> None:
+    """Device-side TMA descriptors take their 128 bytes a program from a workspace Triton asks
+    for through this allocator, at each launch that makes them."""
+    triton.set_allocator(_tma_workspace)
+
+
+def _tma_workspace(size: int, alignment: int, stream: int | None) -> Tensor:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+@triton.jit
 def store_rows(ptr, x, offs_t, mask_t, i_h, offs_d, mask_d, H: tl.constexpr, D: tl.constexpr):
     """``x`` into rows ``offs_t``, columns ``offs_d`` of head ``i_h`` of a [.., T, H, D] tensor
     (only where both masks hold), in the tensor's dtype: :func:`load_rows`' counterpart."""

@@ -40,7 +40,10 @@ from deltaflow.ops.triton.common import (
     load_rows,
     prefetch_on,
     prefetch_rows,
+    rows_descriptor,
     store_rows,
+    tma_ready,
+    use_tma_allocator,
 )
 from deltaflow.ops.triton.rebuild import pass_args, rebuilt_w, u_product
 from deltaflow.ops.triton.states_split import split_forward_kernel, split_states_kernel
@@ -62,7 +65,11 @@ STATES_WARPS = 4
 # kernels (pass_stages; H200, session 20 call 1: 2 against 1 gains 0.03-0.26 ms at D ≤ 128, the
 # split kernels at D = 256 lose 0.36: one program an SM there).
 STATES_STAGES = 2
-STATES_EXPERIMENT = ""  # timing-only what-ifs of chunk_states_kernel (session 28, removed after)
+# Under trial (session 28): the recomputed pass's h and U stored through TMA descriptors, its
+# k, W, Ũ loaded through them, log α read a chunk ahead into registers.
+STATES_TMA_STORE = False
+STATES_TMA_LOAD = False
+STATES_G_AHEAD = False
 STATES_STAGES_MAX_BK = 128
 # At key blocks up to NARROW_MAX_BK (Dk ≤ 64) both state passes hold a [64, BV] state: a third
 # stage fits (H200, session 21 call 1: −0.03 / −0.05 ms at D = 64; at D = 128 it loses).
@@ -347,7 +354,10 @@ def chunk_states_kernel(
     HAS_BETA: tl.constexpr,
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
-    EXP: tl.constexpr = "",
+    h_rows=0,
+    TMA_ST: tl.constexpr = False,
+    TMA_LD: tl.constexpr = False,
+    G_AHEAD: tl.constexpr = False,
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
     States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
@@ -375,37 +385,57 @@ def chunk_states_kernel(
     poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
     w_cols = tl.where(i_v == 0, Dk, 0)  # FROM_T: the first value block's program writes W
     n_chunks = tl.cdiv(eos - bos, CHUNK)
+    if TMA_ST:  # h as [h_rows, Dv] rows (Dk == BK), U by sequence (nothing past eos)
+        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[h_rows, Dv], strides=[Dv, 1],
+                                           block_shape=[BK, BV])  # fmt: skip
+        u_new_desc = rows_descriptor(v_new_ptr, bos, eos, i_h, H, Dv, BV)
+    if TMA_LD:
+        k_desc = rows_descriptor(k_ptr, bos, eos, i_h, H, Dk, BK)
+        w_desc = rows_descriptor(w_ptr, bos, eos, i_h, H, Dk, BK)
+        u_desc = rows_descriptor(u_ptr, bos, eos, i_h, H, Dv, BV)
+    if G_AHEAD:  # log α of the next chunk in registers a step early (a plain load: 2-byte dtypes)
+        g_next = tl.load(g_ptr + (bos + rows) * H + i_h, mask=bos + rows < eos, other=0.0)
     for j in range(0, n_chunks):
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
-        h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
-        if EXP == "early_bad":
-            first_bad = tl.load(first_bad_ptr + c * H + i_h)
-        if EXP != "no_h":
+        if TMA_ST:
+            h_desc.store([((c * H + i_h) * Dk).to(tl.int32), i_v * BV],
+                         (S + poison).to(h_ptr.dtype.element_ty))  # fmt: skip
+        else:
+            h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
             tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
-        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+        if TMA_LD:
+            b_k = k_desc.load([j * CHUNK, 0])
+        else:
+            b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         if FROM_T:  # the rebuild's W and Ũ (rebuild.py), W written for the reverse pass
             b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps,
                                     rule, neg, H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
             store_rows(w_ptr, b_w, offs_t, mask_t, i_h, offs_k, offs_k < w_cols, H, Dk)
             v32 = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
             b_u = u_product(T_u, v32, b, FOLD, PREC, DT).to(DT).to(tl.float32)
+        elif TMA_LD:
+            b_w = w_desc.load([j * CHUNK, 0])
+            b_u = u_desc.load([j * CHUNK, i_v * BV]).to(tl.float32)
         else:
             b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
             b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
-        if EXP == "no_cumsum":  # timing only: γ as if kept by the prepare
-            gamma = tl.load(g_ptr + offs_t * H + i_h, mask=mask_t, other=0.0).to(tl.float32)
+        if G_AHEAD and HAS_DECAY:
+            gamma = tl.cumsum(g_next.to(tl.float32), axis=0)
+            g_next = tl.load(g_ptr + (offs_t + CHUNK) * H + i_h, mask=offs_t + CHUNK < eos,
+                             other=0.0)  # fmt: skip
         else:
             gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
         U = chunk_u(b_u, b_w, S, DT, PREC)  # (4)
-        v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
-        if EXP != "no_vnew":
+        if TMA_ST:
+            u_new_desc.store([j * CHUNK, i_v * BV], U.to(DT))
+        else:
+            v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
             tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
         S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)  # (6)
-        if EXP != "early_bad":
-            first_bad = tl.load(first_bad_ptr + c * H + i_h)
+        first_bad = tl.load(first_bad_ptr + c * H + i_h)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
 
     tl.store(sT_ptr + i_nh.to(tl.int64) * Dk * Dv + state_offs, S + poison, mask=state_mask)
@@ -421,6 +451,20 @@ def pass_stages(BK: int, *, split: bool) -> int:
     if BK <= NARROW_MAX_BK:
         return STATES_STAGES_NARROW
     return STATES_STAGES if BK <= STATES_STAGES_MAX_BK else 1
+
+
+def _tma_args(k, w, u, h, v_new, BK: int, plain: bool) -> dict:
+    """The unsplit pass's TMA switches (STATES_TMA_STORE, STATES_TMA_LOAD) where its tensors
+    allow: half precision, TMA's alignment, h's key rows one block (Dk == BK), W and Ũ read
+    (``plain``: not formed from T)."""
+    Dk = k.shape[-1]
+    half = k.dtype in (torch.bfloat16, torch.float16)
+    h_rows = h.numel() // h.shape[-1]
+    store = STATES_TMA_STORE and half and Dk == BK and h_rows < 2**31 and tma_ready(h, v_new)
+    load = STATES_TMA_LOAD and half and plain and tma_ready(k, w, u)
+    if store or load:
+        use_tma_allocator()
+    return {"TMA_ST": store, "TMA_LD": load, "h_rows": h_rows}
 
 
 def launch_states(
@@ -459,6 +503,8 @@ def launch_states(
     else:
         kernel = chunk_states_kernel
         launch.update(from_t or pass_args(None, None, tables=tables))
+        launch.update(_tma_args(k, w, u, h, v_new, BK, from_t is None))
+        launch["G_AHEAD"] = STATES_G_AHEAD and log_decay is not None
     kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,
@@ -480,6 +526,5 @@ def launch_states(
         HAS_S0=initial_state is not None,
         PREC=dot_precision(k.dtype),
         **launch,
-        **({"EXP": STATES_EXPERIMENT} if STATES_EXPERIMENT else {}),
         num_stages=pass_stages(BK, split="BKS" in launch),
     )
