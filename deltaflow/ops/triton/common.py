@@ -313,38 +313,6 @@ def load_rows(ptr, offs_t, mask_t, i_h, offs_d, mask_d, H: tl.constexpr, D: tl.c
 
 
 @triton.jit
-def rows_descriptor(ptr, bos, eos, i_h, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    """A TMA descriptor over one sequence's rows (``bos`` to ``eos``) of head ``i_h`` of a
-    [.., T, H, D] tensor in tiles of [CHUNK, BLOCK]: ``.load([row, col])`` reads zeros past
-    ``eos`` and past D (:func:`load_rows`' masks), ``.store`` writes nothing there
-    (:func:`store_rows`'). Needs :func:`tma_ready` tensors and :func:`use_tma_allocator`."""
-    base = ptr + (bos.to(tl.int64) * H + i_h) * D
-    return tl.make_tensor_descriptor(
-        base, shape=[eos - bos, D], strides=[H * D, 1], block_shape=[CHUNK, BLOCK]
-    )
-
-
-def tma_ready(*tensors: Tensor) -> bool:
-    """Whether TMA may copy these tensors' tiles (:func:`rows_descriptor`): 16-byte aligned,
-    contiguous rows a multiple of 16 bytes (TMA's rules)."""
-    return all(
-        x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and (x.shape[-1] * x.element_size()) % 16 == 0
-        for x in tensors
-    )
-
-
-def use_tma_allocator() -> None:
-    """Device-side TMA descriptors take their 128 bytes a program from a workspace Triton asks
-    for through this allocator, at each launch that makes them."""
-    triton.set_allocator(_tma_workspace)
-
-
-def _tma_workspace(size: int, alignment: int, stream: int | None) -> Tensor:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
-@triton.jit
 def store_rows(ptr, x, offs_t, mask_t, i_h, offs_d, mask_d, H: tl.constexpr, D: tl.constexpr):
     """``x`` into rows ``offs_t``, columns ``offs_d`` of head ``i_h`` of a [.., T, H, D] tensor
     (only where both masks hold), in the tensor's dtype: :func:`load_rows`' counterpart."""
@@ -379,6 +347,31 @@ def chunk_gamma(g_ptr, offs_t, mask_t, i_h, H: tl.constexpr, HAS_DECAY: tl.const
     else:
         b_g = tl.zeros([CHUNK], dtype=tl.float32)
     return tl.cumsum(b_g, axis=0)
+
+
+# The sequential passes (the fused forward, the state pass, the reverse pass) load each chunk's
+# log α a step before its cumsum (log_alpha_rows): a 2-byte log α is a plain load (cp.async
+# copies 4 bytes or more), which otherwise waits at the top of every step. H200, bf16, session 28
+# call 2: the state pass 0.266 → 0.236 ms at (8, 4096, 16, 128), 0.323 → 0.301 at (16, 2048,
+# 32, 64). A switch for measuring only (the values are the same either way).
+LOG_ALPHA_AHEAD = True
+
+
+def log_alpha_ahead() -> bool:
+    """:data:`LOG_ALPHA_AHEAD`, read at each launch (benchmarks set it at run time)."""
+    return LOG_ALPHA_AHEAD
+
+
+@triton.jit
+def log_alpha_rows(g_ptr, offs_t, bos, eos, i_h, H: tl.constexpr, HAS_DECAY: tl.constexpr):
+    """log α of tokens ``offs_t`` of head ``i_h`` in fp32, 0 outside [bos, eos) and without
+    decay: :func:`chunk_gamma`'s before its cumsum, for a pass that loads the next chunk's (on
+    either side of the one it works on) a step early."""
+    if HAS_DECAY:
+        mask = (offs_t >= bos) & (offs_t < eos)
+        return tl.load(g_ptr + offs_t * H + i_h, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros([CHUNK], dtype=tl.float32)
 
 
 @triton.jit

@@ -35,6 +35,8 @@ from deltaflow.ops.triton.common import (
     head_block,
     key_block,
     load_rows,
+    log_alpha_ahead,
+    log_alpha_rows,
     scaled_grad_o,
 )
 from deltaflow.ops.triton.states import split_launch, split_rows
@@ -120,10 +122,12 @@ def chunk_dstates_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
+    G_AHEAD: tl.constexpr,
 ):
     """(7)–(8) along one sequence from its end, for one head and BV value columns:
     dU = scale·Pᵀ dO + K̃ G,   G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU,
     with G the gradient of the state leaving the chunk (stored as dh) and K̃ = diag(e^{γ_C − γ}) K.
+    G_AHEAD: the next chunk's (the one before) log α loaded a step early (LOG_ALPHA_AHEAD).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -145,6 +149,8 @@ def chunk_dstates_kernel(
         G = tl.zeros([BK, BV], dtype=tl.float32)
 
     n_chunks = tl.cdiv(eos - bos, CHUNK)
+    last_rows = bos + (n_chunks - 1) * CHUNK + rows
+    g_next = log_alpha_rows(g_ptr, last_rows, bos, eos, i_h, H, HAS_DECAY and G_AHEAD)
     for jj in range(0, n_chunks):
         j = n_chunks - 1 - jj
         offs_t = bos + j * CHUNK + rows
@@ -159,7 +165,11 @@ def chunk_dstates_kernel(
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
-        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        if G_AHEAD:  # chunk_gamma's values, the load a step early
+            gamma = tl.cumsum(g_next, axis=0)
+            g_next = log_alpha_rows(g_ptr, offs_t - CHUNK, bos, eos, i_h, H, HAS_DECAY)
+        else:
+            gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         # (8) dU = K̃ G + scale·Pᵀ dO
         dU = du_from_state(G, b_k, gamma, gamma_last, DT, PREC)
@@ -240,6 +250,8 @@ def launch_dstates(
         launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
     elif p is not None:
         raise ValueError("launch_dstates: p is for the split reverse pass (dstates_takes_p)")
+    else:
+        launch["G_AHEAD"] = log_alpha_ahead()
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,

@@ -38,12 +38,11 @@ from deltaflow.ops.triton.common import (
     head_block,
     key_block,
     load_rows,
+    log_alpha_ahead,
+    log_alpha_rows,
     prefetch_on,
     prefetch_rows,
-    rows_descriptor,
     store_rows,
-    tma_ready,
-    use_tma_allocator,
 )
 from deltaflow.ops.triton.rebuild import pass_args, rebuilt_w, u_product
 from deltaflow.ops.triton.states_split import split_forward_kernel, split_states_kernel
@@ -65,11 +64,6 @@ STATES_WARPS = 4
 # kernels (pass_stages; H200, session 20 call 1: 2 against 1 gains 0.03-0.26 ms at D ≤ 128, the
 # split kernels at D = 256 lose 0.36: one program an SM there).
 STATES_STAGES = 2
-# Under trial (session 28): the recomputed pass's h and U stored through TMA descriptors, its
-# k, W, Ũ loaded through them, log α read a chunk ahead into registers.
-STATES_TMA_STORE = False
-STATES_TMA_LOAD = False
-STATES_G_AHEAD = False
 STATES_STAGES_MAX_BK = 128
 # At key blocks up to NARROW_MAX_BK (Dk ≤ 64) both state passes hold a [64, BV] state: a third
 # stage fits (H200, session 21 call 1: −0.03 / −0.05 ms at D = 64; at D = 128 it loses).
@@ -178,9 +172,11 @@ def chunk_forward_kernel(
     HAS_S0: tl.constexpr,
     PREC: tl.constexpr,
     AHEAD: tl.constexpr,
+    G_AHEAD: tl.constexpr,
 ):
     """(4)–(6) along one sequence for one head and BV value columns, state S in registers.
-    AHEAD > 0: each step asks L2 for the tiles of the chunk AHEAD steps on (prefetch_rows)."""
+    AHEAD > 0: each step asks L2 for the tiles of the chunk AHEAD steps on (prefetch_rows).
+    G_AHEAD: the next chunk's log α and first_bad loaded a step early (common.LOG_ALPHA_AHEAD)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
@@ -203,6 +199,9 @@ def chunk_forward_kernel(
 
     poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
     n_chunks = tl.cdiv(eos - bos, CHUNK)
+    if G_AHEAD:  # chunk 0's
+        g_next = log_alpha_rows(g_ptr, bos + rows, bos, eos, i_h, H, HAS_DECAY)
+        bad_next = tl.load(first_bad_ptr + c_first * H + i_h, mask=n_chunks > 0, other=CHUNK)
     for j in range(0, n_chunks):
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
@@ -212,7 +211,12 @@ def chunk_forward_kernel(
             prefetch_rows(u_ptr, on, eos - 1, i_h, i_v * BV, H, Dv, BV)
             prefetch_rows(k_ptr, on, eos - 1, i_h, 0, H, Dk, BK)
             prefetch_rows(q_ptr, on, eos - 1, i_h, 0, H, Dk, BK)
-        first_bad = tl.load(first_bad_ptr + (c_first + j) * H + i_h)
+        if G_AHEAD:
+            first_bad = bad_next
+            bad_next = tl.load(first_bad_ptr + (c_first + j + 1) * H + i_h,
+                               mask=j + 1 < n_chunks, other=CHUNK)  # fmt: skip
+        else:
+            first_bad = tl.load(first_bad_ptr + (c_first + j) * H + i_h)
         row_poison = poison + tl.where(rows >= first_bad, float("nan"), 0.0)
         k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
         k_mask = mask_t[:, None] & mask_k[None, :]
@@ -222,7 +226,10 @@ def chunk_forward_kernel(
         b_u = tl.load(u_ptr + v_offs, mask=v_mask, other=0.0).to(tl.float32)
         b_k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)
         b_q = tl.load(q_ptr + k_offs, mask=k_mask, other=0.0)
-        if HAS_DECAY:
+        if G_AHEAD:
+            b_g = g_next
+            g_next = log_alpha_rows(g_ptr, offs_t + CHUNK, bos, eos, i_h, H, HAS_DECAY)
+        elif HAS_DECAY:
             b_g = tl.load(g_ptr + offs_t * H + i_h, mask=mask_t, other=0.0).to(tl.float32)
         else:
             b_g = tl.zeros([CHUNK], dtype=tl.float32)
@@ -281,6 +288,8 @@ def launch_forward(
         launch["num_warps"] = SPLIT_FORWARD_WARPS or launch["num_warps"]
         kernel, launch["KEEP_K"] = split_forward_kernel, stages > 1
         launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
+    else:
+        launch.update(AHEAD=FUSED_PREFETCH_AHEAD if prefetch_on() else 0, G_AHEAD=log_alpha_ahead())
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
@@ -303,7 +312,6 @@ def launch_forward(
         HAS_S0=initial_state is not None,
         PREC=dot_precision(q.dtype),
         **launch,
-        **({} if "BKS" in launch else {"AHEAD": FUSED_PREFETCH_AHEAD if prefetch_on() else 0}),
         num_stages=stages,
     )
 
@@ -354,15 +362,13 @@ def chunk_states_kernel(
     HAS_BETA: tl.constexpr,
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
-    h_rows=0,
-    TMA_ST: tl.constexpr = False,
-    TMA_LD: tl.constexpr = False,
-    G_AHEAD: tl.constexpr = False,
+    G_AHEAD: tl.constexpr,
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
     States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
     here from the kept T, k, v and the rule (rebuild.py's lines and roundings) instead of read,
-    and W written by the first value block's program for the reverse pass (rebuilds_w_u)."""
+    and W written by the first value block's program for the reverse pass (rebuilds_w_u).
+    G_AHEAD: the next chunk's log α loaded a step early (common.LOG_ALPHA_AHEAD)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
@@ -385,55 +391,32 @@ def chunk_states_kernel(
     poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
     w_cols = tl.where(i_v == 0, Dk, 0)  # FROM_T: the first value block's program writes W
     n_chunks = tl.cdiv(eos - bos, CHUNK)
-    if TMA_ST:  # h as [h_rows, Dv] rows (Dk == BK), U by sequence (nothing past eos)
-        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[h_rows, Dv], strides=[Dv, 1],
-                                           block_shape=[BK, BV])  # fmt: skip
-        u_new_desc = rows_descriptor(v_new_ptr, bos, eos, i_h, H, Dv, BV)
-    if TMA_LD:
-        k_desc = rows_descriptor(k_ptr, bos, eos, i_h, H, Dk, BK)
-        w_desc = rows_descriptor(w_ptr, bos, eos, i_h, H, Dk, BK)
-        u_desc = rows_descriptor(u_ptr, bos, eos, i_h, H, Dv, BV)
-    if G_AHEAD:  # log α of the next chunk in registers a step early (a plain load: 2-byte dtypes)
-        g_next = tl.load(g_ptr + (bos + rows) * H + i_h, mask=bos + rows < eos, other=0.0)
+    g_next = log_alpha_rows(g_ptr, bos + rows, bos, eos, i_h, H, HAS_DECAY and G_AHEAD)
     for j in range(0, n_chunks):
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
-        if TMA_ST:
-            h_desc.store([((c * H + i_h) * Dk).to(tl.int32), i_v * BV],
-                         (S + poison).to(h_ptr.dtype.element_ty))  # fmt: skip
-        else:
-            h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
-            tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
-        if TMA_LD:
-            b_k = k_desc.load([j * CHUNK, 0])
-        else:
-            b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
+        h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
+        tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
+        b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         if FROM_T:  # the rebuild's W and Ũ (rebuild.py), W written for the reverse pass
             b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps,
                                     rule, neg, H, HAS_BETA, HAS_DECAY, FOLD, PREC, DT)  # fmt: skip
             store_rows(w_ptr, b_w, offs_t, mask_t, i_h, offs_k, offs_k < w_cols, H, Dk)
             v32 = load_rows(v_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
             b_u = u_product(T_u, v32, b, FOLD, PREC, DT).to(DT).to(tl.float32)
-        elif TMA_LD:
-            b_w = w_desc.load([j * CHUNK, 0])
-            b_u = u_desc.load([j * CHUNK, i_v * BV]).to(tl.float32)
         else:
             b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
             b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
-        if G_AHEAD and HAS_DECAY:
-            gamma = tl.cumsum(g_next.to(tl.float32), axis=0)
-            g_next = tl.load(g_ptr + (offs_t + CHUNK) * H + i_h, mask=offs_t + CHUNK < eos,
-                             other=0.0)  # fmt: skip
+        if G_AHEAD:  # chunk_gamma's values, the load a step early
+            gamma = tl.cumsum(g_next, axis=0)
+            g_next = log_alpha_rows(g_ptr, offs_t + CHUNK, bos, eos, i_h, H, HAS_DECAY)
         else:
             gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
         U = chunk_u(b_u, b_w, S, DT, PREC)  # (4)
-        if TMA_ST:
-            u_new_desc.store([j * CHUNK, i_v * BV], U.to(DT))
-        else:
-            v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
-            tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
+        v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
+        tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
         S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)  # (6)
         first_bad = tl.load(first_bad_ptr + c * H + i_h)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
@@ -451,20 +434,6 @@ def pass_stages(BK: int, *, split: bool) -> int:
     if BK <= NARROW_MAX_BK:
         return STATES_STAGES_NARROW
     return STATES_STAGES if BK <= STATES_STAGES_MAX_BK else 1
-
-
-def _tma_args(k, w, u, h, v_new, BK: int, plain: bool) -> dict:
-    """The unsplit pass's TMA switches (STATES_TMA_STORE, STATES_TMA_LOAD) where its tensors
-    allow: half precision, TMA's alignment, h's key rows one block (Dk == BK), W and Ũ read
-    (``plain``: not formed from T)."""
-    Dk = k.shape[-1]
-    half = k.dtype in (torch.bfloat16, torch.float16)
-    h_rows = h.numel() // h.shape[-1]
-    store = STATES_TMA_STORE and half and Dk == BK and h_rows < 2**31 and tma_ready(h, v_new)
-    load = STATES_TMA_LOAD and half and plain and tma_ready(k, w, u)
-    if store or load:
-        use_tma_allocator()
-    return {"TMA_ST": store, "TMA_LD": load, "h_rows": h_rows}
 
 
 def launch_states(
@@ -503,8 +472,7 @@ def launch_states(
     else:
         kernel = chunk_states_kernel
         launch.update(from_t or pass_args(None, None, tables=tables))
-        launch.update(_tma_args(k, w, u, h, v_new, BK, from_t is None))
-        launch["G_AHEAD"] = STATES_G_AHEAD and log_decay is not None
+        launch["G_AHEAD"] = log_alpha_ahead()
     kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,

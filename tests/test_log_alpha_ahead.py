@@ -1,0 +1,51 @@
+"""The sequential passes' log α (and the fused forward's first_bad) loaded a chunk ahead
+(``common.LOG_ALPHA_AHEAD``; issue 32, session 28): every output and gradient bit for bit what
+the step-by-step loads give, NaNs where they fall included, on packed sequences (an empty one,
+one token, lengths off the chunk), with decay and initial states, through the fused and the
+two-pass forward, the state pass reading W and Ũ or forming them from T, on the interpreter
+and on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _inputs import make_inputs
+
+triton_backend = pytest.importorskip("deltaflow.ops.triton_backend")
+if not triton_backend.available():
+    pytest.skip("Triton needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from test_grads_variants import _fwd_bwd  # noqa: E402
+
+from deltaflow.ops.triton import common, states  # noqa: E402 - after the skip
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 on a GPU only: the interpreter's bf16 products are not the GPU's (overflowing numpy)
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("poisoned", [False, True], ids=["finite", "nan"])
+@pytest.mark.parametrize("rebuild", [64, 0], ids=["w_from_t", "w_read"])
+@pytest.mark.parametrize("mode", ["fused", "two_pass"])
+def test_log_alpha_ahead_changes_no_value(mode, rebuild, poisoned, dtype, monkeypatch):
+    lengths = [0, 130, 1, 75]
+    x = make_inputs(1, sum(lengths), 2, 64, 64, rule="delta", seed=7, n_states=len(lengths),
+                    dtype=dtype)  # fmt: skip
+    if poisoned:  # a non-finite value in the second sequence's second chunk
+        x["v"][0, 100, 1, 3] = float("nan")
+    x = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    monkeypatch.setattr(triton_backend, "FORWARD_MODE", mode)
+    monkeypatch.setattr(states, "STATES_REBUILD_MAX_BK", rebuild)
+    runs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(common, "LOG_ALPHA_AHEAD", ahead)
+        runs.append(_fwd_bwd(x, "triton", cu_seqlens=cu))
+    for a, b in zip(*runs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    if poisoned:
+        o = runs[1][0]  # NaN from the bad token on in its head, nowhere before it
+        assert o[0, 100:130, 1].isnan().all() and not o[0, :100].isnan().any()
