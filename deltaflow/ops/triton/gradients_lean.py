@@ -44,10 +44,10 @@ from deltaflow.ops.triton.common import (
     CHUNK,
     cdiv,
     chunk_bounds,
-    chunk_gamma,
     decay_matrix,
     dot_split,
     load_rows,
+    log_alpha_rows,
     prefetch_block,
     prefetch_on,
     prefetch_rows,
@@ -79,6 +79,11 @@ K_SPLIT_STAGES = 0
 # side 0.911 → 0.848 ms at (8, 4096, 16, 128) (two trips), 2.146 → 2.20 at D = 256 (four).
 K_PREFETCH = True
 K_PREFETCH_MAX_TRIPS = 2
+# The value side asks L2 for q's tile (read after its value loop) as it starts, at the same
+# trips. Under trial (session 28).
+V_PREFETCH = True
+# The key side loads its log α (for the epilogue) before its value loop. Under trial (session 28).
+K_LOG_ALPHA_EARLY = True
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -109,9 +114,11 @@ def chunk_grads_v_lean_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """``gradients.chunk_grads_v_kernel``'s value side (dv; M_P, M_A), then the rule's
-    derivatives folded with da, db into the key side's rows (module docstring)."""
+    derivatives folded with da, db into the key side's rows (module docstring). PREFETCH: q's
+    tile, read after the value loop, asked of L2 as the program starts (V_PREFETCH)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
@@ -119,6 +126,8 @@ def chunk_grads_v_lean_kernel(
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
     mask_t = offs_t < eos
+    if PREFETCH:
+        prefetch_rows(q_ptr, offs_t, eos - 1, i_h, 0, H, Dk, BK)
     _, _, _, _, _, b, _, _ = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
@@ -182,10 +191,11 @@ def chunk_grads_v_lean_kernel(
 
 
 @triton.jit
-def _lean_rows(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY: tl.constexpr):
-    """The chunk's decay rows the key side reads: γ, Γ = e^γ, γ_C and e^{γ_C − γ}."""
+def _lean_rows(g_row):
+    """The chunk's decay rows the key side reads from its log α (``g_row``, fp32, loaded
+    before the value loop: common.log_alpha_rows): γ, Γ = e^γ, γ_C and e^{γ_C − γ}."""
     rows = tl.arange(0, CHUNK)
-    gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+    gamma = tl.cumsum(g_row, axis=0)  # chunk_gamma's
     gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
     return gamma, tl.exp(gamma), gamma_last, tl.exp(gamma_last - gamma)
 
@@ -237,6 +247,7 @@ def chunk_grads_k_lean_kernel(
     DQ_FIRST: tl.constexpr,
     NK: tl.constexpr,
     PREFETCH: tl.constexpr,
+    G_EARLY: tl.constexpr,
 ):
     """``gradients.chunk_grads_k_kernel``'s key side (dq, dk, dβ, d log α) without the rule
     table (its terms come from the value side's rows) and with each accumulator retired in
@@ -262,6 +273,9 @@ def chunk_grads_k_lean_kernel(
     dh_c = dh_ptr + ch * (Dk * Dv)
     m_c = m_ptr + ch * (2 * CHUNK * CHUNK)
     r_c = r_ptr + ch * (LEAN_ROWS * CHUNK)
+    # G_EARLY: log α now, in a register, for the epilogue (a plain 2-byte load otherwise waited
+    # on after the loop: K_LOG_ALPHA_EARLY)
+    g_row = log_alpha_rows(g_ptr, offs_t, t0, eos, i_h, H, HAS_DECAY and G_EARLY)
     if PREFETCH:  # the epilogue's tiles into L2 while the value loop runs (common.prefetch_*)
         prefetch_block(m_c, 2 * CHUNK * CHUNK)
         prefetch_block(t_ptr + ch * (CHUNK * CHUNK), CHUNK * CHUNK)
@@ -289,7 +303,9 @@ def chunk_grads_k_lean_kernel(
             S0 = tl.load(h_c + offs_k[:, None] * Dv + offs_v[None, :],
                          mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
             dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
-        gamma, Gamma, gamma_last, to_end = _lean_rows(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        if not G_EARLY:
+            g_row = log_alpha_rows(g_ptr, offs_t, t0, eos, i_h, H, HAS_DECAY)
+        gamma, Gamma, gamma_last, to_end = _lean_rows(g_row)
         d_Gamma, _ = _lean_dq(dQS, q_ptr, k_ptr, m_c, dq_ptr, k_offs, k_mask, Gamma, scale, PREC)
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -315,7 +331,9 @@ def chunk_grads_k_lean_kernel(
     if not DQ_FIRST:  # (the offsets a [C, BK] tile: not live across the loop)
         k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
         k_mask = mask_t[:, None] & mask_k[None, :]
-        gamma, Gamma, gamma_last, to_end = _lean_rows(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        if not G_EARLY:
+            g_row = log_alpha_rows(g_ptr, offs_t, t0, eos, i_h, H, HAS_DECAY)
+        gamma, Gamma, gamma_last, to_end = _lean_rows(g_row)
         d_Gamma, b_k = _lean_dq(dQS, q_ptr, k_ptr, m_c, dq_ptr, k_offs, k_mask, Gamma, scale, PREC)
     else:
         b_k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)  # again: not held across the loop
@@ -402,7 +420,12 @@ def launch_lean(
     rows carry the rule). Split (:func:`key_blocks`), each key block's parts of dβ and d log α
     go to fp32 buffers summed into theirs after the launch (a fixed order: deterministic; at
     two blocks one launch)."""
-    chunk_grads_v_lean_kernel[grid](**take(pointers, V_LEAN_POINTERS), **value_side)
+    v_trips = cdiv(value_side["Dv"], value_side["BV"])  # the value side's value loop's
+    chunk_grads_v_lean_kernel[grid](
+        **take(pointers, V_LEAN_POINTERS),
+        **value_side,
+        PREFETCH=prefetch_on() and V_PREFETCH and v_trips <= K_PREFETCH_MAX_TRIPS,
+    )
     key_side = {n: x for n, x in key_side.items() if n not in ("eps", "neg")}
     key_pointers = take(pointers, K_LEAN_POINTERS)
     q = pointers["q_ptr"]
@@ -424,6 +447,7 @@ def launch_lean(
         NK=nk,
         split_stride=q.numel() // key_side["Dk"],
         PREFETCH=prefetch_on() and K_PREFETCH and trips <= K_PREFETCH_MAX_TRIPS,
+        G_EARLY=K_LOG_ALPHA_EARLY,
     )
     for name, part in parts.items():  # block by block in fp32, rounded once into the output
         total = part[0]
