@@ -47,6 +47,7 @@ from deltaflow.ops.triton.common import (
     decay_matrix,
     dot_split,
     load_rows,
+    log_alpha_ahead,
     log_alpha_rows,
     prefetch_block,
     prefetch_on,
@@ -79,11 +80,6 @@ K_SPLIT_STAGES = 0
 # side 0.911 → 0.848 ms at (8, 4096, 16, 128) (two trips), 2.146 → 2.20 at D = 256 (four).
 K_PREFETCH = True
 K_PREFETCH_MAX_TRIPS = 2
-# The value side asks L2 for q's tile (read after its value loop) as it starts, at the same
-# trips. Under trial (session 28).
-V_PREFETCH = True
-# The key side loads its log α (for the epilogue) before its value loop. Under trial (session 28).
-K_LOG_ALPHA_EARLY = True
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -114,11 +110,9 @@ def chunk_grads_v_lean_kernel(
     HAS_BETA: tl.constexpr,
     HAS_DECAY: tl.constexpr,
     PREC: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """``gradients.chunk_grads_v_kernel``'s value side (dv; M_P, M_A), then the rule's
-    derivatives folded with da, db into the key side's rows (module docstring). PREFETCH: q's
-    tile, read after the value loop, asked of L2 as the program starts (V_PREFETCH)."""
+    derivatives folded with da, db into the key side's rows (module docstring)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
@@ -126,8 +120,6 @@ def chunk_grads_v_lean_kernel(
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
     mask_t = offs_t < eos
-    if PREFETCH:
-        prefetch_rows(q_ptr, offs_t, eos - 1, i_h, 0, H, Dk, BK)
     _, _, _, _, _, b, _, _ = _chunk_keys(
         q_ptr, k_ptr, beta_ptr, g_ptr, t0, eos, i_h, eps, H, Dk, BK, rule, neg, HAS_BETA, HAS_DECAY
     )
@@ -274,7 +266,7 @@ def chunk_grads_k_lean_kernel(
     m_c = m_ptr + ch * (2 * CHUNK * CHUNK)
     r_c = r_ptr + ch * (LEAN_ROWS * CHUNK)
     # G_EARLY: log α now, in a register, for the epilogue (a plain 2-byte load otherwise waited
-    # on after the loop: K_LOG_ALPHA_EARLY)
+    # on after the loop: common.LOG_ALPHA_AHEAD)
     g_row = log_alpha_rows(g_ptr, offs_t, t0, eos, i_h, H, HAS_DECAY and G_EARLY)
     if PREFETCH:  # the epilogue's tiles into L2 while the value loop runs (common.prefetch_*)
         prefetch_block(m_c, 2 * CHUNK * CHUNK)
@@ -420,12 +412,7 @@ def launch_lean(
     rows carry the rule). Split (:func:`key_blocks`), each key block's parts of dβ and d log α
     go to fp32 buffers summed into theirs after the launch (a fixed order: deterministic; at
     two blocks one launch)."""
-    v_trips = cdiv(value_side["Dv"], value_side["BV"])  # the value side's value loop's
-    chunk_grads_v_lean_kernel[grid](
-        **take(pointers, V_LEAN_POINTERS),
-        **value_side,
-        PREFETCH=prefetch_on() and V_PREFETCH and v_trips <= K_PREFETCH_MAX_TRIPS,
-    )
+    chunk_grads_v_lean_kernel[grid](**take(pointers, V_LEAN_POINTERS), **value_side)
     key_side = {n: x for n, x in key_side.items() if n not in ("eps", "neg")}
     key_pointers = take(pointers, K_LEAN_POINTERS)
     q = pointers["q_ptr"]
@@ -447,7 +434,7 @@ def launch_lean(
         NK=nk,
         split_stride=q.numel() // key_side["Dk"],
         PREFETCH=prefetch_on() and K_PREFETCH and trips <= K_PREFETCH_MAX_TRIPS,
-        G_EARLY=K_LOG_ALPHA_EARLY,
+        G_EARLY=log_alpha_ahead(),
     )
     for name, part in parts.items():  # block by block in fp32, rounded once into the output
         total = part[0]
