@@ -33,7 +33,6 @@ from deltaflow.ops.triton.common import (
     head_block,
     load_gates,
     load_rows,
-    log_alpha_ahead,
     mm,
     store_rows,
 )
@@ -44,10 +43,6 @@ from deltaflow.ops.triton.common import (
 PREPARE_WARPS = 4
 PREPARE_TILE = 64
 PREPARE_LOW_PRECISION_DOTS = True
-# The prepare's and the rebuild's β and log α loaded before their λ loops (with
-# common.LOG_ALPHA_AHEAD). Under trial (session 28): the capped prepare spills 8 → 72 B.
-PREPARE_GATES_EARLY = True
-REBUILD_GATES_EARLY = True
 # A register cap per thread: more programs per SM (0 or None: none).
 PREPARE_MAXNREG: int | None = 168
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
@@ -102,13 +97,16 @@ def _first_bad(finite):
 
 
 @triton.jit
-def chunk_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg):
-    """The rule's strengths ``a, b`` of a chunk's tokens from ``λ = ‖k‖²`` and their gates
-    (``load_gates``': loaded before the λ loop, the 2-byte loads in flight during it) (0 past
-    eos and at a token that is not finite), which tokens are finite (``ok``: docs/design.md §8:
-    a token whose key, β, strengths or log α is not finite, x·0 being NaN unless x is, takes no
-    part in any product) and ``γ_i = Σ_{j≤i} log α_j`` over the finite ones. The prepare's and
-    the rebuild's (rebuild.py) one copy: the rebuilt W, Ũ must be the prepare's bit for bit."""
+def chunk_strengths(
+    lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H,
+    HAS_BETA: tl.constexpr, HAS_DECAY: tl.constexpr,
+):  # fmt: skip
+    """The rule's strengths ``a, b`` of a chunk's tokens from ``λ = ‖k‖²`` (0 past eos and at a
+    token that is not finite), which tokens are finite (``ok``: docs/design.md §8: a token whose
+    key, β, strengths or log α is not finite, x·0 being NaN unless x is, takes no part in any
+    product) and ``γ_i = Σ_{j≤i} log α_j`` over the finite ones. The prepare's and the rebuild's
+    (rebuild.py) one copy: the rebuilt W, Ũ must be the prepare's bit for bit."""
+    b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
     a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
     ok = (lam * 0.0 + a * 0.0 + b * 0.0 + b_g * 0.0) == 0.0
     a = tl.where(ok & mask_t, a, 0.0)
@@ -263,7 +261,6 @@ def chunk_prepare_kernel(
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_P: tl.constexpr,
-    GATES_EARLY: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages,
@@ -279,9 +276,6 @@ def chunk_prepare_kernel(
     # Operand dtype of the W and Ũ products: the inputs' (bf16/fp16) or fp32.
     DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
 
-    # GATES_EARLY: β and log α before the loop below (common.LOG_ALPHA_AHEAD)
-    b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA and GATES_EARLY,
-                             HAS_DECAY and GATES_EARLY)  # fmt: skip
     # K Kᵀ and λ = ‖k‖², one column tile at a time (λ over every column: the strengths need it)
     kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     lam = tl.zeros([CHUNK], dtype=tl.float32)
@@ -293,9 +287,9 @@ def chunk_prepare_kernel(
 
     # a token that is not finite takes no part in any product; the later stages make the
     # outputs NaN from the chunk's first such token on
-    if not GATES_EARLY:
-        b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
-    a, b, ok, gamma = chunk_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg)
+    a, b, ok, gamma = chunk_strengths(
+        lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
+    )
     first_bad = _first_bad(ok)
 
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
@@ -406,7 +400,6 @@ def launch_prepare(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
-        GATES_EARLY=log_alpha_ahead() and PREPARE_GATES_EARLY,
         num_warps=PREPARE_WARPS,
         **({"maxnreg": PREPARE_MAXNREG} if PREPARE_MAXNREG else {}),  # 0 would reach ptxas
     )

@@ -34,9 +34,7 @@ from deltaflow.ops.triton.common import (
     chunk_bounds,
     dot_precision,
     load_chunk_square,
-    load_gates,
     load_rows,
-    log_alpha_ahead,
     mm,
     store_rows,
 )
@@ -85,11 +83,9 @@ def chunk_rebuild_kernel(
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_P: tl.constexpr,
-    GATES_EARLY: tl.constexpr,
 ):
     """W and Ũ of chunk program_id(0), head program_id(1), from its kept T; with STORE_P also
-    scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p). GATES_EARLY: β and
-    log α loaded before the λ loop (common.LOG_ALPHA_AHEAD)."""
+    scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     rows = tl.arange(0, CHUNK)
@@ -100,15 +96,13 @@ def chunk_rebuild_kernel(
     # T first: its load is in flight while λ is summed
     t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
     T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :])
-    b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA and GATES_EARLY,
-                             HAS_DECAY and GATES_EARLY)  # fmt: skip
     lam = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, Dk, TILE):
         k32 = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk).to(tl.float32)
         lam += tl.sum(k32 * k32, axis=1)
-    if not GATES_EARLY:
-        b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
-    a, b, ok, gamma = chunk_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg)
+    a, b, ok, gamma = chunk_strengths(
+        lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
+    )
     # the keys again (from L1/L2)
     T_dt = store_w(T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD, PREC, DT)
     T_dt = u_left(T, T_dt, b, FOLD, DT)
@@ -143,10 +137,10 @@ def rebuilt_w(
     The rebuild kernel's lines on the whole key block at once."""
     T = load_chunk_square(t_ptr, c, i_h, H)
     k32 = b_k.to(tl.float32)
-    b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
     a, b, ok, gamma = chunk_strengths(
-        tl.sum(k32 * k32, axis=1), b_beta, b_g, mask_t, eps, rule, neg
-    )
+        tl.sum(k32 * k32, axis=1), beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H,
+        HAS_BETA, HAS_DECAY,
+    )  # fmt: skip
     scale = a * tl.exp(gamma)
     T_dt = w_left(T, scale, FOLD, DT)
     W = mm(T_dt, w_right(b_k, scale, ok, FOLD), PREC, DT).to(DT)
@@ -236,7 +230,6 @@ def launch_rebuild(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
-        GATES_EARLY=log_alpha_ahead() and prepare.REBUILD_GATES_EARLY,
         num_warps=REBUILD_WARPS,
         **({"maxnreg": REBUILD_MAXNREG} if REBUILD_MAXNREG else {}),
     )
