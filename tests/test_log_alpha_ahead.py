@@ -32,7 +32,7 @@ def test_log_alpha_ahead_changes_no_value(mode, rebuild, poisoned, dtype, monkey
     lengths = [0, 130, 1, 75]
     x = make_inputs(1, sum(lengths), 2, 64, 64, rule="delta", seed=7, n_states=len(lengths),
                     dtype=dtype)  # fmt: skip
-    if poisoned:  # a non-finite value in the second sequence's second chunk
+    if poisoned:  # a non-finite value in the second sequence's second chunk (log α is refused)
         x["v"][0, 100, 1, 3] = float("nan")
     x = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
