@@ -22,7 +22,6 @@ settings.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from deltaflow.ops.triton_ops import (  # noqa: F401  (the ops re-exported, regi
     chunk_rows,
     decode_step_op,
     dot_dtype,
+    interpreting,
 )
 from deltaflow.rules import StepRule, get_rule
 
@@ -119,10 +119,6 @@ def _output(*shape: int, like: Tensor, dtype: torch.dtype) -> Tensor:
         poison = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
         return torch.full(shape, poison, device=like.device, dtype=dtype)
     return torch.empty(shape, device=like.device, dtype=dtype)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def available() -> bool:

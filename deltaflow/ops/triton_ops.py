@@ -35,6 +35,7 @@ Every slot is returned whatever the mode (an empty tensor where it keeps nothing
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
@@ -51,6 +52,12 @@ SAVE_MODES = {
     "states_fp32": ("w", "t", "h", "v_new"),
     "t": ("t", "first_bad", "entering"),
 }
+
+
+def interpreting() -> bool:
+    """Whether Triton runs on its CPU interpreter (TRITON_INTERPRET=1): the one test of it for
+    the backend and the kernels' launch settings (common.prefetch_on)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _backend() -> ModuleType:

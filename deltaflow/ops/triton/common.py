@@ -4,7 +4,6 @@ and the small loads and products the kernels are written with. Equations: docs/d
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -18,7 +17,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from deltaflow.ops.chunk import TRITON_CHUNK_SIZE
-from deltaflow.ops.triton_ops import HALF_MIN_HEAD
+from deltaflow.ops.triton_ops import HALF_MIN_HEAD, interpreting
 
 # Tokens per chunk, C of docs/design.md §3. The prepare kernel's block substitution is built
 # for it (four sub-blocks of SUB tokens), so it is a constant, not a tunable; the torch backend's
@@ -448,7 +447,7 @@ LINE_BITS = tl.constexpr(1024)  # 128 bytes
 
 def prefetch_on() -> bool:
     """The kernels' ``PREFETCH`` constexpr: the setting, off under TRITON_INTERPRET."""
-    return PREFETCH and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    return PREFETCH and not interpreting()
 
 
 @triton.jit
