@@ -378,6 +378,21 @@ def log_alpha_rows(g_ptr, offs_t, bos, eos, i_h, H: tl.constexpr, HAS_DECAY: tl.
 
 
 @triton.jit
+def gamma_and_next(g_next, g_ptr, offs_t, mask_t, step, lo, hi, i_h, H: tl.constexpr,
+                   HAS_DECAY: tl.constexpr, G_AHEAD: tl.constexpr):  # fmt: skip
+    """A sequential pass's step: γ of the chunk at ``offs_t`` (:func:`chunk_gamma`'s values)
+    and the log α its next step needs. G_AHEAD: γ from ``g_next`` (this chunk's, loaded a step
+    ago), and the chunk ``step`` rows on (−CHUNK: the one before) loaded now, 0 outside [lo,
+    hi); otherwise chunk_gamma's load here, ``g_next`` passed through."""
+    if G_AHEAD:
+        gamma = tl.cumsum(g_next, axis=0)
+        g_next = log_alpha_rows(g_ptr, offs_t + step, lo, hi, i_h, H, HAS_DECAY)
+    else:
+        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+    return gamma, g_next
+
+
+@triton.jit
 def decay_matrix(gamma):
     """e^{γ_i − γ_j} for j ≤ i, 0 above the diagonal: always from the difference, never as
     Γ_i / Γ_j (which underflows), and masked before the exp (no overflow to mask)."""

@@ -28,10 +28,10 @@ from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
     cdiv,
-    chunk_gamma,
     decay_matrix,
     dot_precision,
     dot_split,
+    gamma_and_next,
     head_block,
     key_block,
     load_rows,
@@ -165,11 +165,8 @@ def chunk_dstates_kernel(
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
-        if G_AHEAD:  # chunk_gamma's values, the load a step early
-            gamma = tl.cumsum(g_next, axis=0)
-            g_next = log_alpha_rows(g_ptr, offs_t - CHUNK, bos, eos, i_h, H, HAS_DECAY)
-        else:
-            gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        gamma, g_next = gamma_and_next(g_next, g_ptr, offs_t, mask_t, -CHUNK, bos, eos, i_h, H,
+                                       HAS_DECAY, G_AHEAD)  # fmt: skip
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         # (8) dU = K̃ G + scale·Pᵀ dO
         dU = du_from_state(G, b_k, gamma, gamma_last, DT, PREC)

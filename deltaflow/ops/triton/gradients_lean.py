@@ -183,9 +183,12 @@ def chunk_grads_v_lean_kernel(
 
 
 @triton.jit
-def _lean_rows(g_row):
-    """The chunk's decay rows the key side reads from its log α (``g_row``, fp32, loaded
-    before the value loop: common.log_alpha_rows): γ, Γ = e^γ, γ_C and e^{γ_C − γ}."""
+def _lean_rows(g_row, g_ptr, offs_t, t0, eos, i_h, H, HAS_DECAY: tl.constexpr,
+               G_EARLY: tl.constexpr):  # fmt: skip
+    """The chunk's decay rows the key side reads: γ, Γ = e^γ, γ_C and e^{γ_C − γ}, from its log
+    α ``g_row`` (G_EARLY: loaded before the value loop, common.log_alpha_rows) or loaded here."""
+    if not G_EARLY:
+        g_row = log_alpha_rows(g_ptr, offs_t, t0, eos, i_h, H, HAS_DECAY)
     rows = tl.arange(0, CHUNK)
     gamma = tl.cumsum(g_row, axis=0)  # chunk_gamma's
     gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
@@ -295,9 +298,8 @@ def chunk_grads_k_lean_kernel(
             S0 = tl.load(h_c + offs_k[:, None] * Dv + offs_v[None, :],
                          mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # fmt: skip
             dQS += tl.dot(b_do, tl.trans(S0.to(DT)), input_precision=PREC)
-        if not G_EARLY:
-            g_row = log_alpha_rows(g_ptr, offs_t, t0, eos, i_h, H, HAS_DECAY)
-        gamma, Gamma, gamma_last, to_end = _lean_rows(g_row)
+        gamma, Gamma, gamma_last, to_end = _lean_rows(g_row, g_ptr, offs_t, t0, eos, i_h, H,
+                                                      HAS_DECAY, G_EARLY)  # fmt: skip
         d_Gamma, _ = _lean_dq(dQS, q_ptr, k_ptr, m_c, dq_ptr, k_offs, k_mask, Gamma, scale, PREC)
     for i_v in range(0, tl.cdiv(Dv, BV)):
         offs_v = i_v * BV + tl.arange(0, BV)
@@ -323,9 +325,8 @@ def chunk_grads_k_lean_kernel(
     if not DQ_FIRST:  # (the offsets a [C, BK] tile: not live across the loop)
         k_offs = (offs_t[:, None] * H + i_h) * Dk + offs_k[None, :]
         k_mask = mask_t[:, None] & mask_k[None, :]
-        if not G_EARLY:
-            g_row = log_alpha_rows(g_ptr, offs_t, t0, eos, i_h, H, HAS_DECAY)
-        gamma, Gamma, gamma_last, to_end = _lean_rows(g_row)
+        gamma, Gamma, gamma_last, to_end = _lean_rows(g_row, g_ptr, offs_t, t0, eos, i_h, H,
+                                                      HAS_DECAY, G_EARLY)  # fmt: skip
         d_Gamma, b_k = _lean_dq(dQS, q_ptr, k_ptr, m_c, dq_ptr, k_offs, k_mask, Gamma, scale, PREC)
     else:
         b_k = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)  # again: not held across the loop

@@ -32,9 +32,9 @@ from deltaflow.ops.triton.common import (
     CHUNK,
     ChunkTables,
     cdiv,
-    chunk_gamma,
     decay_matrix,
     dot_precision,
+    gamma_and_next,
     head_block,
     key_block,
     load_rows,
@@ -408,11 +408,8 @@ def chunk_states_kernel(
         else:
             b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
             b_u = load_rows(u_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(tl.float32)
-        if G_AHEAD:  # chunk_gamma's values, the load a step early
-            gamma = tl.cumsum(g_next, axis=0)
-            g_next = log_alpha_rows(g_ptr, offs_t + CHUNK, bos, eos, i_h, H, HAS_DECAY)
-        else:
-            gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        gamma, g_next = gamma_and_next(g_next, g_ptr, offs_t, mask_t, CHUNK, bos, eos, i_h, H,
+                                       HAS_DECAY, G_AHEAD)  # fmt: skip
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
         U = chunk_u(b_u, b_w, S, DT, PREC)  # (4)
         v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
