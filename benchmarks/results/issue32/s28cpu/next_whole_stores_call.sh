@@ -2,8 +2,8 @@
 # Ready for session 29's first call (issue 32). First, on the CPU, in this order:
 #   git apply benchmarks/results/issue32/s28cpu/split_segments_log_alpha.patch
 #   git apply benchmarks/results/issue32/s28cpu/whole_stores.patch
-# (the split and segment passes' log α a step ahead under common.LOG_ALPHA_AHEAD, one helper
-# common.gamma_and_next for every sequential pass; states.STATES_WHOLE_STORES: the state pass's
+# (the split and segment passes' log α a step ahead under common.LOG_ALPHA_AHEAD, through the
+# unsplit passes' common.gamma_and_next; states.STATES_WHOLE_STORES: the state pass's
 # h and U, the reverse pass's dh and dU stored unmasked where the tile is whole; their tests in
 # tests/test_log_alpha_ahead.py and tests/test_whole_stores.py). Then this script: the tests on
 # the GPU, kernel_times alternating (the stores off/on at the first three shapes; log α ahead
