@@ -50,3 +50,30 @@ def test_log_alpha_ahead_changes_no_value(mode, rebuild, poisoned, dtype, monkey
     if poisoned:
         o = runs[1][0]  # NaN from the bad token on in its head, nowhere before it
         assert o[0, 100:130, 1].isnan().all() and not o[0, :100].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("passes", ["split", "segments"])
+def test_log_alpha_ahead_in_split_and_segment_passes(passes, dtype, monkeypatch):
+    """The state in row blocks (states_split.py: STATES_SPLIT_K lowered so a 64-row key block
+    splits) and the passes across segments (segment_states.py: two chunks a segment) take the
+    same loads a step ahead, bit for bit."""
+    lengths = [0, 200, 1, 75]
+    x = make_inputs(1, sum(lengths), 2, 64, 64, rule="delta", seed=11, n_states=len(lengths),
+                    dtype=dtype)  # fmt: skip
+    x = {n: None if t is None else t.to(DEVICE) for n, t in x.items()}
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    if passes == "split":
+        monkeypatch.setattr(states, "STATES_SPLIT_K", 32)
+        monkeypatch.setattr(states, "SPLIT_MIN_ROWS", 32)
+    else:
+        monkeypatch.setattr(triton_backend, "SEQUENCE_PARALLEL_STATES", "on")
+        monkeypatch.setattr(triton_backend, "SEGMENT_CHUNKS", 2)
+    runs = []
+    for ahead in (False, True):
+        monkeypatch.setattr(common, "LOG_ALPHA_AHEAD", ahead)
+        runs.append(_fwd_bwd(x, "triton", cu_seqlens=cu))
+    for a, b in zip(*runs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

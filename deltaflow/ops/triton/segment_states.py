@@ -48,11 +48,13 @@ from deltaflow.ops.triton.common import (
     ChunkTables,
     GraphSafeCache,
     cdiv,
-    chunk_gamma,
     dot_precision,
+    gamma_and_next,
     head_block,
     key_block,
     load_rows,
+    log_alpha_ahead,
+    log_alpha_rows,
     scaled_grad_o,
 )
 from deltaflow.ops.triton.dstates import (
@@ -316,6 +318,7 @@ def segment_states_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_S0: tl.constexpr,
     PREC: tl.constexpr,
+    G_AHEAD: tl.constexpr,
 ):
     """Step 1 forward: ``[P | S_loc]`` of one segment, head and BV columns, stored at the
     segment's end (fp32; NaN after a chunk with a non-finite input, as the state pass's states)."""
@@ -334,13 +337,15 @@ def segment_states_kernel(
     n_chunks = tl.where(outer & (i_v < NKB), 0, tl.cdiv(end - start, CHUNK))
     mask_u = col < tl.where(is_value, Dv, 0)  # the transition columns' values are 0
     poison = 0.0
+    g_next = log_alpha_rows(g_ptr, start + rows, start, end, i_h, H, HAS_DECAY and G_AHEAD)
     for j in range(0, n_chunks):
         offs_t = start + j * CHUNK + rows
         mask_t = offs_t < end
         b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_u = load_rows(u_ptr, offs_t, mask_t, i_h, col, mask_u, H, Dv).to(tl.float32)
-        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        gamma, g_next = gamma_and_next(g_next, g_ptr, offs_t, mask_t, CHUNK, start, end, i_h, H,
+                                       HAS_DECAY, G_AHEAD)  # fmt: skip
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         U = chunk_u(b_u, b_w, S, DT, PREC)
         S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)
@@ -372,6 +377,7 @@ def segment_dstates_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
+    G_AHEAD: tl.constexpr,
 ):
     """Step 1 reverse: ``[Pᵀ | G_loc]`` of one segment, head and BV columns, from its last chunk
     to its first (the reverse pass's chunk step, (7)–(8); the transition columns have dO = 0,
@@ -389,12 +395,15 @@ def segment_dstates_kernel(
         dsT_ptr, i_n, i_h, offs_k, mask_k, col, mask_col, is_value, outer, H, Dk, Dv, HAS_DST
     )
     n_chunks = tl.where(outer & (i_v < NKB), 0, tl.cdiv(end - start, CHUNK))
+    last_rows = start + (n_chunks - 1) * CHUNK + rows
+    g_next = log_alpha_rows(g_ptr, last_rows, start, end, i_h, H, HAS_DECAY and G_AHEAD)
     for jj in range(0, n_chunks):
         offs_t = start + (n_chunks - 1 - jj) * CHUNK + rows
         mask_t = offs_t < end
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
+        gamma, g_next = gamma_and_next(g_next, g_ptr, offs_t, mask_t, -CHUNK, start, end, i_h, H,
+                                       HAS_DECAY, G_AHEAD)  # fmt: skip
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         dU = du_from_state(G, b_k, gamma, gamma_last, DT, PREC)
         G_carry = tl.exp(gamma_last) * G
@@ -483,6 +492,7 @@ def launch_segmented_states(
             HAS_DECAY=log_decay is not None,
             HAS_S0=initial_state is not None,
             PREC=dot_precision(k.dtype),
+            G_AHEAD=log_alpha_ahead(),
             num_warps=states.STATES_WARPS,
             num_stages=states.pass_stages(key_block(Dk, Dv, k.dtype), split=False),
         )
@@ -565,6 +575,7 @@ def launch_segmented_dstates(
         HAS_DECAY=log_decay is not None,
         HAS_DST=grad_final_state is not None,
         PREC=dot_precision(q.dtype),
+        G_AHEAD=log_alpha_ahead(),
         num_warps=dstates.DSTATES_WARPS,
         num_stages=dstates.dstates_stages(key_block(Dk, Dv, q.dtype), split=False),
     )

@@ -65,6 +65,10 @@ STATES_WARPS = 4
 # split kernels at D = 256 lose 0.36: one program an SM there).
 STATES_STAGES = 2
 STATES_STAGES_MAX_BK = 128
+# Under trial (session 28, for the next): stores without masks where the tile is whole: the
+# state pass's h and the reverse pass's dh (Dk == BK, BV | Dv), their U and dU in whole chunks.
+# (Not the fused forward's outputs: two store paths there took its spills 128 → 168 B, AOT.)
+STATES_WHOLE_STORES = True
 # At key blocks up to NARROW_MAX_BK (Dk ≤ 64) both state passes hold a [64, BV] state: a third
 # stage fits (H200, session 21 call 1: −0.03 / −0.05 ms at D = 64; at D = 128 it loses).
 STATES_STAGES_NARROW = 3
@@ -288,6 +292,7 @@ def launch_forward(
         launch["num_warps"] = SPLIT_FORWARD_WARPS or launch["num_warps"]
         kernel, launch["KEEP_K"] = split_forward_kernel, stages > 1
         launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
+        launch["G_AHEAD"] = log_alpha_ahead()
     else:
         launch.update(AHEAD=FUSED_PREFETCH_AHEAD if prefetch_on() else 0, G_AHEAD=log_alpha_ahead())
     kernel[(cdiv(Dv, BV), N * H)](
@@ -363,6 +368,7 @@ def chunk_states_kernel(
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
     G_AHEAD: tl.constexpr,
+    WHOLE: tl.constexpr = False,
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
     States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
@@ -397,7 +403,10 @@ def chunk_states_kernel(
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
         h_offs = h_ptr + (c * H + i_h) * Dk * Dv + state_offs
-        tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
+        if WHOLE:  # the state tile is the head's (Dk == BK, BV | Dv): no mask to evaluate
+            tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty))
+        else:
+            tl.store(h_offs, (S + poison).to(h_ptr.dtype.element_ty), mask=state_mask)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         if FROM_T:  # the rebuild's W and Ũ (rebuild.py), W written for the reverse pass
             b_w, T_u, b = rebuilt_w(t_ptr, b_k, beta_ptr, g_ptr, c, i_h, offs_t, mask_t, eps,
@@ -413,7 +422,10 @@ def chunk_states_kernel(
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
         U = chunk_u(b_u, b_w, S, DT, PREC)  # (4)
         v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
-        tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
+        if WHOLE and bos + (j + 1) * CHUNK <= eos:  # a whole chunk: no mask either
+            tl.store(v_new_ptr + v_offs, U.to(DT))
+        else:
+            tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
         S = chunk_state_update(S, U, b_k, gamma, gamma_last, DT, PREC)  # (6)
         first_bad = tl.load(first_bad_ptr + c * H + i_h)
         poison += tl.where(first_bad < CHUNK, float("nan"), 0.0)
@@ -469,7 +481,8 @@ def launch_states(
     else:
         kernel = chunk_states_kernel
         launch.update(from_t or pass_args(None, None, tables=tables))
-        launch["G_AHEAD"] = log_alpha_ahead()
+        launch["WHOLE"] = STATES_WHOLE_STORES and Dk == BK and Dv % BV == 0
+    launch["G_AHEAD"] = log_alpha_ahead()
     kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,
