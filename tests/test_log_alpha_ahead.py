@@ -55,9 +55,9 @@ def test_log_alpha_ahead_changes_no_value(mode, rebuild, poisoned, dtype, monkey
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("passes", ["split", "segments"])
 def test_log_alpha_ahead_in_split_and_segment_passes(passes, dtype, monkeypatch):
-    """The state in row blocks (states_split.py: STATES_SPLIT_K lowered so a 64-row key block
-    splits) and the passes across segments (segment_states.py: two chunks a segment) take the
-    same loads a step ahead, bit for bit."""
+    """The forward with the state in row blocks (states_split.py: STATES_SPLIT_K lowered so a
+    64-row key block splits) and the segments' state pass (segment_states.py: two chunks a
+    segment) take the same loads a step ahead, bit for bit."""
     lengths = [0, 200, 1, 75]
     x = make_inputs(1, sum(lengths), 2, 64, 64, rule="delta", seed=11, n_states=len(lengths),
                     dtype=dtype)  # fmt: skip

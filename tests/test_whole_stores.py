@@ -1,6 +1,6 @@
 """Stores without masks where the tile is whole (``states.STATES_WHOLE_STORES``: the state
-passes' h and dh where the key block is the head and the value blocks divide it, U and dU in
-whole chunks): every output and gradient bit for bit the masked stores', on packed sequences
+pass's h where the key block is the head and the value blocks divide it, U in whole chunks):
+every output and gradient bit for bit the masked stores', on packed sequences
 whose last chunks are partial (an empty one, one token), with decay and initial states, through
 the fused and the two-pass forward, at a head the key block covers exactly and one it does not
 (the masked stores throughout), on the interpreter and a GPU."""

@@ -352,11 +352,14 @@ def chunk_gamma(g_ptr, offs_t, mask_t, i_h, H: tl.constexpr, HAS_DECAY: tl.const
 # is a plain load (cp.async copies 4 bytes or more), which otherwise stalls where it is used.
 # The unsplit sequential passes (the fused forward, the state pass, the reverse pass) load the
 # next chunk's a step early (the fused forward its next first_bad too), the lean key side its
-# chunk's before its value loop; the split (D = 256) and segment passes do not yet. H200, bf16,
-# session 28 calls 3-4, forward + backward: (8, 4096, 16, 128) 3.10 → 3.05 ms (state pass 0.267
-# → 0.235, forward 0.330 → 0.315, reverse pass 0.534 → 0.523, key side 0.865 → 0.849), (16,
-# 2048, 32, 64) 2.68 → 2.59, (1, 32768, 16, 128) 4.77 → 4.67. A switch for measuring and the
-# bitwise test only (the values are the same either way).
+# chunk's before its value loop. H200, bf16, session 28 calls 3-4, forward + backward: (8, 4096,
+# 16, 128) 3.10 → 3.05 ms (state pass 0.267 → 0.235, forward 0.330 → 0.315, reverse pass 0.534
+# → 0.523, key side 0.865 → 0.849), (16, 2048, 32, 64) 2.68 → 2.59, (1, 32768, 16, 128) 4.77 →
+# 4.67. Of the split (D = 256) and segment passes (session 29 call 1) the split forward (1.249
+# → 1.137 ms at (8, 2048, 32, 256)) and the segments' state pass (0.299 → 0.260) take it; the
+# split state and reverse passes (+0.03, +0.02-0.05: more spills) and the segments' reverse pass
+# (+0.01) do not. A switch for measuring and the bitwise test only (the values are the same
+# either way).
 LOG_ALPHA_AHEAD = True
 
 

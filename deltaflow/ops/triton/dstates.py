@@ -123,7 +123,6 @@ def chunk_dstates_kernel(
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
     G_AHEAD: tl.constexpr,
-    WHOLE: tl.constexpr = False,
 ):
     """(7)–(8) along one sequence from its end, for one head and BV value columns:
     dU = scale·Pᵀ dO + K̃ G,   G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU,
@@ -157,11 +156,11 @@ def chunk_dstates_kernel(
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
         c = (c_first + j).to(tl.int64)
-        dh_offs = dh_ptr + (c * H + i_h) * Dk * Dv + state_offs
-        if WHOLE:  # the state tile is the head's (states.STATES_WHOLE_STORES)
-            tl.store(dh_offs, G.to(dh_ptr.dtype.element_ty))
-        else:
-            tl.store(dh_offs, G.to(dh_ptr.dtype.element_ty), mask=state_mask)
+        tl.store(
+            dh_ptr + (c * H + i_h) * Dk * Dv + state_offs,
+            G.to(dh_ptr.dtype.element_ty),
+            mask=state_mask,
+        )
         b_q = load_rows(q_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
@@ -172,11 +171,11 @@ def chunk_dstates_kernel(
         # (8) dU = K̃ G + scale·Pᵀ dO
         dU = du_from_state(G, b_k, gamma, gamma_last, DT, PREC)
         dU = du_add_outputs(dU, b_q, b_k, b_do, gamma, scale, DT, PREC)
-        du_offs = du_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
-        if WHOLE and bos + (j + 1) * CHUNK <= eos:  # a whole chunk
-            tl.store(du_offs, dU.to(DT))
-        else:
-            tl.store(du_offs, dU.to(DT), mask=mask_t[:, None] & mask_v[None, :])
+        tl.store(
+            du_ptr + (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :],
+            dU.to(DT),
+            mask=mask_t[:, None] & mask_v[None, :],
+        )
         # (7) G ← scale·(diag(Γ) Q)ᵀ dO + Γ_C G − Wᵀ dU
         do_gamma = scaled_grad_o(b_do, gamma, scale)
         G_carry = dstate_add_outputs(tl.exp(gamma_last) * G, b_q, do_gamma, DT, PREC)
@@ -249,8 +248,7 @@ def launch_dstates(
     elif p is not None:
         raise ValueError("launch_dstates: p is for the split reverse pass (dstates_takes_p)")
     else:
-        launch["WHOLE"] = states.STATES_WHOLE_STORES and Dk == BK and Dv % BV == 0
-    launch["G_AHEAD"] = log_alpha_ahead()
+        launch["G_AHEAD"] = log_alpha_ahead()
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,

@@ -48,6 +48,7 @@ from deltaflow.ops.triton.common import (
     ChunkTables,
     GraphSafeCache,
     cdiv,
+    chunk_gamma,
     dot_precision,
     gamma_and_next,
     head_block,
@@ -377,7 +378,6 @@ def segment_dstates_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
-    G_AHEAD: tl.constexpr,
 ):
     """Step 1 reverse: ``[Pᵀ | G_loc]`` of one segment, head and BV columns, from its last chunk
     to its first (the reverse pass's chunk step, (7)–(8); the transition columns have dO = 0,
@@ -395,15 +395,12 @@ def segment_dstates_kernel(
         dsT_ptr, i_n, i_h, offs_k, mask_k, col, mask_col, is_value, outer, H, Dk, Dv, HAS_DST
     )
     n_chunks = tl.where(outer & (i_v < NKB), 0, tl.cdiv(end - start, CHUNK))
-    last_rows = start + (n_chunks - 1) * CHUNK + rows
-    g_next = log_alpha_rows(g_ptr, last_rows, start, end, i_h, H, HAS_DECAY and G_AHEAD)
     for jj in range(0, n_chunks):
         offs_t = start + (n_chunks - 1 - jj) * CHUNK + rows
         mask_t = offs_t < end
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
         b_w = load_rows(w_ptr, offs_t, mask_t, i_h, offs_k, mask_k, H, Dk)
-        gamma, g_next = gamma_and_next(g_next, g_ptr, offs_t, mask_t, -CHUNK, start, end, i_h, H,
-                                       HAS_DECAY, G_AHEAD)  # fmt: skip
+        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         dU = du_from_state(G, b_k, gamma, gamma_last, DT, PREC)
         G_carry = tl.exp(gamma_last) * G
@@ -575,7 +572,6 @@ def launch_segmented_dstates(
         HAS_DECAY=log_decay is not None,
         HAS_DST=grad_final_state is not None,
         PREC=dot_precision(q.dtype),
-        G_AHEAD=log_alpha_ahead(),
         num_warps=dstates.DSTATES_WARPS,
         num_stages=dstates.dstates_stages(key_block(Dk, Dv, q.dtype), split=False),
     )

@@ -65,9 +65,11 @@ STATES_WARPS = 4
 # split kernels at D = 256 lose 0.36: one program an SM there).
 STATES_STAGES = 2
 STATES_STAGES_MAX_BK = 128
-# Under trial (session 28, for the next): stores without masks where the tile is whole: the
-# state pass's h and the reverse pass's dh (Dk == BK, BV | Dv), their U and dU in whole chunks.
-# (Not the fused forward's outputs: two store paths there took its spills 128 → 168 B, AOT.)
+# The state pass stores h without masks where the state tile is the head's (Dk == BK, BV | Dv),
+# U without masks in whole chunks: eight branchy masked STG.128 less each (AOT sm_90: 243 → 224
+# registers). H200, bf16, session 29 call 1: the pass 0.234 → 0.230 ms at (8, 4096, 16, 128),
+# 0.656 → 0.630 at (1, 32768, 16, 128). Not the reverse pass's dh and dU (+0.009 at D = 64, 0
+# at 128) nor the fused forward's outputs (two store paths took its spills 128 → 168 B, AOT).
 STATES_WHOLE_STORES = True
 # At key blocks up to NARROW_MAX_BK (Dk ≤ 64) both state passes hold a [64, BV] state: a third
 # stage fits (H200, session 21 call 1: −0.03 / −0.05 ms at D = 64; at D = 128 it loses).
@@ -482,7 +484,7 @@ def launch_states(
         kernel = chunk_states_kernel
         launch.update(from_t or pass_args(None, None, tables=tables))
         launch["WHOLE"] = STATES_WHOLE_STORES and Dk == BK and Dv % BV == 0
-    launch["G_AHEAD"] = log_alpha_ahead()
+        launch["G_AHEAD"] = log_alpha_ahead()
     kernel[(cdiv(Dv, BV), N * H)](
         k_ptr=k,
         w_ptr=w,

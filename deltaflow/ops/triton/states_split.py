@@ -37,6 +37,7 @@ import triton.language as tl
 
 from deltaflow.ops.triton.common import (
     CHUNK,
+    chunk_gamma,
     decay_matrix,
     dot_split,
     gamma_and_next,
@@ -293,7 +294,6 @@ def split_states_kernel(
     HAS_DECAY: tl.constexpr,
     HAS_S0: tl.constexpr,
     PREC: tl.constexpr,
-    G_AHEAD: tl.constexpr,
 ):
     """``states.chunk_states_kernel`` ((4), (6); h and U stored) in row blocks S0..S3."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -317,7 +317,6 @@ def split_states_kernel(
 
     poison = 0.0  # NaN once a chunk of this sequence held a non-finite input
     n_chunks = tl.cdiv(eos - bos, CHUNK)
-    g_next = log_alpha_rows(g_ptr, bos + rows, bos, eos, i_h, H, HAS_DECAY and G_AHEAD)
     for j in range(0, n_chunks):
         offs_t = bos + j * CHUNK + rows
         mask_t = offs_t < eos
@@ -347,8 +346,7 @@ def split_states_kernel(
         v_offs = (offs_t[:, None] * H + i_h) * Dv + offs_v[None, :]
         tl.store(v_new_ptr + v_offs, U.to(DT), mask=mask_t[:, None] & mask_v[None, :])
         # (6) per row block, as chunk_state_update
-        gamma, g_next = gamma_and_next(g_next, g_ptr, offs_t, mask_t, CHUNK, bos, eos, i_h, H,
-                                       HAS_DECAY, G_AHEAD)  # fmt: skip
+        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)  # γ_C
         u_to_end = (U * tl.exp(gamma_last - gamma)[:, None]).to(DT)
         decay_last = tl.exp(gamma_last)
@@ -432,7 +430,6 @@ def split_dstates_kernel(
     HAS_DST: tl.constexpr,
     PREC: tl.constexpr,
     HAS_P: tl.constexpr,
-    G_AHEAD: tl.constexpr,
 ):
     """``dstates.chunk_dstates_kernel`` ((7)–(8) from each sequence's end) in row blocks G0..G3:
     dU = K̃ G + scale·Pᵀ dO sums over the blocks; G_b ← Γ_C G_b + scale·(Γ Q_b)ᵀ dO − W_bᵀ dU.
@@ -458,8 +455,6 @@ def split_dstates_kernel(
         G3 = _load_block(dsT_ptr, base, 3, offs_v, mask_v, BKS, BV, Dk, Dv, HAS_DST)
 
     n_chunks = tl.cdiv(eos - bos, CHUNK)
-    last_rows = bos + (n_chunks - 1) * CHUNK + rows
-    g_next = log_alpha_rows(g_ptr, last_rows, bos, eos, i_h, H, HAS_DECAY and G_AHEAD)
     for jj in range(0, n_chunks):
         j = n_chunks - 1 - jj
         offs_t = bos + j * CHUNK + rows
@@ -488,8 +483,7 @@ def split_dstates_kernel(
                 G3, kg, qk, dh_ptr, dh_base, q_ptr, k_ptr, offs_t, mask_t, i_h, 3, offs_v, mask_v,
                 H, Dk, Dv, BKS, DT, PREC, HAS_P,
             )  # fmt: skip
-        gamma, g_next = gamma_and_next(g_next, g_ptr, offs_t, mask_t, -CHUNK, bos, eos, i_h, H,
-                                       HAS_DECAY, G_AHEAD)  # fmt: skip
+        gamma = chunk_gamma(g_ptr, offs_t, mask_t, i_h, H, HAS_DECAY)
         gamma_last = tl.sum(tl.where(rows == CHUNK - 1, gamma, 0.0), axis=0)
         # dU = diag(e^{γ_C − γ}) (K G) + scale·Pᵀ dO (du_from_state, du_add_outputs)
         b_do = load_rows(do_ptr, offs_t, mask_t, i_h, offs_v, mask_v, H, Dv).to(DT)
