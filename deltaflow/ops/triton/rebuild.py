@@ -54,6 +54,8 @@ from deltaflow.ops.triton.prepare import (
 # 256) 11.099 → 11.067.
 REBUILD_WARPS = 8
 REBUILD_MAXNREG = 0
+# Software-pipeline stages of the column loops (0: Triton's default). Under trial (session 29).
+REBUILD_STAGES = 0
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -232,4 +234,5 @@ def launch_rebuild(
         STORE_P=p is not None,
         num_warps=REBUILD_WARPS,
         **({"maxnreg": REBUILD_MAXNREG} if REBUILD_MAXNREG else {}),
+        **({"num_stages": REBUILD_STAGES} if REBUILD_STAGES else {}),
     )
