@@ -122,3 +122,27 @@ def test_which_launches_split(monkeypatch, rule):
     assert gradients_lean.key_blocks(128, torch.float32, kid) == 1
     monkeypatch.setattr(gradients_lean, "K_SPLIT_BK", 0)
     assert gradients_lean.key_blocks(128, torch.bfloat16, kid) == 1
+
+
+@pytest.mark.parametrize("nk", [2, 3, 4])
+@pytest.mark.parametrize("which", ["both", "dbeta_ptr", "dg_ptr"])
+def test_sum_parts_kernel(nk, which):
+    """The split's dβ and d log α parts summed in one launch (``sum_parts``) are the torch sum's
+    bit for bit: the same block order in fp32, one rounding into the output's dtype (bf16 and
+    fp32 outputs, a size no launch block divides, infinities and NaN carried; fp16 for bf16 on
+    the interpreter, whose bf16 cast truncates)."""
+    g = torch.Generator().manual_seed(nk)
+    names = ["dbeta_ptr", "dg_ptr"] if which == "both" else [which]
+    parts, outs, want = {}, {}, {}
+    for name, dtype in zip(names, (HALF, torch.float32)):
+        part = (torch.randn(nk, 3, 1001, 2, generator=g) * 10).to(DEVICE)
+        part[0, 0, 5, 0], part[nk - 1, 2, 7, 1] = float("inf"), float("nan")
+        parts[name] = part
+        outs[name] = torch.full((3, 1001, 2), -7.0, device=DEVICE, dtype=dtype)
+        total = part[0]
+        for i in range(1, nk - 1):
+            total = total + part[i]
+        want[name] = torch.add(total, part[nk - 1]).to(dtype)
+    gradients_lean.sum_parts(parts, outs)
+    for name in names:
+        torch.testing.assert_close(outs[name], want[name], rtol=0, atol=0, equal_nan=True)

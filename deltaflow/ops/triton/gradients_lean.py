@@ -80,6 +80,10 @@ K_SPLIT_STAGES = 0
 # side 0.911 → 0.848 ms at (8, 4096, 16, 128) (two trips), 2.146 → 2.20 at D = 256 (four).
 K_PREFETCH = True
 K_PREFETCH_MAX_TRIPS = 2
+# The split key side's dβ and d log α parts summed by one Triton launch (sum_parts_kernel)
+# instead of a torch add per tensor (two launches of ~4 µs at (8, 4096, 16, 128), more at four
+# blocks). Under trial (session 29).
+KEY_PARTS_KERNEL = True
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -437,8 +441,52 @@ def launch_lean(
         PREFETCH=prefetch_on() and K_PREFETCH and trips <= K_PREFETCH_MAX_TRIPS,
         G_EARLY=log_alpha_ahead(),
     )
+    if parts and KEY_PARTS_KERNEL:
+        sum_parts(parts, pointers)
+        return
     for name, part in parts.items():  # block by block in fp32, rounded once into the output
         total = part[0]
         for i in range(1, nk - 1):
             total = total + part[i]
         torch.add(total, part[nk - 1], out=pointers[name])
+
+
+SUM_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["n"])
+def sum_parts_kernel(a_ptr, b_ptr, out_a_ptr, out_b_ptr, n, NK: tl.constexpr,
+                     HAS_A: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """out = ((part 0 + part 1) + part 2) + … of ``n`` fp32 entries a part, rounded once to out's
+    dtype, for one or two tensors (dβ's and d log α's parts) in one launch."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    if HAS_A:
+        total = tl.load(a_ptr + offs, mask=mask)
+        for i in tl.static_range(1, NK):
+            total += tl.load(a_ptr + i * n + offs, mask=mask)
+        tl.store(out_a_ptr + offs, total.to(out_a_ptr.dtype.element_ty), mask=mask)
+    if HAS_B:
+        total = tl.load(b_ptr + offs, mask=mask)
+        for i in tl.static_range(1, NK):
+            total += tl.load(b_ptr + i * n + offs, mask=mask)
+        tl.store(out_b_ptr + offs, total.to(out_b_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_parts(parts: dict[str, Tensor], pointers: dict[str, Tensor]) -> None:
+    """Each ``parts[name]`` ([key blocks, *shape], fp32) summed over its first dimension in
+    block order into ``pointers[name]``: :func:`launch_lean`'s dβ and d log α, one launch."""
+    a, b = parts.get("dbeta_ptr"), parts.get("dg_ptr")
+    some = a if a is not None else b
+    n = some[0].numel()
+    sum_parts_kernel[(cdiv(n, SUM_BLOCK),)](
+        a_ptr=some if a is None else a,
+        b_ptr=some if b is None else b,
+        out_a_ptr=pointers["dbeta_ptr"] if a is not None else some,
+        out_b_ptr=pointers["dg_ptr"] if b is not None else some,
+        n=n,
+        NK=some.shape[0],
+        HAS_A=a is not None,
+        HAS_B=b is not None,
+        BLOCK=SUM_BLOCK,
+    )

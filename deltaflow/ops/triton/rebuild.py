@@ -51,11 +51,10 @@ from deltaflow.ops.triton.prepare import (
 # Warps and register cap (0: none). Measured (H200, session 20 call 2, bf16, forward + backward,
 # 8 against 4 warps; 45-61 registers a thread against 84-118, AOT): (8, 4096, 16, 128) 3.286 →
 # 3.263 ms, (1, 32768, 16, 128) 5.091 → 5.075, (16, 2048, 32, 64) 3.187 → 3.155, (8, 2048, 32,
-# 256) 11.099 → 11.067.
+# 256) 11.099 → 11.067. Session 29 call 3: 1 or 2 stages (Triton's 3 by default), a cap of 48
+# registers (five programs an SM instead of four) or both: −0.001 to +0.095 ms on the kernel.
 REBUILD_WARPS = 8
 REBUILD_MAXNREG = 0
-# Software-pipeline stages of the column loops (0: Triton's default). Under trial (session 29).
-REBUILD_STAGES = 0
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -234,5 +233,4 @@ def launch_rebuild(
         STORE_P=p is not None,
         num_warps=REBUILD_WARPS,
         **({"maxnreg": REBUILD_MAXNREG} if REBUILD_MAXNREG else {}),
-        **({"num_stages": REBUILD_STAGES} if REBUILD_STAGES else {}),
     )
