@@ -127,13 +127,32 @@ def store_w(
     way: benchmarks/bf16_floor.py knobs T_W, X). Returns T rounded to DT (Ũ's left operand
     without the fold). The prepare's and the rebuild's one copy."""
     cols = tl.arange(0, TILE)
-    scale = a * tl.exp(gamma)
-    T_dt = w_left(T, scale, FOLD, DT)
+    scale, T_dt = w_scale_left(T, a, gamma, FOLD, DT)
     for c in range(0, Dk, TILE):
         b_k = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
-        w = mm(T_dt, w_right(b_k, scale, ok, FOLD), PREC, DT)
-        store_rows(w_ptr, w, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+        store_w_tile(T_dt, b_k, scale, ok, c, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD,
+                     PREC, DT)  # fmt: skip
     return T_dt
+
+
+@triton.jit
+def store_w_tile(
+    T_dt, b_k, scale, ok, c, w_ptr, offs_t, mask_t, i_h, H, Dk: tl.constexpr,
+    TILE: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """Key columns ``c`` … ``c + TILE`` of W (their keys ``b_k``): :func:`store_w`'s step, and
+    the rebuild's where it holds the key tiles (rebuild.REBUILD_KEEP_K)."""
+    cols = c + tl.arange(0, TILE)
+    w = mm(T_dt, w_right(b_k, scale, ok, FOLD), PREC, DT)
+    store_rows(w_ptr, w, offs_t, mask_t, i_h, cols, cols < Dk, H, Dk)
+
+
+@triton.jit
+def w_scale_left(T, a, gamma, FOLD: tl.constexpr, DT: tl.constexpr):
+    """W's row scale aΓ and its left operand (:func:`w_left`): :func:`store_w`'s, the rebuild's
+    and the state pass's one copy (rebuild.py)."""
+    scale = a * tl.exp(gamma)
+    return scale, w_left(T, scale, FOLD, DT)
 
 
 @triton.jit

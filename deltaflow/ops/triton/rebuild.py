@@ -42,10 +42,11 @@ from deltaflow.ops.triton.prepare import (
     chunk_strengths,
     store_p,
     store_w,
+    store_w_tile,
     u_left,
     u_right,
-    w_left,
     w_right,
+    w_scale_left,
 )
 
 # Warps and register cap (0: none). Measured (H200, session 20 call 2, bf16, forward + backward,
@@ -55,6 +56,9 @@ from deltaflow.ops.triton.prepare import (
 # registers (five programs an SM instead of four) or both: −0.001 to +0.095 ms on the kernel.
 REBUILD_WARPS = 8
 REBUILD_MAXNREG = 0
+# Heads of at most two column tiles (Dk ≤ 2·TILE): the key tiles loaded once and held from λ's
+# sums to W's products, instead of read again from L2 for W. Under trial (session 29).
+REBUILD_KEEP_K = True
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -84,9 +88,11 @@ def chunk_rebuild_kernel(
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_P: tl.constexpr,
+    KEEP_K: tl.constexpr,
 ):
     """W and Ũ of chunk program_id(0), head program_id(1), from its kept T; with STORE_P also
-    scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p)."""
+    scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p). KEEP_K (Dk ≤
+    2·TILE): the key tiles held from λ to W (REBUILD_KEEP_K)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     rows = tl.arange(0, CHUNK)
@@ -98,14 +104,30 @@ def chunk_rebuild_kernel(
     t_base = t_ptr + (i_c.to(tl.int64) * H + i_h) * (CHUNK * CHUNK)
     T = tl.load(t_base + rows[:, None] * CHUNK + rows[None, :])
     lam = tl.zeros([CHUNK], dtype=tl.float32)
-    for c in range(0, Dk, TILE):
-        k32 = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk).to(tl.float32)
-        lam += tl.sum(k32 * k32, axis=1)
+    if KEEP_K:  # λ summed as the loop below: tile 0, then tile 1 (the prepare's order)
+        k0 = load_rows(k_ptr, offs_t, mask_t, i_h, cols, cols < Dk, H, Dk)
+        lam += tl.sum(k0.to(tl.float32) * k0.to(tl.float32), axis=1)
+        if Dk > TILE:
+            k1 = load_rows(k_ptr, offs_t, mask_t, i_h, TILE + cols, TILE + cols < Dk, H, Dk)
+            lam += tl.sum(k1.to(tl.float32) * k1.to(tl.float32), axis=1)
+    else:
+        for c in range(0, Dk, TILE):
+            k32 = load_rows(k_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dk, H, Dk)
+            k32 = k32.to(tl.float32)
+            lam += tl.sum(k32 * k32, axis=1)
     a, b, ok, gamma = chunk_strengths(
         lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
     )
-    # the keys again (from L1/L2)
-    T_dt = store_w(T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD, PREC, DT)
+    if KEEP_K:  # store_w's steps on the held tiles
+        scale_w, T_dt = w_scale_left(T, a, gamma, FOLD, DT)
+        store_w_tile(T_dt, k0, scale_w, ok, 0, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD,
+                     PREC, DT)  # fmt: skip
+        if Dk > TILE:
+            store_w_tile(T_dt, k1, scale_w, ok, TILE, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE,
+                         FOLD, PREC, DT)  # fmt: skip
+    else:  # the keys again (from L1/L2)
+        T_dt = store_w(T, a, gamma, ok, k_ptr, w_ptr, offs_t, mask_t, i_h, H, Dk, TILE, FOLD,
+                       PREC, DT)  # fmt: skip
     T_dt = u_left(T, T_dt, b, FOLD, DT)
     for c in range(0, Dv, TILE):
         v32 = load_rows(v_ptr, offs_t, mask_t, i_h, c + cols, c + cols < Dv, H, Dv).to(tl.float32)
@@ -142,8 +164,7 @@ def rebuilt_w(
         tl.sum(k32 * k32, axis=1), beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H,
         HAS_BETA, HAS_DECAY,
     )  # fmt: skip
-    scale = a * tl.exp(gamma)
-    T_dt = w_left(T, scale, FOLD, DT)
+    scale, T_dt = w_scale_left(T, a, gamma, FOLD, DT)
     W = mm(T_dt, w_right(b_k, scale, ok, FOLD), PREC, DT).to(DT)
     return W, u_left(T, T_dt, b, FOLD, DT), b
 
@@ -231,6 +252,7 @@ def launch_rebuild(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
+        KEEP_K=REBUILD_KEEP_K and Dk <= 2 * prepare.tile(k, v),
         num_warps=REBUILD_WARPS,
         **({"maxnreg": REBUILD_MAXNREG} if REBUILD_MAXNREG else {}),
     )
