@@ -180,18 +180,16 @@ def test_custom_op_registration_packed():
     )
 
 
-@pytest.mark.parametrize("keep_k", [True, False], ids=["keep_k", "reload_k"])
-@pytest.mark.parametrize("Dk", [100, 40])
+@pytest.mark.parametrize("Dk", [100, 40, 150])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rebuild_gives_the_backwards_prepare(dtype, Dk, keep_k, monkeypatch):
-    # Ragged heads of two column tiles and of one: W and Ũ rebuilt from a kept T are the
+def test_rebuild_gives_the_backwards_prepare(dtype, Dk):
+    # Ragged heads of two column tiles, one and three: W and Ũ rebuilt from a kept T are the
     # backward's prepare's to the last bit: fp32 (the fold) and fp16 (T rounded, the strengths
-    # apart: the backward's half-precision path); the key tiles held from λ to W or loaded again
-    # (rebuild.REBUILD_KEEP_K).
+    # apart: the backward's half-precision path, which holds the key tiles from λ to W at up to
+    # two tiles, KEEP_K, and reads them again at three).
     from deltaflow.ops.triton import prepare, rebuild
     from deltaflow.ops.triton.common import chunk_tables
 
-    monkeypatch.setattr(rebuild, "REBUILD_KEEP_K", keep_k)
     x = {n: t.to(DEVICE) for n, t in make_inputs(1, 70, 2, Dk, 72, dtype=dtype).items()}
     k, v = x["k"], x["v"]
     common = dict(beta=x["beta"], log_decay=x["log_decay"], kernel_id=RULES["delta"].kernel_id)

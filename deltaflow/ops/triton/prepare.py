@@ -141,7 +141,7 @@ def store_w_tile(
     TILE: tl.constexpr, FOLD: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     """Key columns ``c`` … ``c + TILE`` of W (their keys ``b_k``): :func:`store_w`'s step, and
-    the rebuild's where it holds the key tiles (rebuild.REBUILD_KEEP_K)."""
+    the rebuild's where it holds the key tiles (rebuild.py: KEEP_K)."""
     cols = c + tl.arange(0, TILE)
     w = mm(T_dt, w_right(b_k, scale, ok, FOLD), PREC, DT)
     store_rows(w_ptr, w, offs_t, mask_t, i_h, cols, cols < Dk, H, Dk)

@@ -55,10 +55,16 @@ from deltaflow.ops.triton.prepare import (
 # 256) 11.099 → 11.067. Session 29 call 3: 1 or 2 stages (Triton's 3 by default), a cap of 48
 # registers (five programs an SM instead of four) or both: −0.001 to +0.095 ms on the kernel.
 REBUILD_WARPS = 8
-REBUILD_MAXNREG = 0
-# Heads of at most two column tiles (Dk ≤ 2·TILE): the key tiles loaded once and held from λ's
-# sums to W's products, instead of read again from L2 for W. Under trial (session 29).
-REBUILD_KEEP_K = True
+# Half-precision launches (the low-precision products) hold their key tiles from λ's sums to
+# W's products where the head has at most two column tiles (KEEP_K; wider heads read them again
+# from L2), under a cap of REBUILD_MAXNREG registers: four 8-warp programs an SM, as before
+# (fla's w_u runs four of 4 warps). H200, bf16, session 29 call 6 (the key tiles read twice:
+# 66.5% of DRAM bandwidth against fla's w_u's 78%, call 5): the kernel 0.187 → 0.170 ms at
+# (8, 4096, 16, 128) and (1, 32768, 16, 128); 0.502 → 0.485 at (8, 2048, 32, 256) (the cap
+# alone there: 72 → 64 registers); held without the cap (72 registers, three an SM) 0.187, at
+# 4 warps (112 registers) 0.175 (0.577 at D = 256). Not fp32 (180-250 registers: holding the
+# keys takes them to 255 and the cap would spill kilobytes, AOT).
+REBUILD_MAXNREG = 64
 
 
 @triton.jit(do_not_specialize=["rule", "neg"])  # every rule: one compiled kernel (rules.py)
@@ -92,7 +98,7 @@ def chunk_rebuild_kernel(
 ):
     """W and Ũ of chunk program_id(0), head program_id(1), from its kept T; with STORE_P also
     scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p). KEEP_K (Dk ≤
-    2·TILE): the key tiles held from λ to W (REBUILD_KEEP_K)."""
+    2·TILE): the key tiles held from λ to W (see REBUILD_MAXNREG)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
     rows = tl.arange(0, CHUNK)
@@ -226,6 +232,8 @@ def launch_rebuild(
         return
     H, Dk, Dv = k.shape[2], k.shape[3], v.shape[3]
     settings = prepare.backward_settings(k.dtype, t_kept=True)
+    half = settings["LOW_PRECISION_DOTS"]  # the held keys and the cap (REBUILD_MAXNREG)
+    cap = {"maxnreg": REBUILD_MAXNREG} if half and REBUILD_MAXNREG else {}
     chunk_rebuild_kernel[(tables.n_chunks, H)](
         q_ptr=k if p is None else q,  # read only with p (STORE_P)
         k_ptr=k,
@@ -252,7 +260,7 @@ def launch_rebuild(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
-        KEEP_K=REBUILD_KEEP_K and Dk <= 2 * prepare.tile(k, v),
+        KEEP_K=half and Dk <= 2 * prepare.tile(k, v),
         num_warps=REBUILD_WARPS,
-        **({"maxnreg": REBUILD_MAXNREG} if REBUILD_MAXNREG else {}),
+        **cap,
     )
