@@ -294,9 +294,9 @@ def launch_forward(
         launch["num_warps"] = SPLIT_FORWARD_WARPS or launch["num_warps"]
         kernel, launch["KEEP_K"] = split_forward_kernel, stages > 1
         launch.update(p_ptr=tables.placeholder if p is None else p, HAS_P=p is not None)
-        launch["G_AHEAD"] = log_alpha_ahead()
     else:
-        launch.update(AHEAD=FUSED_PREFETCH_AHEAD if prefetch_on() else 0, G_AHEAD=log_alpha_ahead())
+        launch["AHEAD"] = FUSED_PREFETCH_AHEAD if prefetch_on() else 0
+    launch["G_AHEAD"] = log_alpha_ahead()  # both forms load log α a step ahead
     kernel[(cdiv(Dv, BV), N * H)](
         q_ptr=q,
         k_ptr=k,
@@ -370,13 +370,14 @@ def chunk_states_kernel(
     FOLD: tl.constexpr,
     FROM_T: tl.constexpr,
     G_AHEAD: tl.constexpr,
-    WHOLE: tl.constexpr = False,
+    WHOLE: tl.constexpr,
 ):
     """(4), (6) along one sequence: stores S_0 of every chunk (h) and U = Ũ − W S_0 (v_new).
     States after a chunk with a non-finite input are stored as NaN. FROM_T: W and Ũ formed
     here from the kept T, k, v and the rule (rebuild.py's lines and roundings) instead of read,
     and W written by the first value block's program for the reverse pass (rebuilds_w_u).
-    G_AHEAD: the next chunk's log α loaded a step early (common.LOG_ALPHA_AHEAD)."""
+    G_AHEAD: the next chunk's log α loaded a step early (common.LOG_ALPHA_AHEAD). WHOLE: h
+    stored unmasked, U unmasked in whole chunks (STATES_WHOLE_STORES)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu_seqlens_ptr + i_n)
