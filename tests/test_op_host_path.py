@@ -33,9 +33,21 @@ def test_launch_arithmetic_is_tritons():
 
 def _same_tables(a: common.ChunkTables, b: common.ChunkTables) -> None:
     assert a.n_chunks == b.n_chunks
-    for x, y in zip(a[:3], b[:3]):
+    for x, y in zip(a[:4], b[:4]):
         assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y)
     assert a.placeholder.dtype == torch.float32 and a.placeholder.numel() == 1
+
+
+@pytest.mark.parametrize("cu", [None, [0, 5, 69, 69, 70, 200]], ids=["dense", "packed"])
+def test_chunk_spans_are_each_chunks_first_token_and_end(cu):
+    # what the per-chunk kernels read (common.chunk_bounds): chunk j of sequence n starts at
+    # cu[n] + 64 j and ends with its sequence, empty sequences holding no chunk
+    B, T = (3, 130) if cu is None else (1, 200)
+    offsets = None if cu is None else torch.tensor(cu, device=DEVICE)
+    tables = common.build_chunk_tables(offsets, B, T, DEVICE)
+    bounds = [0, 130, 260, 390] if cu is None else cu
+    want = [[s + j, e] for s, e in zip(bounds, bounds[1:]) for j in range(0, e - s, 64)]
+    assert tables.chunk_spans.tolist() == want and tables.n_chunks == len(want)
 
 
 def test_chunk_tables_are_cached_and_equal_built_ones(monkeypatch):

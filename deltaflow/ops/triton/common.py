@@ -128,6 +128,9 @@ class ChunkTables(NamedTuple):
     cu_seqlens: Tensor  # int32 [N + 1]: first token of each sequence
     chunk_offsets: Tensor  # int32 [N + 1]: first chunk of each sequence
     chunk_indices: Tensor  # int32 [n_chunks, 2]: (sequence, chunk in sequence) of every chunk
+    # int32 [n_chunks, 2]: (first token, end of its sequence) of every chunk, what the per-chunk
+    # kernels read (chunk_bounds: one round trip to memory, where the two tables above take two)
+    chunk_spans: Tensor
     n_chunks: int
     # fp32 [1], never read: what a launcher passes for an absent fp32 pointer (the forward's T),
     # so that one compiled kernel serves both (a pointer's dtype is part of Triton's key)
@@ -159,8 +162,11 @@ def build_chunk_tables(
         :-1
     ].long()[seq_of_chunk.long()].to(torch.int32)
     chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1).contiguous()
+    seq = seq_of_chunk.long()
+    first = cu[seq] + chunk_in_seq * C
+    chunk_spans = torch.stack([first, cu[seq + 1]], dim=1).contiguous()
     placeholder = torch.empty(1, device=device, dtype=torch.float32)
-    return ChunkTables(cu, chunk_offsets, chunk_indices, n_chunks, placeholder)
+    return ChunkTables(cu, chunk_offsets, chunk_indices, chunk_spans, n_chunks, placeholder)
 
 
 # The tables of the last few batch layouts. Every layer's forward and backward of a step asks
@@ -286,11 +292,9 @@ class GraphSafeCache(Generic[Built]):
 
 
 @triton.jit
-def chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c):
-    """First token of chunk ``i_c`` and the end of its sequence, from the chunk table."""
-    i_n = tl.load(chunk_indices_ptr + 2 * i_c)
-    i_j = tl.load(chunk_indices_ptr + 2 * i_c + 1)
-    return tl.load(cu_seqlens_ptr + i_n) + i_j * CHUNK, tl.load(cu_seqlens_ptr + i_n + 1)
+def chunk_bounds(chunk_spans_ptr, i_c):
+    """First token of chunk ``i_c`` and the end of its sequence (ChunkTables.chunk_spans)."""
+    return tl.load(chunk_spans_ptr + 2 * i_c), tl.load(chunk_spans_ptr + 2 * i_c + 1)
 
 
 @triton.jit

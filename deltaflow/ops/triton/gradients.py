@@ -321,8 +321,7 @@ def chunk_grads_v_kernel(
     dv_ptr,
     m_ptr,
     r_ptr,
-    cu_seqlens_ptr,
-    chunk_indices_ptr,
+    chunk_spans_ptr,
     scale,
     eps,
     rule,
@@ -341,7 +340,7 @@ def chunk_grads_v_kernel(
     needs, M_P = scale·dP ⊙ e^{γ_i − γ_j} (j ≤ i) and M_A = dA ⊙ a_i e^{γ_i − γ_j} with
     dA = −dY Uᵀ on j < i, and three row vectors: da from A, dγ from the decay matrix, db."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    t0, eos = chunk_bounds(chunk_spans_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
     rows = tl.arange(0, CHUNK)
@@ -405,8 +404,7 @@ def chunk_grads_k_kernel(
     dk_ptr,
     dbeta_ptr,
     dg_ptr,
-    cu_seqlens_ptr,
-    chunk_indices_ptr,
+    chunk_spans_ptr,
     scale,
     eps,
     rule,
@@ -425,7 +423,7 @@ def chunk_grads_k_kernel(
     gradient of X = diag(aΓ) K in W = T X). Then dq, dk, the rule's dβ and dλ (dk += 2 dλ k),
     and d log α as a reverse cumulative sum of dγ inside the chunk."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    t0, eos = chunk_bounds(chunk_spans_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
     rows = tl.arange(0, CHUNK)
@@ -544,8 +542,7 @@ def launch_gradients(
         dv_ptr=dv,
         dbeta_ptr=q if dbeta is None else dbeta,
         dg_ptr=q if dlog_decay is None else dlog_decay,
-        cu_seqlens_ptr=tables.cu_seqlens,
-        chunk_indices_ptr=tables.chunk_indices,
+        chunk_spans_ptr=tables.chunk_spans,
     )
     common = dict(
         scale=scale,

@@ -56,8 +56,7 @@ def chunk_grads_fused_kernel(
     dv_ptr,
     dbeta_ptr,
     dg_ptr,
-    cu_seqlens_ptr,
-    chunk_indices_ptr,
+    chunk_spans_ptr,
     scale,
     eps,
     rule,
@@ -74,7 +73,7 @@ def chunk_grads_fused_kernel(
     """(9)–(12) for one chunk and head, whole heads (``BK`` ≥ Dk, ``BV`` ≥ Dv): the value side
     (dv; M_P, M_A, da, dγ, db kept), then the key side (dq, dk, dβ, d log α) on them."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    t0, eos = chunk_bounds(chunk_spans_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
     offs_t = t0 + tl.arange(0, CHUNK)

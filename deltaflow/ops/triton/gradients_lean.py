@@ -96,8 +96,7 @@ def chunk_grads_v_lean_kernel(
     dv_ptr,
     m_ptr,
     r_ptr,
-    cu_seqlens_ptr,
-    chunk_indices_ptr,
+    chunk_spans_ptr,
     scale,
     eps,
     rule,
@@ -114,7 +113,7 @@ def chunk_grads_v_lean_kernel(
     """``gradients.chunk_grads_v_kernel``'s value side (dv; M_P, M_A), then the rule's
     derivatives folded with da, db into the key side's rows (module docstring)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    t0, eos = chunk_bounds(chunk_spans_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
     rows = tl.arange(0, CHUNK)
@@ -226,8 +225,7 @@ def chunk_grads_k_lean_kernel(
     dk_ptr,
     dbeta_ptr,
     dg_ptr,
-    cu_seqlens_ptr,
-    chunk_indices_ptr,
+    chunk_spans_ptr,
     scale,
     rule,
     split_stride,
@@ -253,7 +251,7 @@ def chunk_grads_k_lean_kernel(
     i_c, i_h = tl.program_id(0) // NK, tl.program_id(1)
     i_k = tl.program_id(0) % NK
     first = i_k == 0  # the block that adds the value side's terms of dβ and d log α
-    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    t0, eos = chunk_bounds(chunk_spans_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
     c = i_c.to(tl.int64)
     rows = tl.arange(0, CHUNK)

@@ -36,8 +36,7 @@ def chunk_output_kernel(
     g_ptr,
     o_ptr,
     first_bad_ptr,
-    cu_seqlens_ptr,
-    chunk_indices_ptr,
+    chunk_spans_ptr,
     scale,
     H: tl.constexpr,
     Dk: tl.constexpr,
@@ -50,7 +49,7 @@ def chunk_output_kernel(
     """(5) for one chunk, head and value block: O = scale [diag(Γ) Q S_0 + P U]; rows from the
     chunk's first non-finite token on are NaN (a poison on Γ_i; P masked by selection)."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    t0, eos = chunk_bounds(chunk_spans_ptr, i_c)
     DT = v_new_ptr.dtype.element_ty
 
     rows = tl.arange(0, CHUNK)
@@ -108,8 +107,7 @@ def launch_outputs(
         g_ptr=q if log_decay is None else log_decay,
         o_ptr=o,
         first_bad_ptr=first_bad,
-        cu_seqlens_ptr=tables.cu_seqlens,
-        chunk_indices_ptr=tables.chunk_indices,
+        chunk_spans_ptr=tables.chunk_spans,
         scale=scale,
         H=H,
         Dk=Dk,

@@ -262,8 +262,7 @@ def chunk_prepare_kernel(
     t_ptr,
     p_ptr,
     first_bad_ptr,
-    cu_seqlens_ptr,
-    chunk_indices_ptr,
+    chunk_spans_ptr,
     eps,
     rule,
     neg,
@@ -287,7 +286,7 @@ def chunk_prepare_kernel(
     split fused forward (states.SPLIT_FORWARD_P). Chunks on the first grid axis, which takes
     2³¹ − 1 (the others 65535)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    t0, eos = chunk_bounds(chunk_spans_ptr, i_c)
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
     mask_t = offs_t < eos
@@ -401,8 +400,7 @@ def launch_prepare(
         t_ptr=tables.placeholder if t is None else t,  # the forward's: fp32 as fp32 inputs' T
         p_ptr=tables.placeholder if p is None else p,
         first_bad_ptr=first_bad,
-        cu_seqlens_ptr=tables.cu_seqlens,
-        chunk_indices_ptr=tables.chunk_indices,
+        chunk_spans_ptr=tables.chunk_spans,
         eps=eps,
         store_t=int(t is not None),
         H=H,

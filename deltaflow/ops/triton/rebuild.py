@@ -78,8 +78,7 @@ def chunk_rebuild_kernel(
     w_ptr,
     u_ptr,
     p_ptr,
-    cu_seqlens_ptr,
-    chunk_indices_ptr,
+    chunk_spans_ptr,
     eps,
     scale,
     rule,
@@ -100,7 +99,7 @@ def chunk_rebuild_kernel(
     scale·P for the split reverse pass (dstates.DSTATES_P; prepare.store_p). KEEP_K (Dk ≤
     2·TILE): the key tiles held from λ to W (see REBUILD_MAXNREG)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
-    t0, eos = chunk_bounds(cu_seqlens_ptr, chunk_indices_ptr, i_c)
+    t0, eos = chunk_bounds(chunk_spans_ptr, i_c)
     rows = tl.arange(0, CHUNK)
     offs_t = t0 + rows
     mask_t = offs_t < eos
@@ -244,8 +243,7 @@ def launch_rebuild(
         w_ptr=w,
         u_ptr=u,
         p_ptr=tables.placeholder if p is None else p,
-        cu_seqlens_ptr=tables.cu_seqlens,
-        chunk_indices_ptr=tables.chunk_indices,
+        chunk_spans_ptr=tables.chunk_spans,
         eps=eps,
         scale=scale,
         rule=kernel_id,

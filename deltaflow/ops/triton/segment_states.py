@@ -124,6 +124,7 @@ def build_segment_tables(
         ints(starts + [cu[-1]]),
         ints(chunk_starts + [chunk_first[-1]]),
         tables.chunk_indices,
+        tables.chunk_spans,
         tables.n_chunks,
         tables.placeholder,
     )
@@ -173,6 +174,7 @@ def build_dense_segment_tables(
         with_end(bounds[..., 0], N * T),
         with_end(bounds[..., 2], N * chunks),
         tables.chunk_indices,
+        tables.chunk_spans,
         tables.n_chunks,
         tables.placeholder,
     )
