@@ -46,8 +46,11 @@ PREPARE_LOW_PRECISION_DOTS = True
 # A register cap per thread: more programs per SM (0 or None: none).
 PREPARE_MAXNREG: int | None = 168
 # The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
-# tensor-core products); their error is T's, which every later stage inherits.
+# tensor-core products); their error is T's, which every later stage inherits. "pair" (T's
+# backward products' form, ~16 bits, bf16/fp16 launches only; fp32's stay "tf32x3"): trial.
 PREPARE_DIAG_PRECISION = "tf32x3"
+# β and log α loaded before the key loop (in flight while K Kᵀ forms): trial.
+PREPARE_GATES_EARLY = False
 # The forward's W and Ũ from T diag(aΓ) and T diag(b) rounded once, with K and V as loaded (see
 # the kernel): the same products with two roundings fewer (aΓK, bV). T's four CHUNK³ products
 # (the off-diagonal part) at the inputs' dot precision (common.dot_precision: "tf32" for
@@ -107,6 +110,13 @@ def chunk_strengths(
     product) and ``γ_i = Σ_{j≤i} log α_j`` over the finite ones. The prepare's and the rebuild's
     (rebuild.py) one copy: the rebuilt W, Ũ must be the prepare's bit for bit."""
     b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
+    return gated_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg)
+
+
+@triton.jit
+def gated_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg):
+    """:func:`chunk_strengths` from β and log α as loaded (``load_gates``): the prepare loads
+    them before its key loop (PREPARE_GATES_EARLY)."""
     a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
     ok = (lam * 0.0 + a * 0.0 + b * 0.0 + b_g * 0.0) == 0.0
     a = tl.where(ok & mask_t, a, 0.0)
@@ -196,19 +206,19 @@ def u_right(v32, b, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _stack_inverses(N, PREC: tl.constexpr):
+def _stack_inverses(N, PREC: tl.constexpr, PAIR: tl.constexpr):
     """(I + N_b)⁻¹ for a [4, SUB, SUB] stack of strictly lower-triangular blocks at once. N is
     nilpotent (N^SUB = 0), so (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)(I + N⁸): six batched
-    SUB³ products (PREC: fp32-accurate, "ieee" or "tf32x3"), no serial row-by-row substitution."""
+    SUB³ products (PREC as :func:`_mm_t`'s), no serial row-by-row substitution."""
     tl.static_assert(SUB == 16, "the product below has log2(SUB) = 4 factors")
     rows = tl.arange(0, SUB)
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)[None, :, :]
-    N2 = tl.dot(N, N, input_precision=PREC)
-    N4 = tl.dot(N2, N2, input_precision=PREC)
-    N8 = tl.dot(N4, N4, input_precision=PREC)
-    P = tl.dot(eye - N, eye + N2, input_precision=PREC)
-    P = tl.dot(P, eye + N4, input_precision=PREC)
-    return tl.dot(P, eye + N8, input_precision=PREC)
+    N2 = _mm_t(N, N, PREC, PAIR)
+    N4 = _mm_t(N2, N2, PREC, PAIR)
+    N8 = _mm_t(N4, N4, PREC, PAIR)
+    P = _mm_t(eye - N, eye + N2, PREC, PAIR)
+    P = _mm_t(P, eye + N4, PREC, PAIR)
+    return _mm_t(P, eye + N8, PREC, PAIR)
 
 
 @triton.jit
@@ -239,7 +249,7 @@ def _unit_lower_inverse(A, PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PAIR: tl
     same = blocks[:, None, None, None] == blocks[None, None, :, None]  # [4, 1, 4, 1]
     diag = tl.sum(tl.where(same, tl.reshape(A, [4, SUB, 4, SUB]), 0.0), axis=2)
     D = tl.reshape(
-        tl.where(same, _stack_inverses(diag, DIAG_PREC)[:, :, None, :], 0.0), [CHUNK, CHUNK]
+        tl.where(same, _stack_inverses(diag, DIAG_PREC, PAIR)[:, :, None, :], 0.0), [CHUNK, CHUNK]
     )
     rows = tl.arange(0, CHUNK)
     below = (rows[:, None] // SUB) > (rows[None, :] // SUB)
@@ -279,6 +289,7 @@ def chunk_prepare_kernel(
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_P: tl.constexpr,
+    GATES_EARLY: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages,
@@ -295,6 +306,8 @@ def chunk_prepare_kernel(
     DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
 
     # K Kᵀ and λ = ‖k‖², one column tile at a time (λ over every column: the strengths need it)
+    if GATES_EARLY:  # in flight during the key loop instead of after it
+        b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
     kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     lam = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, Dk, TILE):
@@ -305,9 +318,12 @@ def chunk_prepare_kernel(
 
     # a token that is not finite takes no part in any product; the later stages make the
     # outputs NaN from the chunk's first such token on
-    a, b, ok, gamma = chunk_strengths(
-        lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
-    )
+    if GATES_EARLY:
+        a, b, ok, gamma = gated_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg)
+    else:
+        a, b, ok, gamma = chunk_strengths(
+            lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
+        )
     first_bad = _first_bad(ok)
 
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
@@ -413,10 +429,11 @@ def launch_prepare(
         HAS_DECAY=log_decay is not None,
         PREC=dot_precision(k.dtype),
         T_PREC=settings["T_PREC"],
-        DIAG_PREC=PREPARE_DIAG_PRECISION,
+        DIAG_PREC=settings["DIAG_PREC"],
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
+        GATES_EARLY=PREPARE_GATES_EARLY,
         num_warps=PREPARE_WARPS,
         **({"maxnreg": PREPARE_MAXNREG} if PREPARE_MAXNREG else {}),  # 0 would reach ptxas
     )
@@ -437,4 +454,5 @@ def backward_settings(dtype: torch.dtype, *, t_kept: bool) -> dict[str, bool | s
         "LOW_PRECISION_DOTS": low,
         "FOLD": BACKWARD_FOLD_STRENGTHS if backward else PREPARE_FOLD_STRENGTHS,
         "T_PREC": (BACKWARD_T_PRECISION if backward else None) or dot_precision(dtype),
+        "DIAG_PREC": PREPARE_DIAG_PRECISION if low else "tf32x3",
     }
