@@ -161,9 +161,10 @@ FORMATS = {"bf16": bf16, "tf32": tf32, "tf32z": tf32z, "split": split, "fp32": f
 
 def _unit_lower_inverse(A: Tensor, r) -> Tensor:
     """T = (I + A)⁻¹ as the prepare kernel forms it (prepare._unit_lower_inverse): D, the
-    inverses of the four SUB × SUB diagonal blocks (fp32-accurate products in the kernel: exact
-    here), then T = D − M(D − M(D − M D)) with M = D A_below, each product's operands passed
-    through ``r`` (the rounding of its dot: tf32 in the kernel)."""
+    inverses of the four SUB × SUB diagonal blocks (exact here; in the kernel bf16/fp16 hi + lo
+    pair products, ~16 bits as T's others, prepare.PREPARE_DIAG_PRECISION), then
+    T = D − M(D − M(D − M D)) with M = D A_below, each product's operands passed through ``r``
+    (the rounding of its dot: tf32 in the kernel)."""
     n = A.shape[-1]
     blocks = torch.arange(n, device=A.device) // SUB
     same = blocks[:, None] == blocks[None, :]

@@ -45,12 +45,12 @@ PREPARE_TILE = 64
 PREPARE_LOW_PRECISION_DOTS = True
 # A register cap per thread: more programs per SM (0 or None: none).
 PREPARE_MAXNREG: int | None = 168
-# The diagonal blocks' inverses: fp32-accurate products ("ieee" FMA loops or "tf32x3", three
-# tensor-core products); their error is T's, which every later stage inherits. "pair" (T's
-# backward products' form, ~16 bits, bf16/fp16 launches only; fp32's stay "tf32x3"): trial.
-PREPARE_DIAG_PRECISION = "tf32x3"
-# β and log α loaded before the key loop (in flight while K Kᵀ forms): trial.
-PREPARE_GATES_EARLY = False
+# The diagonal blocks' inverses of bf16/fp16 launches: "pair" (:func:`_mm_t`: ~16 significant
+# bits, twice the dot dtype's; T is rounded to it afterwards) or "tf32x3" (fp32-accurate, three
+# tf32 products). Pair's m16n8k16 products take half tf32x3's instructions and most of its SHFL /
+# SEL layout work: the prepare −0.03 ms at D = 128, −0.07 at D = 64, check_triton's errors
+# unchanged (benchmarks/NOTES.md, issue 32 session 30). fp32 launches: always "tf32x3".
+PREPARE_DIAG_PRECISION = "pair"
 # The forward's W and Ũ from T diag(aΓ) and T diag(b) rounded once, with K and V as loaded (see
 # the kernel): the same products with two roundings fewer (aΓK, bV). T's four CHUNK³ products
 # (the off-diagonal part) at the inputs' dot precision (common.dot_precision: "tf32" for
@@ -116,7 +116,7 @@ def chunk_strengths(
 @triton.jit
 def gated_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg):
     """:func:`chunk_strengths` from β and log α as loaded (``load_gates``): the prepare loads
-    them before its key loop (PREPARE_GATES_EARLY)."""
+    them before its key loop."""
     a, b = rule_table.strengths(b_beta, lam, b_g, eps, rule, neg)
     ok = (lam * 0.0 + a * 0.0 + b * 0.0 + b_g * 0.0) == 0.0
     a = tl.where(ok & mask_t, a, 0.0)
@@ -289,7 +289,6 @@ def chunk_prepare_kernel(
     LOW_PRECISION_DOTS: tl.constexpr,
     FOLD: tl.constexpr,
     STORE_P: tl.constexpr,
-    GATES_EARLY: tl.constexpr,
 ):
     """(3)–(4) for one chunk and head: A, T = (I + A)⁻¹, W = T diag(aΓ) K, Ũ = T diag(b) V.
     Also the chunk's first token with a non-finite input (CHUNK: none), for the later stages,
@@ -306,8 +305,8 @@ def chunk_prepare_kernel(
     DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
 
     # K Kᵀ and λ = ‖k‖², one column tile at a time (λ over every column: the strengths need it)
-    if GATES_EARLY:  # in flight during the key loop instead of after it
-        b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
+    # β and log α first: in flight while K Kᵀ forms (−0.006 to −0.01 ms beside the pair diagonal)
+    b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
     kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     lam = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, Dk, TILE):
@@ -318,12 +317,7 @@ def chunk_prepare_kernel(
 
     # a token that is not finite takes no part in any product; the later stages make the
     # outputs NaN from the chunk's first such token on
-    if GATES_EARLY:
-        a, b, ok, gamma = gated_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg)
-    else:
-        a, b, ok, gamma = chunk_strengths(
-            lam, beta_ptr, g_ptr, offs_t, mask_t, i_h, eps, rule, neg, H, HAS_BETA, HAS_DECAY
-        )
+    a, b, ok, gamma = gated_strengths(lam, b_beta, b_g, mask_t, eps, rule, neg)
     first_bad = _first_bad(ok)
 
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i (a bad token's row and column are zero)
@@ -433,7 +427,6 @@ def launch_prepare(
         LOW_PRECISION_DOTS=settings["LOW_PRECISION_DOTS"],
         FOLD=settings["FOLD"],
         STORE_P=p is not None,
-        GATES_EARLY=PREPARE_GATES_EARLY,
         num_warps=PREPARE_WARPS,
         **({"maxnreg": PREPARE_MAXNREG} if PREPARE_MAXNREG else {}),  # 0 would reach ptxas
     )
@@ -454,5 +447,5 @@ def backward_settings(dtype: torch.dtype, *, t_kept: bool) -> dict[str, bool | s
         "LOW_PRECISION_DOTS": low,
         "FOLD": BACKWARD_FOLD_STRENGTHS if backward else PREPARE_FOLD_STRENGTHS,
         "T_PREC": (BACKWARD_T_PRECISION if backward else None) or dot_precision(dtype),
-        "DIAG_PREC": PREPARE_DIAG_PRECISION if low else "tf32x3",
+        "DIAG_PREC": PREPARE_DIAG_PRECISION if dtype != torch.float32 else "tf32x3",
     }
