@@ -1,8 +1,9 @@
 """Per-instruction warp-stall samples of one kernel from a Nsight Compute source page (CSV, as
 call1.sh exports it; the first kernel of the page): its total, the stall reasons, and the 40
-heaviest SASS lines (``all``: every line in order).
+heaviest SASS lines (``all``: every line in order). ``kernel=NAME``: the first kernel of that
+name on the page instead (a page of several kernels, session 30's call 4).
 
-    python stalls.py src_ours.csv.gz [all]
+    python stalls.py src_ours.csv.gz [all] [kernel=NAME]
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import gzip
 import sys
 
 
-def main(path: str, every: bool) -> None:
+def main(path: str, every: bool, kernel: str | None = None) -> None:
     rows = list(csv.reader(gzip.open(path, "rt")))
+    if kernel is not None:  # the page from that kernel's "Kernel Name" line on
+        start = next(i for i, r in enumerate(rows) if r[:2] == ["Kernel Name", kernel])
+        rows = rows[start:]
     header, data = rows[1], rows[2:]
     end = next((i for i, r in enumerate(data) if r and r[0] == "Kernel Name"), len(data))
     data = data[:end]
@@ -33,4 +37,5 @@ def main(path: str, every: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], len(sys.argv) > 2 and sys.argv[2] == "all")
+    names = [a.split("=", 1)[1] for a in sys.argv[2:] if a.startswith("kernel=")]
+    main(sys.argv[1], "all" in sys.argv[2:], names[0] if names else None)
