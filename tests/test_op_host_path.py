@@ -33,7 +33,7 @@ def test_launch_arithmetic_is_tritons():
 
 def _same_tables(a: common.ChunkTables, b: common.ChunkTables) -> None:
     assert a.n_chunks == b.n_chunks
-    for x, y in zip(a[:4], b[:4]):
+    for x, y in zip(a[:3], b[:3]):
         assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y)
     assert a.placeholder.dtype == torch.float32 and a.placeholder.numel() == 1
 

@@ -127,9 +127,9 @@ class ChunkTables(NamedTuple):
 
     cu_seqlens: Tensor  # int32 [N + 1]: first token of each sequence
     chunk_offsets: Tensor  # int32 [N + 1]: first chunk of each sequence
-    chunk_indices: Tensor  # int32 [n_chunks, 2]: (sequence, chunk in sequence) of every chunk
     # int32 [n_chunks, 2]: (first token, end of its sequence) of every chunk, what the per-chunk
-    # kernels read (chunk_bounds: one round trip to memory, where the two tables above take two)
+    # kernels read (chunk_bounds: one round trip to memory; (sequence, chunk) then cu_seqlens
+    # took two, issue 32 session 30)
     chunk_spans: Tensor
     n_chunks: int
     # fp32 [1], never read: what a launcher passes for an absent fp32 pointer (the forward's T),
@@ -151,7 +151,8 @@ def build_chunk_tables(
         per_seq = (cu[1:] - cu[:-1] + C - 1) // C
     chunk_offsets = torch.zeros(per_seq.numel() + 1, device=device, dtype=torch.int32)
     chunk_offsets[1:] = per_seq.cumsum(0)
-    # (sequence, chunk-in-sequence) for every chunk: the grid of the per-chunk kernels
+    # each chunk's sequence and place in it, then its first token and its sequence's end: the
+    # grid of the per-chunk kernels
     n_chunks = B * cdiv(T, C) if cu_seqlens is None else int(chunk_offsets[-1])
     seq_of_chunk = torch.repeat_interleave(
         torch.arange(per_seq.numel(), device=device, dtype=torch.int32),
@@ -161,12 +162,11 @@ def build_chunk_tables(
     chunk_in_seq = torch.arange(n_chunks, device=device, dtype=torch.int32) - chunk_offsets[
         :-1
     ].long()[seq_of_chunk.long()].to(torch.int32)
-    chunk_indices = torch.stack([seq_of_chunk, chunk_in_seq], dim=1).contiguous()
     seq = seq_of_chunk.long()
     first = cu[seq] + chunk_in_seq * C
     chunk_spans = torch.stack([first, cu[seq + 1]], dim=1).contiguous()
     placeholder = torch.empty(1, device=device, dtype=torch.float32)
-    return ChunkTables(cu, chunk_offsets, chunk_indices, chunk_spans, n_chunks, placeholder)
+    return ChunkTables(cu, chunk_offsets, chunk_spans, n_chunks, placeholder)
 
 
 # The tables of the last few batch layouts. Every layer's forward and backward of a step asks

@@ -223,9 +223,10 @@ def _stack_inverses(N, PREC: tl.constexpr, PAIR: tl.constexpr):
 
 @triton.jit
 def _mm_t(x, y, PREC: tl.constexpr, PAIR: tl.constexpr):
-    """x @ y for fp32 x, y: a tl.dot at PREC, or with PREC = "pair", x and y each as a PAIR
-    (bf16/fp16) hi + lo and three PAIR products (lo·lo, 2⁻¹⁶ of the product in bf16, left out):
-    ~16 significant bits, on half-precision tensor cores, half tf32x3's time."""
+    """x @ y for fp32 x, y (2-D, or 3-D batches: the diagonal blocks'): a tl.dot at PREC, or
+    with PREC = "pair", x and y each as a PAIR (bf16/fp16) hi + lo and three PAIR products
+    (lo·lo, 2⁻¹⁶ of the product in bf16, left out): ~16 significant bits, on half-precision
+    tensor cores, half tf32x3's time."""
     if PREC == "pair":
         xh = x.to(PAIR)
         yh = y.to(PAIR)
@@ -304,9 +305,9 @@ def chunk_prepare_kernel(
     # Operand dtype of the W and Ũ products: the inputs' (bf16/fp16) or fp32.
     DT: tl.constexpr = k_ptr.dtype.element_ty if LOW_PRECISION_DOTS else tl.float32
 
-    # K Kᵀ and λ = ‖k‖², one column tile at a time (λ over every column: the strengths need it)
     # β and log α first: in flight while K Kᵀ forms (−0.006 to −0.01 ms beside the pair diagonal)
     b_beta, b_g = load_gates(beta_ptr, g_ptr, offs_t, mask_t, i_h, H, HAS_BETA, HAS_DECAY)
+    # K Kᵀ and λ = ‖k‖², one column tile at a time (λ over every column: the strengths need it)
     kk = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     lam = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(0, Dk, TILE):

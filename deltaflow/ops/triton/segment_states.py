@@ -123,7 +123,6 @@ def build_segment_tables(
     segments = ChunkTables(
         ints(starts + [cu[-1]]),
         ints(chunk_starts + [chunk_first[-1]]),
-        tables.chunk_indices,
         tables.chunk_spans,
         tables.n_chunks,
         tables.placeholder,
@@ -173,7 +172,6 @@ def build_dense_segment_tables(
     segments = ChunkTables(
         with_end(bounds[..., 0], N * T),
         with_end(bounds[..., 2], N * chunks),
-        tables.chunk_indices,
         tables.chunk_spans,
         tables.n_chunks,
         tables.placeholder,
