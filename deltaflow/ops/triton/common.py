@@ -154,15 +154,10 @@ def build_chunk_tables(
     # each chunk's sequence and place in it, then its first token and its sequence's end: the
     # grid of the per-chunk kernels
     n_chunks = B * cdiv(T, C) if cu_seqlens is None else int(chunk_offsets[-1])
-    seq_of_chunk = torch.repeat_interleave(
-        torch.arange(per_seq.numel(), device=device, dtype=torch.int32),
-        per_seq.long(),
-        output_size=n_chunks,
+    seq = torch.repeat_interleave(
+        torch.arange(per_seq.numel(), device=device), per_seq.long(), output_size=n_chunks
     )
-    chunk_in_seq = torch.arange(n_chunks, device=device, dtype=torch.int32) - chunk_offsets[
-        :-1
-    ].long()[seq_of_chunk.long()].to(torch.int32)
-    seq = seq_of_chunk.long()
+    chunk_in_seq = torch.arange(n_chunks, device=device, dtype=torch.int32) - chunk_offsets[seq]
     first = cu[seq] + chunk_in_seq * C
     chunk_spans = torch.stack([first, cu[seq + 1]], dim=1).contiguous()
     placeholder = torch.empty(1, device=device, dtype=torch.float32)

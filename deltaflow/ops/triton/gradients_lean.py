@@ -450,15 +450,18 @@ def sum_parts_kernel(a_ptr, b_ptr, out_a_ptr, out_b_ptr, n, NK: tl.constexpr,
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if HAS_A:
-        total = tl.load(a_ptr + offs, mask=mask)
-        for i in tl.static_range(1, NK):
-            total += tl.load(a_ptr + i * n + offs, mask=mask)
-        tl.store(out_a_ptr + offs, total.to(out_a_ptr.dtype.element_ty), mask=mask)
+        _sum_into(a_ptr, out_a_ptr, offs, mask, n, NK)
     if HAS_B:
-        total = tl.load(b_ptr + offs, mask=mask)
-        for i in tl.static_range(1, NK):
-            total += tl.load(b_ptr + i * n + offs, mask=mask)
-        tl.store(out_b_ptr + offs, total.to(out_b_ptr.dtype.element_ty), mask=mask)
+        _sum_into(b_ptr, out_b_ptr, offs, mask, n, NK)
+
+
+@triton.jit
+def _sum_into(part_ptr, out_ptr, offs, mask, n, NK: tl.constexpr):
+    """Entries ``offs`` of one tensor's NK parts summed in block order, stored rounded once."""
+    total = tl.load(part_ptr + offs, mask=mask)
+    for i in tl.static_range(1, NK):
+        total += tl.load(part_ptr + i * n + offs, mask=mask)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def sum_parts(parts: dict[str, Tensor], pointers: dict[str, Tensor]) -> None:
