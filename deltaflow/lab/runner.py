@@ -327,5 +327,5 @@ def device_name(device: str) -> str:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and torch.cuda.is_available():
-        return f"{device} ({torch.cuda.getdevice_name()})"
+        return f"{device} ({torch.cuda.get_device_name()})"
     return f"cpu ({os.cpu_count()} cores)"

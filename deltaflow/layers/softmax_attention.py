@@ -161,7 +161,7 @@ class SoftmaxAttention(nn.Module):
                 allowed = allowed & (pos[0][:, None] - pos[0][None, :] < self.window_size)
             attn_mask = allowed[None, None]  # block-diagonal causal [1, 1, T, T]
         elif mask is None and past_k is None and self.window_size is None:
-            is_causal = T > 1  # the fast path: plain causal attention
+            is_causal = bool(T > 1)  # the fast path; bool: SDPA refuses a symbolic one
         elif not (past_k is not None and T == 1 and self.window_size is None and bool(kmask.all())):
             # Column causality (query i sits at column Tk - T + i), padding and window by position.
             qcol = torch.arange(Tk - T, Tk, device=x.device)

@@ -13,6 +13,7 @@ The delta-rule op is a ``torch.library`` custom op with a fake kernel, so blocks
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -81,6 +82,19 @@ def _blocks(model: nn.Module) -> nn.ModuleList | None:
 def blocks_compiled(model: nn.Module) -> bool:
     """Whether ``model``'s blocks run compiled (:func:`compile_blocks` was called on it)."""
     return any(getattr(b, "_compiled_call_impl", None) is not None for b in _blocks(model) or ())
+
+
+def eager_blocks() -> contextlib.AbstractContextManager:
+    """Run compiled blocks eager inside the block (``torch.compiler.set_stance("force_eager")``).
+
+    For evaluation: it runs at lengths training never saw (state tracking's every even length
+    40-256, a language model's 2x length), and each one that dynamo cannot treat as a dynamic
+    size recompiles the block, so a fullgraph block hits the recompile limit and fails (session
+    31 on the GPU: parity at 109 lengths, and SDPA's ``is_causal`` as a symbolic bool). A
+    forward without grad gains little from compiling. torch < 2.6 (no set_stance): unchanged."""
+    if hasattr(torch.compiler, "set_stance"):
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
 
 
 def uncompile_blocks(model: nn.Module) -> None:

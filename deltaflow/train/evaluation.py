@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from deltaflow.models.compile import eager_blocks
 from deltaflow.train.build import IGNORE_INDEX, check_batch, model_logits
 
 
@@ -47,7 +48,8 @@ class EvaluationMixin:
             if length is not None:
                 kwargs["length"] = length
             desc = f"eval {self.config.task} {split}" + (f" @{length}" if length else "")
-            metrics = self._evaluate_one(model, split, kwargs, desc if progress else None)
+            with eager_blocks():  # compiled blocks would recompile for each new length
+                metrics = self._evaluate_one(model, split, kwargs, desc if progress else None)
             per_length.append(metrics)
             if length is not None and len(lengths) > 1:
                 out.update({f"{k}@{length}": v for k, v in metrics.items()})
