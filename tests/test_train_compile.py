@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -274,3 +275,46 @@ def test_graphed_blocks_mark_a_step_at_each_forward_without_grad(monkeypatch):
     with torch.no_grad():
         model(input_ids=ids)
     assert marks == [1, 1]
+
+
+class CopyAtLength(Copy):
+    """Copy, evaluated at the length asked for."""
+
+    def eval_batches(self, split: str, num_examples: int = 4, batch_size: int = 4, length=None):
+        g = torch.Generator().manual_seed(length or self.seq_len)
+        ids = torch.randint(0, self.vocab_size, (batch_size, length or self.seq_len), generator=g)
+        labels = torch.full_like(ids, -100)
+        labels[:, 1:] = ids[:, :-1]
+        yield {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("mixers", [None, ["attention", "attention"]], ids=["delta", "attention"])
+def test_compiled_blocks_evaluate_at_many_lengths(tmp_path, monkeypatch, mixers):
+    """Evaluation runs the compiled blocks eager (models.compile.eager_blocks). Compiled, each
+    new length recompiles the fullgraph block: 35 lengths pass dynamo's recompile limit (24 for
+    two layers) and the run fails, as state tracking's 109 lengths did on the GPU (session 31);
+    the softmax-attention model's second length failed on SDPA's symbolic is_causal there."""
+    blocks = functools.partial(compile_mod.compile_blocks, backend="aot_eager")
+    monkeypatch.setattr(compiling, "compile_blocks", blocks)
+    torch.manual_seed(0)
+    extra = {"layer_types": mixers} if mixers else {}
+    model = DeltaFlowForCausalLM(
+        DeltaFlowConfig(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, **extra)
+    )
+    cfg = TrainConfig(
+        task="copy",
+        steps=2,
+        batch_size=4,
+        lr=1e-3,
+        device="cpu",
+        compile="blocks",
+        progress=False,
+        out_dir=str(tmp_path / "run"),
+        eval_lengths=list(range(20, 90, 2)),
+    )
+    trainer = Trainer(cfg, model=model, task=CopyAtLength(), export_final=False)
+    summary = trainer.train()
+    trainer.close()
+    assert trainer.compiled
+    losses = [summary["eval"][f"loss@{n}"] for n in range(20, 90, 2)]
+    assert all(math.isfinite(x) for x in losses), summary["eval"]
