@@ -323,7 +323,7 @@ def training_deadline(now: float, time_limit_minutes: float) -> float:
 
 
 def device_name(device: str) -> str:
-    """The device a run trained on, as its record names it: 'cuda (NVIDIA H200)', 'cpu (16 cores)'."""
+    """The device a run trained on, as its record says: 'cuda (NVIDIA H200)', 'cpu (16 cores)'."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and torch.cuda.is_available():
