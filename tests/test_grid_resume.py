@@ -251,7 +251,6 @@ def test_gpu_runs_record_their_peak_memory(tmp_path, monkeypatch):
     assert calls == ["reset"] and records[0]["peak_gpu_memory_gib"] == 3.0
 
 
-
 def test_a_gpu_run_record_names_the_gpu(monkeypatch):
     """The record's device names the GPU model. Session 31's first GPU call lost every run of
     9 minutes to a typo here (torch.cuda.getdevice_name): CPU runs never reach that line."""
@@ -261,6 +260,7 @@ def test_a_gpu_run_record_names_the_gpu(monkeypatch):
     assert runner.device_name("auto") == "cuda (NVIDIA H200)"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert runner.device_name("auto").startswith("cpu (")
+
 
 # ------------------------------------------------------------------------- across machines
 def test_packed_checkpoints_continue_a_run_on_another_machine(tmp_path, monkeypatch, straight):
