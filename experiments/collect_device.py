@@ -2,14 +2,15 @@
 
     python3 experiments/collect_device.py /work/.device/N/issue11.tgz --call s5c1
 
-1. unpacks the archive into runs/ (so the next call to a fresh machine can carry runs/issue11);
+1. unpacks the archive into runs/ (runs/issue11: the state the next call starts from);
 2. merges each grid's runs.jsonl into results/issue11/<grid>/runs.jsonl by run id (a fresh
    machine's runs.jsonl holds only that machine's runs: never overwrite, always merge), and
    back into every folder of runs/issue11 that trains that grid (side folders included);
    With resume.tgz beside the archive (experiments/pack_resume.py: the newest checkpoints of small
    unfinished runs), unpacks it into runs/ too, so those runs continue on the next fresh
    machine instead of starting over; run directories of runs finished since are deleted;
-3. copies the call's logs to results/issue11/logs/<call>_*.log (tokenizer progress dropped);
+3. copies the call's logs to results/issue11/logs/<call>_*.log (tokenizer progress dropped),
+   and rewrites runs/carry/issue11 as a copy of runs/issue11 without its logs (see below);
 4. re-makes each grid's results.md / summary.json / plots with `compare --report-only` over the
    full preset grid (a cell whose sweep is unfinished shows its best so far, marked *).
 Then commit results/issue11.
@@ -17,7 +18,15 @@ Then commit results/issue11.
     python3 experiments/collect_device.py --prepare-carry
 
 builds runs/issue11 from the committed results alone (a fresh checkout has no runs/): every
-device folder gets its grid's finished runs, so the first call's carry skips them.
+device folder gets its grid's finished runs, so the first call's carry skips them; it writes
+runs/carry/issue11 too.
+
+Every device call carries ["runs/carry"], never ["runs/issue11"]: a carried path REPLACES that
+path on the machine, and a warm machine's runs/issue11 holds unfinished runs' checkpoints (up to
+0.4 GB each, never brought back) that are newer than anything here; carrying runs/issue11 wiped
+them in session 31's call 2 and every unfinished run restarted from zero. device_batch.sh merges
+runs/carry/issue11 into the machine's runs/issue11 without overwriting (experiments/
+merge_carry.py), so the same carry suits a fresh machine and a warm one.
 """
 
 from __future__ import annotations
@@ -154,8 +163,8 @@ def has_runs(path: Path) -> bool:
 
 
 def prepare_carry(results: Path, unpacked: Path) -> None:
-    """Give every device folder under ``unpacked`` all finished runs of its grid, so that the
-    next call to a fresh machine can carry ``runs/issue11`` and every command's --resume skips
+    """Give every device folder under ``unpacked`` all finished runs of its grid, so that on the
+    next call to a fresh machine (its carry merged in) every command's --resume skips
     what any folder has finished (a side folder such as mad_b would otherwise retrain them).
     Run directories (checkpoints from resume.tgz) of runs finished since are deleted."""
     for folder, grid in folders():
@@ -164,6 +173,20 @@ def prepare_carry(results: Path, unpacked: Path) -> None:
         done = finished_run_dirs(unpacked / folder / "runs.jsonl")
         for name in done & {p.name for p in (unpacked / folder / "runs").glob("*")}:
             shutil.rmtree(unpacked / folder / "runs" / name)
+
+
+def write_carry(unpacked: Path, carry: Path) -> None:
+    """Rewrite ``carry`` as a copy of ``unpacked`` without its logs (the call's own, kept in
+    results/; the carry stays small: runs.jsonl, tables and the small resume checkpoints).
+    Rewritten, not updated: a run directory deleted here (finished since) must not travel."""
+    shutil.rmtree(carry, ignore_errors=True)
+    if not unpacked.is_dir():  # nothing committed or collected yet: an empty carry
+        carry.mkdir(parents=True)
+        return
+    top = unpacked.resolve()
+    shutil.copytree(
+        unpacked, carry, ignore=lambda d, names: ["logs"] if Path(d).resolve() == top else []
+    )
 
 
 def restore_checkpoints(archive: Path, runs: Path) -> list[str]:
@@ -189,13 +212,15 @@ def main() -> int:
     parser.add_argument(
         "--prepare-carry",
         action="store_true",
-        help="only build runs/issue11 from --results for a fresh machine's carry (no archive)",
+        help="only build runs/issue11 and runs/carry/issue11 from --results (no archive)",
     )
     args = parser.parse_args()
-    unpacked = Path("runs/issue11")
+    unpacked, carry = Path("runs/issue11"), Path("runs/carry/issue11")
     if args.prepare_carry:
         prepare_carry(args.results, unpacked)
+        write_carry(unpacked, carry)
         print(f"{unpacked}: every device folder holds its grid's finished runs")
+        print(f'{carry}: its copy for the next call\'s carry ["runs/carry"]')
         return 0
     if args.archive is None or not args.archive.is_file():
         parser.error(f"archive: {args.archive} is not a file")
@@ -215,6 +240,8 @@ def main() -> int:
             before, after = merge_runs(src, args.results / grid / "runs.jsonl")
             print(f"{folder} -> {grid}: {before} -> {after} finished runs")
     prepare_carry(args.results, unpacked)
+    write_carry(unpacked, carry)
+    print(f'{carry}: rewritten for the next call\'s carry ["runs/carry"]')
     logs = args.results / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for log in sorted((unpacked / "logs").glob("*")):

@@ -14,6 +14,13 @@
 # through its third call).
 # TIME_LIMIT (minutes) replaces every line's --time-limit: for a short last call of a chain
 # on the session's remaining device time, with the same file (finished grids skip at once).
+# Carry ["runs/carry"] (written by `python3 experiments/collect_device.py --prepare-carry` and by
+# every collect), NEVER ["runs/issue11"]: a carried path REPLACES that path on the machine, and
+# a warm machine's runs/issue11 holds unfinished runs' checkpoints (up to 0.4 GB, never brought
+# back) that carrying it wiped in session 31's call 2 (every unfinished run restarted from zero).
+# This script first merges runs/carry/issue11 into runs/issue11 without overwriting anything
+# (experiments/merge_carry.py): a fresh machine gets everything, a warm one keeps its newer files
+# and gains what it lacks. Whether a call lands warm or fresh is not known, so always carry it.
 # The CUDA MPS daemon is started first (kernels of different processes then share the GPU
 # instead of time-slicing it); if a CUDA check fails under it, it is stopped and the runs go on
 # without it. With SOLO_PROBE=1 a 200-step state-tracking run trains alone first: its tokens/s
@@ -27,6 +34,13 @@ outs=$(grep -v '^#' "$commands_file" | grep -o -- '--out [^ ]*' | sort)
 if [ -n "$(echo "$outs" | uniq -d)" ]; then
     echo "error: $commands_file: two lines share an --out: $(echo "$outs" | uniq -d | tr '\n' ' ')" >&2
     exit 2
+fi
+# the local state arrives as runs/carry/issue11, never as runs/issue11 itself: a carried path
+# replaces the machine's, and a warm machine's runs/issue11 holds newer checkpoints (session
+# 31's call 2 lost them all that way). Add what the machine lacks, keep what it has. A merge
+# that fails stops the call in seconds: better than retraining runs finished elsewhere.
+if [ -d runs/carry/issue11 ]; then
+    python3 experiments/merge_carry.py runs/carry/issue11 runs/issue11 || exit 1
 fi
 
 out=${OUT:-runs/issue11/out}

@@ -4,6 +4,7 @@ fresh machine's runs.jsonl holds only its own runs, so copying it over would los
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,58 @@ def test_prepare_carry_builds_runs_from_the_committed_results_alone(tmp_path, mo
         lines = (tmp_path / "runs" / "issue11" / folder / "runs.jsonl").read_text().splitlines()
         assert [json.loads(line)["id"] for line in lines] == ["a"]
     assert not (tmp_path / "runs" / "issue11" / "mad" / "runs.jsonl").exists()  # nothing to give
+
+
+def tree(root: Path, skip: str = "") -> dict[str, bytes]:
+    """Every file under ``root`` (the top-level folder ``skip`` left out) and its bytes."""
+    files = (p for p in root.rglob("*") if p.is_file())
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in files
+        if not skip or p.relative_to(root).parts[0] != skip
+    }
+
+
+def test_prepare_carry_and_a_collect_rewrite_the_carry_as_runs_issue11_without_logs(
+    tmp_path, monkeypatch
+):
+    """Calls carry runs/carry, never runs/issue11 (a carried path replaces the machine's: session
+    31's call 2 wiped a warm machine's checkpoints that way); both ways of building the local
+    state leave its copy there, rewritten (a run directory deleted since must not travel)."""
+    script = collect_device()
+    results, runs = tmp_path / "results", tmp_path / "runs"
+    (results / "mqar_512").mkdir(parents=True)
+    write(results / "mqar_512" / "runs.jsonl", [{"id": "a", "status": "ok"}])
+    (runs / "issue11" / "logs").mkdir(parents=True)
+    (runs / "issue11" / "logs" / "cmd1.log").write_text("an old call's log\n")
+    (runs / "issue11" / "mad" / "runs" / "r1").mkdir(parents=True)  # an unfinished run
+    (runs / "issue11" / "mad" / "runs" / "r1" / "state.json").write_text("{}")
+    (runs / "carry" / "issue11" / "gone").mkdir(parents=True)
+    (runs / "carry" / "issue11" / "gone" / "stale.txt").write_text("from an older carry")
+    monkeypatch.chdir(tmp_path)
+    argv = ["collect_device.py", "--prepare-carry", "--results", str(results)]
+    monkeypatch.setattr("sys.argv", argv)
+    assert script.main() == 0
+    carried = tree(runs / "carry" / "issue11")
+    assert carried == tree(runs / "issue11", skip="logs")
+    assert "mqar_512/runs.jsonl" in carried and "mad/runs/r1/state.json" in carried
+    assert "gone/stale.txt" not in carried
+
+    # a collect: the archive's logs and a new run of mad land in runs/issue11, then the carry
+    (tmp_path / "device").mkdir()
+    write(tmp_path / "device" / "runs.jsonl", [{"id": "m", "status": "ok"}])
+    (tmp_path / "device" / "cmd1.log").write_text("this call's log\n")
+    archive = tmp_path / "device" / "issue11.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "device" / "runs.jsonl", "issue11/mad/runs.jsonl")
+        tar.add(tmp_path / "device" / "cmd1.log", "issue11/logs/cmd1.log")
+    argv = ["collect_device.py", str(archive), "--call", "t1", "--results", str(results)]
+    monkeypatch.setattr("sys.argv", [*argv, "--no-report"])
+    assert script.main() == 0
+    carried = tree(runs / "carry" / "issue11")
+    assert carried == tree(runs / "issue11", skip="logs")
+    assert "mad/runs.jsonl" in carried and "logs/cmd1.log" not in carried
+    assert (results / "logs" / "t1_cmd1.log").read_text() == "this call's log\n"
 
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

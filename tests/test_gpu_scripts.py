@@ -241,6 +241,7 @@ SCRIPTS = [
     # experiments/: CPU tooling over committed results or a device call's archive
     Script("experiments/collect_device.py", ("--help",), "usage:"),  # needs an archive
     Script("experiments/pack_resume.py", ("{tmp}", "{tmp}/resume.tgz"), "resume: 0 runs"),
+    Script("experiments/merge_carry.py", ("{tmp}/carry", "{tmp}/runs"), "carry: no"),
     Script("experiments/paired_claims.py", ("--out", "{tmp}"), "wrote"),
     Script("experiments/plot_lm_regimes.py", ("--out", "{tmp}"), "wrote"),
     Script("experiments/mqar_probe.py", ("--steps", "2", "--width", "16"), "steps to 0.99"),
