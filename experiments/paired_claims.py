@@ -24,7 +24,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from deltaflow.lab.paired import PairedDifference, paired_difference  # noqa: E402
-from deltaflow.lab.presets import get_preset  # noqa: E402
+from deltaflow.lab.presets import Preset, get_preset  # noqa: E402
 from deltaflow.lab.runner import FINISHED, load_runs  # noqa: E402
 from deltaflow.lab.select import select_best  # noqa: E402
 
@@ -42,6 +42,7 @@ class Claim:
     cell: str
     width: int | None = None
     metric: str | None = None  # the preset's headline metric unless named
+    more_grids: tuple[str, ...] = ()  # folders whose runs join grid's (other lrs of its runs)
 
 
 ONE_PASS = dict(grid="lm_corpus_1pass", preset="lm_corpus_1pass", cell="corpus")
@@ -54,10 +55,20 @@ LM_PAIRS = [
     ("5-GPU", "relaxed_kaczmarz", "gated_deltanet"),
     ("5-GPU", "relaxed_kaczmarz", "relaxed_kaczmarz_noqnorm"),
 ]
+# issue 33 (session 31): the one-pass runs of issue 24's variants, paired with the grid's own
+ONE_PASS_NEW = [
+    ("5c", "gated_relaxed_kaczmarz", "gated_deltanet"),  # the blog's forget-then-project form
+    ("5c", "gated_relaxed_kaczmarz", "longhorn"),
+    ("4b", "gated_efla_paper", "gated_deltanet"),  # the EFLA paper's gated form (appendix D)
+    ("1b", "deltanet", "deltanet_noqnorm"),  # is L2 on q optional for DeltaNet?
+]
 PADDED = dict(grid="mqar_512_padded", preset="mqar_512", cell="mqar_512x64")
 CLAIMS = [
     *[Claim(row, a, b, **ONE_PASS) for row, a, b in LM_PAIRS],
     *[Claim(row, a, b, **FIFTY_M) for row, a, b in LM_PAIRS],
+    *[Claim(row, a, b, **ONE_PASS) for row, a, b in ONE_PASS_NEW],
+    # item 3: each at its best of lr 7.5e-4 / 1.5e-3 / 3e-3 (i24_lm_lr holds the other two)
+    Claim("4a", "efla", "deltanet", **ONE_PASS, more_grids=("i24_lm_lr",)),
     Claim("6-GPU", "deltanet", "linear", width=64, **PADDED),
     Claim("6-GPU", "deltanet", "linear", width=128, **PADDED),
     Claim("6-GPU", "deltanet", "linear", "mqar_512_8k", "mqar_512", "mqar_512x64", 128),
@@ -83,14 +94,17 @@ SETTING = {  # what each grid is: for the table, and shorter for the plot
 }
 
 
-def measure(claim: Claim) -> PairedDifference:
-    """The claim's paired difference at each variant's best learning rate."""
+def best_rows(claim: Claim) -> tuple[dict[str, dict], Preset]:
+    """variant -> its best-lr row (``select_best``) for the claim's two variants, and the preset."""
     preset = get_preset(claim.preset)
     if claim.metric:
         preset = replace(preset, metric=claim.metric)
+    runs = {}
+    for grid in (claim.grid, *claim.more_grids):
+        runs.update(load_runs(RESULTS / grid / "runs.jsonl"))
     records = [
         r
-        for r in load_runs(RESULTS / claim.grid / "runs.jsonl").values()
+        for r in runs.values()
         if r.get("status") in FINISHED  # an unfinished run is no result
         and r["variant"] in (claim.a, claim.b)
         and r["cell"] == claim.cell
@@ -100,6 +114,12 @@ def measure(claim: Claim) -> PairedDifference:
     for name in (claim.a, claim.b):
         if name not in rows:
             raise ValueError(f"{claim.grid}: no finished {name} runs in cell {claim.cell}")
+    return rows, preset
+
+
+def measure(claim: Claim) -> PairedDifference:
+    """The claim's paired difference at each variant's best learning rate."""
+    rows, preset = best_rows(claim)
     return paired_difference(
         rows[claim.a]["seed_values"],
         rows[claim.b]["seed_values"],
@@ -107,14 +127,28 @@ def measure(claim: Claim) -> PairedDifference:
     )
 
 
-def length_ratios(grid: str) -> dict[str, list[float]]:
-    """variant -> ppl@1024 / ppl@512 of each finished run (extrapolation to 2x length)."""
+def length_ratios(grids: tuple[str, ...], same_tokens: bool) -> dict[str, list[float]]:
+    """variant -> ppl@1024 / ppl@512 of each finished run (extrapolation to 2x length), of the
+    runs whose two lengths scored the same tokens (issue 24's fix) or of those before it."""
     ratios: dict[str, list[float]] = {}
-    for run in load_runs(RESULTS / grid / "runs.jsonl").values():
-        if run.get("status") == "ok":
-            e = run["eval"]
-            ratios.setdefault(run["variant"], []).append(e["ppl@1024"] / e["ppl@512"])
+    for grid in grids:
+        for run in load_runs(RESULTS / grid / "runs.jsonl").values():
+            e = run.get("eval", {})
+            if run.get("status") != "ok" or "ppl@1024" not in e:
+                continue
+            if (e.get("num_tokens@1024") == e.get("num_tokens@512")) == same_tokens:
+                ratios.setdefault(run["variant"], []).append(e["ppl@1024"] / e["ppl@512"])
     return ratios
+
+
+def length_rows(ratios: dict[str, list[float]]) -> str:
+    rows = [
+        f"| {v} | {len(r)} | {sum(r) / len(r):.3f} | {min(r):.3f}-{max(r):.3f} |"
+        for v, r in sorted(ratios.items())
+    ]
+    return "\n".join(
+        ["| variant | runs | mean ratio | range |", "| --- | --- | --- | --- |", *rows]
+    )
 
 
 def _fmt(x: float) -> str:
@@ -129,6 +163,10 @@ def table(results: list[tuple[Claim, PairedDifference]]) -> str:
     ]
     for claim, d in results:
         where = claim.cell + (f", d={claim.width}" if claim.width else "")
+        if claim.more_grids:  # an lr sweep: say which lr won for each
+            rows, _ = best_rows(claim)
+            lrs = "/".join(f"{rows[v]['best_lr']:g}" for v in (claim.a, claim.b))
+            where += "".join(f" + {g}" for g in claim.more_grids) + f", best lrs {lrs}"
         ci = "-" if math.isinf(d.half_width) else f"± {d.half_width:.3f}"
         per_seed = ", ".join(_fmt(x) for x in d.diffs)
         lines.append(
@@ -185,11 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     out = p.parse_args(argv or []).out
     out.mkdir(parents=True, exist_ok=True)
     results = [(claim, measure(claim)) for claim in CLAIMS]
-    ratios = length_ratios("lm_corpus_1pass")
-    length_rows = "\n".join(
-        f"| {v} | {len(r)} | {sum(r) / len(r):.3f} | {min(r):.3f}-{max(r):.3f} |"
-        for v, r in sorted(ratios.items())
-    )
+    grids = ("i24_lm_length", "lm_corpus_1pass")
+    same_tokens, mixed = (length_rows(length_ratios(grids, same)) for same in (True, False))
     text = f"""# Issue 11's claims, paired by seed
 
 Made by `python3 experiments/paired_claims.py` from the committed `runs.jsonl` of each grid
@@ -206,9 +241,15 @@ t = 12.7, so a two-seed interval rarely excludes zero: that is what two seeds ca
 
 ## Perplexity at 2x the training length (one pass, ppl@1024 / ppl@512 per run)
 
-| variant | runs | mean ratio | range |
-| --- | --- | --- | --- |
-{length_rows}
+Same tokens at both lengths (issue 24's fix: the 2x windows score the 1x windows' tokens with
+twice the context; `i24_lm_length` and the one-pass runs trained since):
+
+{same_tokens}
+
+Before the fix (the one-pass grid's earlier runs): ppl@512 scored 131,072 tokens and
+ppl@1024 192,512, so each ratio mixes other text with the longer context (kept as measured):
+
+{mixed}
 """
     (out / "paired.md").write_text(text)
     plot(results, out / "paired.png")
