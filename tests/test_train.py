@@ -381,8 +381,11 @@ def test_bad_inputs_raise_clear_errors():
         def forward(self, input_ids):
             return super().forward(input_ids) * float("nan")
 
-    with pytest.raises(DivergenceError, match="lower the learning rate"):
-        Trainer(toy_config(), model=NaNModel(), task=task).train()
+    with pytest.raises(DivergenceError, match="lower the learning rate or enable grad_clip"):
+        Trainer(toy_config(grad_clip=0.0), model=NaNModel(), task=task).train()
+    # clipping already on: the advice is not to turn it on (session 31's raw-key runs said so)
+    with pytest.raises(DivergenceError, match=r"grad_clip=1.0\); lower the learning rate$"):
+        Trainer(toy_config(grad_clip=1.0), model=NaNModel(), task=task).train()
 
     class FlatModel(ToyModel):
         def forward(self, input_ids):

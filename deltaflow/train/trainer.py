@@ -464,9 +464,12 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         cfg = self.config
         mean_loss = float(self.window_loss) / self.window_steps
         if not math.isfinite(mean_loss):
+            advice = "lower the learning rate" + (
+                " or enable grad_clip" if not cfg.grad_clip else ""
+            )
             raise DivergenceError(
-                f"training loss is {mean_loss} at step {self.step} (lr={cfg.lr}); "
-                "lower the learning rate or enable grad_clip"
+                f"training loss is {mean_loss} at step {self.step} (lr={cfg.lr}, "
+                f"grad_clip={cfg.grad_clip}); {advice}"
             )
         elapsed = time.perf_counter() - window_start
         record = self.logger.log(
