@@ -48,9 +48,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trapezoid": {"rule": "trapezoid"},
     "trapezoid_softplus": {"rule": "trapezoid", "beta_activation": "softplus"},
     "transformer": {"attn_every": 1},  # every layer softmax attention (SDPA + RoPE)
-    # Zoology's MQAR attention (its figure-2 configs): one head, learned absolute positions
-    # (sized for its longest MQAR, 512), no MLP. Its other differences (LayerNorm, biases,
-    # dropout 0.1) are listed in docs/tasks.md ("MQAR: the Transformer in this harness")
+    # Zoology's MQAR attention as its published figure-2 config has it: one head, learned
+    # absolute positions (sized for its longest MQAR, 512), no MLP (the runs plotted in the
+    # figure had a tanh MLP per block: results/issue33/zoology_protocol.md). Its other
+    # differences (LayerNorm, biases, dropout 0.1) are in docs/tasks.md ("MQAR: the Transformer
+    # in this harness")
     "transformer_zoology": {
         "attn_every": 1,
         "attn_num_heads": 1,
