@@ -13,11 +13,23 @@ and the eager loss curve? Its passing is what flips ``CUDA_BLOCKS_VERIFIED`` (mo
    ``compile_blocks`` with selective checkpointing); and issue 31's smallest failing cases,
    delta: ``layer`` (DeltaAttention alone under ``torch.compile(fullgraph=True)``),
    ``layer_unfused`` (fused projections off), ``model_unfused``, ``model_no_sac``.
+   Softmax attention (``--rules softmax,hybrid``, in the default run): ``softmax`` is the lab's
+   ``transformer`` variant (``attn_every=1``: RoPE, SDPA, SwiGLU), ``hybrid`` alternates delta
+   and attention layers (``attn_every=2``); each runs ``model``, ``model_no_sac`` (selective
+   checkpointing off) and ``model_no_graphs`` (CUDA graphs off), which isolate the factor.
+   Session 31 measured the compiled Transformer of ``lm_corpus_1pass`` 0.06-0.17 nats worse
+   in training loss than the eager runs of session 8 (DeltaNet reproduced); on the CPU
+   (aot_eager and inductor, tests/test_train_compile.py) compiled equals eager.
 2. Loss curves (``--lm-data DIR``): the 30M LM of configs/lm_gated_deltanet.yaml trained
    ``--lm-steps`` steps by the trainer (bf16 autocast on CUDA), eager op by op and with compiled
    blocks (same seed, same batches). The check compiles the blocks itself (``compile_blocks``,
    the trainer's call, with the check's backend) and tells the trainer ``compile='off'`` in both
    runs: each run is the model the check built, whatever the trainer's default on the device.
+   ``--lm-models transformer`` (in the default run): the lab's ``transformer`` at the same
+   size, trained eager and compiled by the trainer itself (``compile='blocks'``: selective
+   checkpointing, CUDA graphs and the per-step cudagraph marks of a real run) and compiled
+   without CUDA graphs (``compiled_no_graphs``) and without selective checkpointing
+   (``compiled_no_sac``); each compiled curve is judged against the eager one.
 
 Each unit (a rule's model entries, delta's smallest cases, the loss curves) runs in its own
 process with ``--jobs N`` (the wall time is compiling: the op's kernels per rule and dtype and
@@ -28,6 +40,9 @@ a timeout never loses the results before it. The exit status is 1 when an entry 
     python3 benchmarks/check_training.py --jobs 9 --out benchmarks/results \\
         --lm-data ../shared/corpus --lm-tokenizer ../shared/tokenizers/gpt2.tiktoken
     python3 benchmarks/check_training.py --rules delta --cases layer   # the smallest case
+    python3 benchmarks/check_training.py --jobs 4 --rules softmax,hybrid --lm-models transformer \\
+        --lm-data ../shared/corpus --lm-tokenizer ../shared/tokenizers/gpt2.tiktoken
+        # softmax attention only (session 31's Transformer gap): grads + loss curves
     python3 benchmarks/check_training.py --smoke   # CPU interpreter, tiny shapes, temp report
 """
 
@@ -73,8 +88,20 @@ MODES = ("fp32", "autocast", "bf16")
 SMOKE_MODES = ("fp32", "autocast")  # the two torch 2.11 broke: seconds matter in CI
 MODEL_CASES = ("model",)  # every rule
 SMALLEST = ("layer", "layer_unfused", "model_unfused", "model_no_sac")  # delta only
-CASES = MODEL_CASES + SMALLEST
+# Models with softmax attention, checked like a rule: the lab's transformer and a hybrid.
+ATTENTION = {"softmax": dict(attn_every=1), "hybrid": dict(attn_every=2)}
+ATTENTION_CASES = ("model", "model_no_sac", "model_no_graphs")  # softmax / hybrid
+CASES = MODEL_CASES + SMALLEST + ("model_no_graphs",)
 SMOKE_CASES = ("model", "layer")
+# The loss-curve models: gated DeltaNet (since issue 31) and the lab's transformer, whose
+# compiled curve is also run without CUDA graphs and without selective checkpointing.
+LM_MODELS = {
+    "gated_deltanet": (dict(rule="delta", use_decay=True), ("compiled",)),
+    "transformer": (
+        dict(attn_every=1),
+        ("compiled", "compiled_no_graphs", "compiled_no_sac"),
+    ),
+}
 FP32_TOL = 1e-3  # compiled vs eager, fp32
 HALF_RATIO = 1.25  # compiled error vs the fp32 reference, at most this times eager's
 # Shapes: T % 64 != 0 (a partial last chunk); --smoke shrinks them to run in seconds on a CPU.
@@ -162,7 +189,12 @@ def build(case: str, rule: str, setup: Setup, draw: int = 0) -> tuple[torch.nn.M
             return m(x.to(setup.dtype(mode)))[0].float().pow(2).mean()
 
     else:
-        cfg = DeltaFlowConfig(**setup.model, rule=rule, use_decay=True, backend="triton")
+        attn = ATTENTION.get(rule)
+        if attn is not None and attn["attn_every"] == 1:  # every layer attention: no rule
+            cfg = DeltaFlowConfig(**setup.model, **attn)
+        else:
+            rule_kw = dict(rule="delta" if attn else rule, use_decay=True, backend="triton")
+            cfg = DeltaFlowConfig(**setup.model, **rule_kw, **(attn or {}))
         module = DeltaFlowForCausalLM(cfg)
         ids = torch.randint(0, setup.model["vocab_size"], (B, T), generator=g).to(setup.dev)
 
@@ -199,7 +231,10 @@ def check_entry(case: str, rule: str, mode: str, setup: Setup, draws: int = 1) -
         fast = torch.compile(fast, fullgraph=True, backend=setup.compile_backend)
     else:
         sac = () if case == "model_no_sac" else ("mixer", "mlp")
-        compile_blocks(fast, selective_checkpointing=sac, backend=setup.compile_backend)
+        graphs = False if case == "model_no_graphs" else None  # None: the trainer's default
+        compile_blocks(
+            fast, selective_checkpointing=sac, backend=setup.compile_backend, cuda_graphs=graphs
+        )
     per_draw: dict[str, list] = {k: [] for k in DRAW_KEYS}
     for draw in range(draws):
         if draw:
@@ -254,12 +289,25 @@ def entry_ok(entry: dict[str, Any], mode: str) -> bool:
     return bool(within and entry["zero_grads_compiled"] == 0)
 
 
-def lm_curves(args: argparse.Namespace, out: Path, lm: dict[str, int]) -> dict[str, Any]:
-    from deltaflow.train import TrainConfig, train
+def lm_curves(
+    args: argparse.Namespace, out: Path, lm: dict[str, int], model_name: str = "gated_deltanet"
+) -> dict[str, Any]:
+    """``model_name``'s loss curves (LM_MODELS): eager, then each compiled variant, every run
+    from the same seed and batches. gated_deltanet: the blocks compiled here with the check's
+    backend, the trainer told ``compile='off'`` (as since issue 31). transformer: the trainer
+    compiles (``compile='blocks'``, as ``auto`` does on CUDA: its cudagraph step marks
+    included), with the check's backend and the variant's CUDA graphs / checkpointing."""
+    import functools
+
+    from deltaflow.models import compile as compile_mod
+    from deltaflow.train import TrainConfig, compiling, train
     from deltaflow.train.build import build_model, build_task
 
+    model_kw, variants = LM_MODELS[model_name]
+    by_trainer = model_name != "gated_deltanet"
     curves: dict[str, Any] = {}
-    for name, compiled in (("eager op-by-op", False), ("compiled", True)):
+    for name in ("eager op-by-op", *variants):
+        compiled = name != "eager op-by-op"
         cfg = TrainConfig(
             task="lm",
             task_kwargs=dict(
@@ -269,8 +317,7 @@ def lm_curves(args: argparse.Namespace, out: Path, lm: dict[str, int]) -> dict[s
                 seq_len=lm["seq_len"],
             ),
             model=dict(
-                rule="delta",
-                use_decay=True,
+                **model_kw,
                 hidden_size=lm["hidden_size"],
                 num_layers=lm["num_layers"],
                 num_heads=lm["num_heads"],
@@ -282,44 +329,81 @@ def lm_curves(args: argparse.Namespace, out: Path, lm: dict[str, int]) -> dict[s
             log_every=1,
             eval_lengths=[lm["seq_len"]],
             eval_kwargs={"num_examples": 2 * lm["eval_batch"], "batch_size": lm["eval_batch"]},
-            out_dir=str(out / f"lm_{'compiled' if compiled else 'eager'}"),
+            out_dir=str(out / f"lm_{model_name}_{name.split()[0]}"),
             resume=False,
-            compile="off",  # both runs: the blocks are compiled here, with the check's backend
+            # gated_deltanet: both runs 'off' (the blocks are compiled here, with the check's
+            # backend); transformer: the trainer compiles them, as a lab run does
+            compile="blocks" if compiled and by_trainer else "off",
             progress=False,
         )
         torch.manual_seed(cfg.seed)
         model = build_model(cfg, build_task(cfg).vocab_size)
-        if compiled:
+        graphs_switch, trainer_compile = compile_mod.CUDA_GRAPHS, compiling.compile_blocks
+        if compiled and by_trainer:
+            sac = () if name == "compiled_no_sac" else ("mixer", "mlp")
+            compile_mod.CUDA_GRAPHS = graphs_switch and name != "compiled_no_graphs"
+            compiling.compile_blocks = functools.partial(
+                compile_blocks, backend=args.compile_backend, selective_checkpointing=sac
+            )
+        elif compiled:
             compile_blocks(model, backend=args.compile_backend)
         else:
             _set_fused(model, False)
         t0 = time.perf_counter()
-        train(cfg, model=model)
+        try:
+            train(cfg, model=model)
+        finally:
+            compile_mod.CUDA_GRAPHS, compiling.compile_blocks = graphs_switch, trainer_compile
+            torch._dynamo.reset()  # the next run compiles its own graphs
         lines = (Path(cfg.out_dir) / "log.jsonl").read_text().splitlines()
         # the run's checkpoints and weights (~0.5 GB per run: session 14's GPU call could not
         # bring its report folder back) are not the report: only its log stays
         for path in Path(cfg.out_dir).iterdir():
             if path.name != "log.jsonl":
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-        losses = [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+        records = list(map(json.loads, lines))
+        losses = [r["loss"] for r in records if r["kind"] == "train"]
         curves[name] = {"losses": losses, "seconds": time.perf_counter() - t0}
-        print(f"{name}: {len(losses)} logged losses, last {losses[-1]:.4f}", flush=True)
-    a, b = (curves[k]["losses"] for k in curves)
-    n = min(len(a), len(b))
-    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
-    curves["max_abs_diff"] = max(diffs)
-    curves["mean_abs_diff_last_50"] = sum(diffs[-50:]) / len(diffs[-50:])
-    curves["ok"] = curves["mean_abs_diff_last_50"] <= LM_TOL
+        # what the run did: compiled or fell back, CUDA graphs, micro-batches
+        for r in records:
+            if r.get("event") == "start":
+                curves[name]["grad_accum"] = r.get("config", {}).get("grad_accum")
+            if r.get("event") in ("start", "compile_fallback"):
+                for key in ("compiled_blocks", "cuda_graphs", "compile_fallback", "reason"):
+                    if key in r:
+                        curves[name][key] = r[key]
+        print(
+            f"{model_name} {name}: {len(losses)} logged losses, last {losses[-1]:.4f}", flush=True
+        )
+    eager = curves["eager op-by-op"]["losses"]
+    oks = []
+    for name in variants:
+        other = curves[name]["losses"]
+        n = min(len(eager), len(other))
+        diffs = [abs(x - y) for x, y in zip(eager[:n], other[:n])]
+        # the compiled run's signed mean over the last 50: > 0 is a worse compiled curve
+        signed = [y - x for x, y in zip(eager[:n], other[:n])][-50:]
+        prefix = "" if name == "compiled" else f"{name}_"
+        curves[f"{prefix}max_abs_diff"] = max(diffs)
+        curves[f"{prefix}mean_abs_diff_last_50"] = sum(diffs[-50:]) / len(diffs[-50:])
+        curves[f"{prefix}mean_diff_last_50"] = sum(signed) / len(signed)
+        oks.append(curves[f"{prefix}mean_abs_diff_last_50"] <= LM_TOL)
+    curves["model"] = model_name
+    curves["ok"] = all(oks)
     return curves
 
 
 # ------------------------------------------------------------------------ units and report
 
 
-def plan_units(rules: list[str], cases: list[str], lm: bool) -> list[str]:
+def plan_units(
+    rules: list[str], cases: list[str], lm: bool, lm_models: tuple[str, ...] = ("gated_deltanet",)
+) -> list[str]:
     """The units of work, each one process with --jobs > 1: ``grads:<rule>:<case,...>`` (a
     rule's model entries; delta's smallest cases in two more units, the layer's and the
-    model's: in one they would be the longest unit by far) and ``lm``. Longest first."""
+    model's: in one they would be the longest unit by far; softmax / hybrid: ATTENTION_CASES),
+    ``lm`` (gated DeltaNet's curves) and ``lm:<model>`` (another of LM_MODELS). Longest
+    first."""
     units = []
     if "delta" in rules:
         for group in (SMALLEST[:2], SMALLEST[2:]):
@@ -327,10 +411,14 @@ def plan_units(rules: list[str], cases: list[str], lm: bool) -> list[str]:
             if chosen:
                 units.append(f"grads:delta:{','.join(chosen)}")
     if lm:
-        units.append("lm")
+        units += [("lm" if m == "gated_deltanet" else f"lm:{m}") for m in lm_models]
+    attention = [c for c in cases if c in ATTENTION_CASES]
+    units += [f"grads:{rule}:{','.join(attention)}" for rule in rules if rule in ATTENTION]
     model = [c for c in cases if c in MODEL_CASES]
-    units += [f"grads:{rule}:{','.join(model)}" for rule in rules if model]
-    return units
+    units += [
+        f"grads:{rule}:{','.join(model)}" for rule in rules if model and rule not in ATTENTION
+    ]
+    return [u for u in units if not u.endswith(":")]
 
 
 def run_unit(unit: str, args: argparse.Namespace, setup: Setup, parts: Path) -> list[dict]:
@@ -345,13 +433,15 @@ def run_unit(unit: str, args: argparse.Namespace, setup: Setup, parts: Path) -> 
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
-    if unit == "lm":
+    if unit == "lm" or unit.startswith("lm:"):
         t0 = time.perf_counter()
+        model_name = unit.split(":")[1] if ":" in unit else "gated_deltanet"
         try:
-            row = {"unit": "lm", **lm_curves(args, parts / "lm", SMOKE_LM if args.smoke else LM)}
+            lm = SMOKE_LM if args.smoke else LM
+            row = {"unit": unit, **lm_curves(args, parts / "lm", lm, model_name)}
         except Exception:  # noqa: BLE001 - recorded; the other units still run
             traceback.print_exc()
-            row = {"unit": "lm", "ok": False, "error": traceback.format_exc(limit=-3)}
+            row = {"unit": unit, "ok": False, "error": traceback.format_exc(limit=-3)}
         add({**row, "seconds": round(time.perf_counter() - t0, 1)})
         return rows
     _, rule, cases = unit.split(":")
@@ -369,10 +459,11 @@ def run_unit(unit: str, args: argparse.Namespace, setup: Setup, parts: Path) -> 
 
 
 def merge(report: dict[str, Any], unit: str, rows: list[dict], seconds: float) -> None:
-    """Rows into the report: ``gradients[case][rule][mode]``, ``lm``, ``units[unit]``."""
+    """Rows into the report: ``gradients[case][rule][mode]``, ``lm`` (``lm_<model>`` for
+    ``lm:<model>``), ``units[unit]``."""
     for row in rows:
-        if row.get("unit") == "lm":
-            report["lm"] = {k: v for k, v in row.items() if k != "unit"}
+        if "unit" in row:
+            report[row["unit"].replace(":", "_")] = {k: v for k, v in row.items() if k != "unit"}
             continue
         entry = {k: v for k, v in row.items() if k not in ("case", "rule", "mode")}
         report["gradients"].setdefault(row["case"], {}).setdefault(row["rule"], {})
@@ -390,6 +481,9 @@ def failures(report: dict[str, Any], units: list[str]) -> list[str]:
     ]
     if "lm" in report and not report["lm"]["ok"]:
         failed.append("loss curves")
+    for key in sorted(k for k in report if k.startswith("lm_")):
+        if not report[key]["ok"]:
+            failed.append(f"loss curves ({key[3:]})")
     for unit in units:  # a unit that died may have left some of its rows, not all
         if unit not in report["units"]:
             failed.append(f"{unit} (did not finish)")
@@ -477,7 +571,9 @@ def _poll(
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "--rules", default=None, help="comma-separated (default: every Triton rule; smoke: delta)"
+        "--rules",
+        default=None,
+        help="comma-separated Triton rules, softmax, hybrid (default: all; smoke: delta,softmax)",
     )
     p.add_argument(
         "--modes",
@@ -515,6 +611,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lm-tokenizer", default=None, help="GPT-2 .tiktoken (default: bytes)")
     p.add_argument("--lm-steps", type=int, default=None, help="default 200 (smoke: 3)")
     p.add_argument(
+        "--lm-models",
+        default=None,
+        help=f"comma-separated loss-curve models of {tuple(LM_MODELS)} (default: all)",
+    )
+    p.add_argument(
         "--compile-backend",
         default=None,
         help="torch.compile backend (default inductor; smoke: eager, dynamo's graph run eagerly: "
@@ -526,14 +627,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts", default=None, help=argparse.SUPPRESS)  # the workers' row files
     args = p.parse_args(argv)
     args.forwarded = list(sys.argv[1:] if argv is None else argv)
-    known = triton_rules()
-    rules = args.rules.split(",") if args.rules else ["delta"] if args.smoke else known
+    known = [*triton_rules(), *ATTENTION]
+    smoke_rules = ["delta", "softmax"]
+    rules = args.rules.split(",") if args.rules else smoke_rules if args.smoke else known
+    lm_models = args.lm_models.split(",") if args.lm_models else list(LM_MODELS)
     modes = args.modes.split(",") if args.modes else SMOKE_MODES if args.smoke else MODES
     cases = args.cases.split(",") if args.cases else SMOKE_CASES if args.smoke else CASES
     for name, values, choices in (
         ("--rules", rules, known),
         ("--modes", modes, MODES),
         ("--cases", cases, CASES),
+        ("--lm-models", lm_models, tuple(LM_MODELS)),
     ):
         bad = [v for v in values if v not in choices]
         if bad:
@@ -544,7 +648,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.draws = 1 if args.smoke else DRAWS
     if args.draws < 1:
         p.error(f"--draws must be >= 1, got {args.draws}")
-    args.rules, args.modes, args.cases = rules, modes, cases
+    args.rules, args.modes, args.cases, args.lm_models = rules, modes, cases, tuple(lm_models)
     args.compile_backend = args.compile_backend or ("eager" if args.smoke else "inductor")
     if args.lm_steps is None:
         args.lm_steps = 3 if args.smoke else 200
@@ -571,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
         args.lm_data = str(smoke_corpus(out / "corpus"))
         args.forwarded += ["--lm-data", args.lm_data]
     args.forwarded += ["--parts", args.parts, "--out", str(out)]
-    units = plan_units(args.rules, args.cases, bool(args.lm_data))
+    units = plan_units(args.rules, args.cases, bool(args.lm_data), args.lm_models)
     report: dict[str, Any] = {
         "device": device_name(dev.type),
         "commit": git_commit(),

@@ -70,6 +70,34 @@ def test_every_failure_fails_the_report():
     assert report["gradients"]["model"]["delta"]["fp32"]["ok"] is True
 
 
+def test_softmax_attention_units_isolate_the_factors():
+    """Session 31's Transformer gap: softmax attention (and a hybrid) get the model entry and
+    the two cases that tell selective checkpointing from CUDA graphs, and the transformer's
+    loss curves their own unit and report entry, which fails the report on its own."""
+    cases = list(ct.CASES)
+    units = ct.plan_units(
+        ["delta", "softmax", "hybrid"], cases, True, ("gated_deltanet", "transformer")
+    )
+    assert units == [
+        "grads:delta:layer,layer_unfused",
+        "grads:delta:model_unfused,model_no_sac",
+        "lm",
+        "lm:transformer",
+        "grads:softmax:model,model_no_sac,model_no_graphs",
+        "grads:hybrid:model,model_no_sac,model_no_graphs",
+        "grads:delta:model",
+    ]
+    report = {"gradients": {}, "units": {}}
+    ct.merge(report, "lm", [{"unit": "lm", "ok": True}], 1.0)
+    ct.merge(report, "lm:transformer", [{"unit": "lm:transformer", "ok": False}], 1.0)
+    assert ct.failures(report, ["lm", "lm:transformer"]) == ["loss curves (transformer)"]
+    args = ct.parse(["--smoke"])
+    assert args.rules == ["delta", "softmax"] and args.lm_models == (
+        "gated_deltanet",
+        "transformer",
+    )
+
+
 def test_draws_judge_means_over_one_compile(monkeypatch):
     """--draws: each draw's weights and batch go through the same eager and compiled modules;
     the entry holds the per-draw errors and is judged on their means (draw 0 is the one-draw

@@ -211,13 +211,19 @@ SCRIPTS = [
     Script(
         "benchmarks/tune_backward.py", ("--smoke", "--profile", "--out", "{tmp}"), "wrote", True
     ),
-    # two worker processes, as the GPU call runs it (--jobs): three units, loss curves included
+    # two worker processes, as the GPU call runs it (--jobs): delta and softmax attention,
+    # both models' loss curves
     Script(
         "benchmarks/check_training.py",
         ("--smoke", "--jobs", "2", "--out", "{tmp}"),
         "check_training: done",
         True,
-        expect=("unit grads:delta:model: exit 0, 2 rows", "unit lm: exit 0, 1 rows"),
+        expect=(
+            "unit grads:delta:model: exit 0, 2 rows",
+            "unit lm: exit 0, 1 rows",
+            "unit grads:softmax:model: exit 0, 2 rows",
+            "unit lm:transformer: exit 0, 1 rows",
+        ),
     ),
     Script("benchmarks/model_training.py", ("--smoke", "--llama", "--out", "{tmp}"), "wrote"),
     Script("benchmarks/generation.py", ("--smoke", "--out", "{tmp}"), "generation: done"),

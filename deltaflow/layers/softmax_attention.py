@@ -161,7 +161,9 @@ class SoftmaxAttention(nn.Module):
                 allowed = allowed & (pos[0][:, None] - pos[0][None, :] < self.window_size)
             attn_mask = allowed[None, None]  # block-diagonal causal [1, 1, T, T]
         elif mask is None and past_k is None and self.window_size is None:
-            is_causal = bool(T > 1)  # the fast path; bool: SDPA refuses a symbolic one
+            # the fast path. A plain bool: SDPA refuses a SymBool, which bool(T > 1) still is
+            # under dynamo with a dynamic T; a branch makes dynamo guard on T > 1 instead
+            is_causal = True if T > 1 else False  # noqa: SIM210
         elif not (past_k is not None and T == 1 and self.window_size is None and bool(kmask.all())):
             # Column causality (query i sits at column Tk - T + i), padding and window by position.
             qcol = torch.arange(Tk - T, Tk, device=x.device)
