@@ -77,5 +77,12 @@ def check_str(name: str, value: Any, *, allow_none: bool = False) -> str | None:
         return None
     if not isinstance(value, str):
         none = " or null" if allow_none else ""
-        raise TypeError(f"{name} must be a string{none}, got {describe(value)}")
+        # YAML (config files, --set) reads a bare off/on/no/yes as a bool: say how to quote it
+        word = "on" if value else "off"
+        hint = (
+            f" (YAML reads a bare on/off/yes/no as a bool: quote the word, {name}='{word}')"
+            if isinstance(value, bool)
+            else ""
+        )
+        raise TypeError(f"{name} must be a string{none}, got {describe(value)}{hint}")
     return value

@@ -133,6 +133,11 @@ def test_types_and_cross_field_checks():
         ({"batch_size": 10, "grad_accum": 3}, "multiple of grad_accum"),
         ({"model": {"hidden_size": 30, "num_heads": 4}}, "divisible by num_heads"),
         ({"model": {"rule": 3}}, "rule must be a string"),
+        # YAML's bare off is False: the error says how to quote it (session 31: --set compile=off)
+        (
+            {"compile": False},
+            r"compile must be a string, got False .*quote the word, compile='off'",
+        ),
         ({"task_kwargs": []}, "task_kwargs must be a mapping"),
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
