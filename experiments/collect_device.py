@@ -62,6 +62,10 @@ GRIDS = (
     "i33_mqar_zoology_attention",
     "i33_mqar_zoology_transformer",
     "i33_mqar_zoology_pair",
+    # issue 33, session 31's next call (results/issue33/README.md): compiled blocks suspected
+    "i33_lm_transformer_eager",
+    "i33_mqar_zoology_eager",
+    "i33_mqar_zoology_long",
 )
 # a device folder trained beside its grid's own (two processes never share one runs.jsonl)
 MERGE_INTO = {"mqar_512_w128": "mqar_512", "mqar_512_w256": "mqar_512", "mad_b": "mad"}
@@ -127,6 +131,17 @@ REPORT_ARGS = {
     "i33_mqar_zoology_pair": (
         "--preset mqar_512_zoology --variants linear_zoology,deltanet --widths 64,128 --lrs 1e-3 "
         "--seeds 3"
+    ).split(),
+    # trained with --set compile='off' (runtime only: the run ids are the compiled runs')
+    "i33_lm_transformer_eager": (
+        "--preset lm_corpus_1pass --shared shared --variants transformer --seeds 3"
+    ).split(),
+    "i33_mqar_zoology_eager": (
+        "--preset mqar_512_zoology --variants transformer_zoology --widths 128 --lrs 4.6e-4,2.2e-3"
+    ).split(),
+    "i33_mqar_zoology_long": (
+        "--preset mqar_512_zoology --variants transformer_zoology --widths 128 --lrs 4.6e-4,2.2e-3 "
+        "--steps 50048"
     ).split(),
 }
 NOTE = (
