@@ -83,6 +83,23 @@ def test_auto_compiles_on_cuda_only():
     assert compiling.plan_compile("off", CPU, model) == (False, None)
 
 
+def test_auto_leaves_softmax_attention_eager_and_blocks_forces_it():
+    """Session 31: compiled Transformer LM runs trained 7-16 ppl worse than eager on the GPU
+    (not reproduced on the CPU): auto keeps any model with softmax attention eager, with one
+    line naming why; compile='blocks' still compiles it."""
+    torch.manual_seed(0)
+    for mixers in (["attention", "attention"], ["delta", "attention"]):
+        model = DeltaFlowForCausalLM(
+            DeltaFlowConfig(
+                vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, layer_types=mixers
+            )
+        )
+        compiled, line = compiling.plan_compile("auto", CUDA, model)
+        assert not compiled and "softmax-attention layers" in line and "\n" not in line
+        assert compiling.plan_compile("blocks", CUDA, model) == (True, None)
+    assert compiling.plan_compile("auto", CUDA, _model()) == (True, None)  # delta only
+
+
 def test_where_compile_cannot_run_one_line_says_why(monkeypatch):
     """Known before the first step: no Triton on CUDA, a model without blocks, context
     parallelism; each is eager with one line naming the reason."""

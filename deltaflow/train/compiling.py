@@ -4,7 +4,8 @@ one-time warm-up line, and the fall-back to eager with one line where compiling 
 - :func:`plan_compile` decides before the model is used: ``models/compile.py`` says what the
   mode asks for on the device (``resolve_compile``: ``auto`` compiles on CUDA) and whether it
   can run (no ``.layers``, no Triton on CUDA); context
-  parallelism runs eager (``DataLayout.allows_compile``).
+  parallelism runs eager (``DataLayout.allows_compile``); ``auto`` leaves models with softmax
+  attention eager (``auto_leaves_eager``: not yet verified compiled on the GPU).
 - Compiling is lazy: inductor's errors come at the first forward or backward. The first step
   of a trainer that compiles runs under :meth:`CompileMixin._train_step_first`: a failure there
   undoes the compilation, clears the partial gradients and runs the same step eager (the batch
@@ -22,6 +23,7 @@ from torch import nn
 
 from deltaflow.models.compile import (
     WARMUP_SECONDS,
+    auto_leaves_eager,
     compile_blocks,
     compile_obstacle,
     cuda_graphs_on,
@@ -43,6 +45,8 @@ def plan_compile(
         reason = "context_parallel > 1 (the layers' collectives sit inside each block)"
         return False, fallback_line(reason)
     reason = compile_obstacle(model, device)
+    if reason is None and mode == "auto":
+        reason = auto_leaves_eager(model)
     if reason is not None:
         return False, fallback_line(reason)
     return True, None
