@@ -162,6 +162,7 @@ def test_zoology_preset_is_zoologys_data_and_recipe():
     specs = expand_grid(get_preset("mqar_512_zoology"), device="cpu")
     assert {s.variant for s in specs} == {
         "transformer_zoology",
+        "transformer_zoology_mlp",
         "transformer",
         "linear_zoology",
         "deltanet",
@@ -184,6 +185,14 @@ def test_zoology_preset_is_zoologys_data_and_recipe():
     model = build_model(spec.config, 8192)
     assert model.config.max_position_embeddings == 512 and not model.config.use_mlp
     assert model.model.layers[0].mixer.num_heads == 1
+    # with the MLP the figure's runs had: the same attention plus a block MLP of ~8 x width^2
+    spec = next(s for s in specs if s.variant == "transformer_zoology_mlp" and s.width == 64)
+    with_mlp = build_model(spec.config, 8192)
+    assert with_mlp.config.use_mlp and with_mlp.model.layers[0].mixer.num_heads == 1
+    extra = sum(p.numel() for p in with_mlp.parameters()) - sum(
+        p.numel() for p in model.parameters()
+    )
+    assert extra == 2 * (3 * 64 * with_mlp.config.mlp_hidden_size + 64), extra  # SwiGLU + norm
 
 
 @torch.no_grad()

@@ -60,6 +60,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 512,
         "use_mlp": False,
     },
+    # ... with an MLP per block, as the runs plotted in Zoology's figure 2 had (a 4x tanh MLP
+    # there; the harness's SwiGLU here, the same parameter count: 8/3 x 3 = 4 x 2)
+    "transformer_zoology_mlp": {
+        "attn_every": 1,
+        "attn_num_heads": 1,
+        "position_embedding": "learned",
+        "max_position_embeddings": 512,
+    },
 }
 
 # Variants renamed after results were committed: old name -> new name. A name means one thing:
@@ -329,7 +337,13 @@ MQAR_512_ZOOLOGY = Preset(
             512, 64, 8192, num_train_examples=100_000, random_non_queries=False
         )
     },
-    variants=["transformer_zoology", "transformer", "linear_zoology", "deltanet"],
+    variants=[
+        "transformer_zoology",
+        "transformer_zoology_mlp",
+        "transformer",
+        "linear_zoology",
+        "deltanet",
+    ],
     widths=[64, 128, 256],
     lrs=[1e-4, 4.6e-4, 2.2e-3, 1e-2],
     metric="accuracy",
