@@ -151,7 +151,9 @@ def test_gated_efla_names_the_rule_and_the_renamed_variant_stays_readable():
     # (the grid also holds issue 24's variants, trained with --variants beside the preset's)
     preset = get_preset("lm_corpus_1pass")
     trained = sorted({r["variant"] for r in runs.values()})
-    specs = expand_grid(dataclasses.replace(preset, variants=trained), device="cuda", shared="shared")
+    specs = expand_grid(
+        dataclasses.replace(preset, variants=trained), device="cuda", shared="shared"
+    )
     assert set(runs) <= {s.run_id for s in specs}
 
 
