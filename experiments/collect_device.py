@@ -137,7 +137,8 @@ REPORT_ARGS = {
         "--preset lm_corpus_1pass --shared shared --variants transformer --seeds 3"
     ).split(),
     "i33_mqar_zoology_eager": (
-        "--preset mqar_512_zoology --variants transformer_zoology --widths 128 --lrs 4.6e-4,2.2e-3"
+        "--preset mqar_512_zoology --variants transformer_zoology,transformer_zoology_mlp "
+        "--widths 128 --lrs 4.6e-4,2.2e-3"
     ).split(),
     "i33_mqar_zoology_long": (
         "--preset mqar_512_zoology --variants transformer_zoology --widths 128 --lrs 4.6e-4,2.2e-3 "
