@@ -94,6 +94,69 @@ def test_low_precision_inputs(backend):
     assert rel_err(o, ref) < 2e-2
 
 
+def _grads(inputs: dict, **kw) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``o``, the final state and every input's gradient of a fixed loss."""
+    x = {k: None if t is None else t.detach().requires_grad_() for k, t in inputs.items()}
+    o, s = delta_rule(**x, output_final_state=True, **kw)
+    (o.float().square().sum() + s.sum()).backward()
+    return o, s, {k: t.grad for k, t in x.items() if t is not None}
+
+
+@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("rule", ["delta", "gated_efla"])
+def test_cpu_bf16_autocast_keeps_the_dtype_policy(T, packed, rule):
+    """CPU bf16 autocast (the trainer's precision='bf16'): the torch backends compute in fp32
+    as without it (docs/design.md §1). Autocast ran their matmuls in bf16 and the chunked
+    backward failed on the mix ("expected scalar type Float but found BFloat16"); the
+    forward-only path failed too. bf16 inputs give exactly their result without autocast,
+    near the float64 reference of the rounded inputs; fp32 inputs keep fp32's accuracy."""
+    cu = torch.tensor([0, T // 3, T]) if packed else None
+    inputs = make_inputs(1, T, 2, 8, 8, rule=rule, n_states=2 if packed else 1, seed=T)
+    bf16 = {k: t.bfloat16() if k != "initial_state" else t.float() for k, t in inputs.items()}
+    exact = {k: t.double() for k, t in bf16.items()}
+    kw = {"rule": rule, "cu_seqlens": cu}
+    o_ref, s_ref, g_ref = _grads(exact, backend="reference", **kw)
+    o_plain, s_plain, g_plain = _grads(bf16, **kw)  # no autocast
+    for backend in ("torch", "reference"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                o_ng, s_ng = run(backend, bf16, **kw)
+            o, s, g = _grads(bf16, backend=backend, **kw)
+        assert o.dtype == o_ng.dtype == torch.bfloat16 and s.dtype == s_ng.dtype == torch.float32
+        if backend == "torch":  # the same computation as without autocast
+            assert torch.equal(o, o_plain) and torch.equal(s, s_plain) and torch.equal(o_ng, o)
+            assert all(torch.equal(g[k], g_plain[k]) for k in g)
+        for out, ref in ((o, o_ref), (s, s_ref), (o_ng, o_ref), (s_ng, s_ref)):
+            assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, backend
+        for k in g:
+            assert torch.isfinite(g[k]).all() and rel_err(g[k], g_ref[k]) < 2e-2, (backend, k)
+    # fp32 inputs under autocast: fp32's accuracy, not bf16 matmuls' (~3e-3 before)
+    fp32 = {k: t.float() for k, t in inputs.items()}
+    o_ref, s_ref, g_ref = _grads(inputs, backend="reference", **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, s, g = _grads(fp32, backend="torch", **kw)
+    assert o.dtype == s.dtype == torch.float32
+    assert rel_err(o, o_ref) <= TOL[torch.float32] and rel_err(s, s_ref) <= TOL[torch.float32]
+    assert all(rel_err(g[k], g_ref[k]) <= 10 * TOL[torch.float32] for k in g)
+
+
+def test_cpu_bf16_autocast_decode_step_keeps_the_state_dtype():
+    """delta_rule_step's torch path under CPU bf16 autocast: as without it (fp32 products)."""
+    from deltaflow.ops import delta_rule_step
+
+    inputs = make_inputs(1, 3, 2, 8, 8, rule="delta", seed=5)
+    x = {k: t.bfloat16() for k, t in inputs.items() if k in ("q", "k", "v", "beta", "log_decay")}
+    outs, states = [], []
+    for autocast in (False, True):
+        state = inputs["initial_state"].float().clone()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outs.append(delta_rule_step(**x, state=state, rule="delta"))
+        states.append(state)
+    assert outs[1].dtype == torch.bfloat16 and states[1].dtype == torch.float32
+    assert torch.equal(outs[0], outs[1]) and torch.equal(states[0], states[1])
+
+
 def test_default_scale_and_no_final_state():
     inputs = make_inputs(1, 9, 1, 16, 4, rule="longhorn")
     o, s = delta_rule(**inputs, rule="longhorn")

@@ -257,7 +257,9 @@ class ChunkedRecurrence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_state, *_):
         q, k, v, a, b, *saved = ctx.saved_tensors
-        return (*_backward(q, k, v, a, b, saved, grad_o, grad_state, ctx.scale), None)
+        # in the forward's dtype also when backward() is called inside an autocast region
+        with torch.autocast(q.device.type, enabled=False):
+            return (*_backward(q, k, v, a, b, saved, grad_o, grad_state, ctx.scale), None)
 
 
 def _forward(q, k, v, a, b, log_decay, S, scale):

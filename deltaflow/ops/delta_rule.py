@@ -160,15 +160,20 @@ def delta_rule(
         cu_seqlens=cu_seqlens,
         dtype=dtype,
     )
-    if backend == "reference":
-        o, state = _reference(q, k, v, **options)
-    else:
-        if chunk_size is None:
-            chunk_size = default_chunk_size(q.device)
-        # A chunk past the sequence is only padding (chunk_size=65536 at T=10 asked for 16 GB
-        # of it): the smallest power of two that holds all T tokens gives the same result.
-        chunk_size = min(chunk_size, 1 << max(0, q.shape[1] - 1).bit_length())
-        o, state = _torch_chunked(q, k, v, chunk_size=chunk_size, **options)
+    # The torch backends compute in `dtype` (docs/design.md §1: fp32, fp64 for fp64 inputs)
+    # under an autocast too, which would otherwise run their matmuls in bf16 or fp16 (and the
+    # chunked backward, which runs outside it, then met bf16 intermediates with fp32 gradients).
+    with torch.autocast(q.device.type, enabled=False):
+        if backend == "reference":
+            o, state = _reference(q, k, v, **options)
+        else:
+            if chunk_size is None:
+                chunk_size = default_chunk_size(q.device)
+            # A chunk past the sequence is only padding (chunk_size=65536 at T=10 asked for
+            # 16 GB of it): the smallest power of two that holds all T tokens gives the same
+            # result.
+            chunk_size = min(chunk_size, 1 << max(0, q.shape[1] - 1).bit_length())
+            o, state = _torch_chunked(q, k, v, chunk_size=chunk_size, **options)
     return o.to(v.dtype), (state if output_final_state else None)
 
 

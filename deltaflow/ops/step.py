@@ -56,10 +56,22 @@ def delta_rule_step(
                 scale=scale,
             )
 
-    # Elsewhere: the reference recurrence from this state, written back in place.
-    o, new_state = recurrent_delta_rule(
-        q, k, v, beta, step_rule, log_decay, negative_eigenvalues, eps, scale, state, state.dtype
-    )
+    # Elsewhere: the reference recurrence from this state, written back in place (in the
+    # state's dtype under an autocast too, as delta_rule's torch backends).
+    with torch.autocast(q.device.type, enabled=False):
+        o, new_state = recurrent_delta_rule(
+            q,
+            k,
+            v,
+            beta,
+            step_rule,
+            log_decay,
+            negative_eigenvalues,
+            eps,
+            scale,
+            state,
+            state.dtype,
+        )
     with torch.no_grad():
         state.copy_(new_state)
     return o.to(v.dtype)
