@@ -88,6 +88,47 @@ def test_torch_chunked_varlen_keeps_sequences_apart():
     assert torch.isfinite(s[1:]).all()
 
 
+@pytest.mark.parametrize("decay", [False, True], ids=["no_decay", "decay"])
+@pytest.mark.parametrize("rule", ["delta", "longhorn"])
+def test_torch_chunked_documents_in_place_match_the_padded_batch(monkeypatch, rule, decay):
+    """The torch backend's two forms of packed documents (ops/delta_rule.py, PACK_IN_PLACE:
+    in place under torch.compile, a padded [N, T_max] batch in eager mode) give the same
+    outputs, with and without grad, and the same gradients; an empty document, one-token
+    documents and starts inside and at chunk boundaries (chunks of 16); a NaN and an inf each
+    poison their own document's later tokens only."""
+    import importlib
+
+    op_module = importlib.import_module("deltaflow.ops.delta_rule")
+    lengths = [5, 0, 27, 1, 1, 30, 16, 20]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    x = make_inputs(1, sum(lengths), 2, 8, 6, rule=rule, decay=decay, initial_state=False)
+    weights = torch.randn(1, sum(lengths), 2, 6, dtype=torch.float64)
+    results = []
+    for in_place in (False, True):
+        monkeypatch.setattr(op_module, "PACK_IN_PLACE", in_place)
+        leaves = {n: None if t is None else t.clone().requires_grad_(True) for n, t in x.items()}
+        o, _ = delta_rule(**leaves, rule=rule, cu_seqlens=cu, chunk_size=16, backend="torch")
+        (o * weights).sum().backward()
+        grads = [t.grad for t in leaves.values() if t is not None]
+        with torch.no_grad():
+            o_eval, _ = delta_rule(**x, rule=rule, cu_seqlens=cu, chunk_size=16, backend="torch")
+        bad = dict(x, v=x["v"].clone(), k=x["k"].clone())
+        bad["v"][0, 10, 0, 1], bad["k"][0, 40, 1, 2] = NAN, INF  # documents 2 and 5
+        o_bad, _ = delta_rule(**bad, rule=rule, cu_seqlens=cu, chunk_size=16, backend="torch")
+        results.append((o.detach(), o_eval, grads, o_bad))
+    (o0, e0, g0, b0), (o1, e1, g1, b1) = results
+    assert rel_err(o1, o0) <= 1e-12 and rel_err(e1, o0) <= 1e-12 and rel_err(e0, o0) <= 1e-12
+    for a, b in zip(g1, g0):
+        assert rel_err(a, b) <= 1e-12
+    assert torch.equal(b0.isnan(), b1.isnan())
+    finite = ~b0.isnan()
+    assert rel_err(b1[finite], b0[finite]) <= 1e-12
+    nan_tokens = b1.isnan().any(-1)  # [1, T, H]
+    assert nan_tokens[0, 10:32, 0].all() and not nan_tokens[0, :10, 0].any()
+    assert not nan_tokens[0, 32:, 0].any()  # the next documents start clean
+    assert nan_tokens[0, 40:64, 1].all() and not nan_tokens[0, 64:, 1].any()
+
+
 class TestTriton:
     """The same on the Triton kernels (GPU, or the CPU interpreter: tiny shapes)."""
 

@@ -379,9 +379,9 @@ def test_compiled_softmax_attention_trains_as_eager(mixers):
     starts[:, 0] = True
     starts[0, 13], starts[1, 27] = True, True
     names = [n for n, _ in eager.named_parameters()]
-    # the hybrid's packed rows: the CPU delta op's varlen path has data-dependent sizes
-    # that a dynamic recompile cannot trace (the GPU's Triton op is checked on the GPU)
-    for doc_starts in (None, starts) if "delta" not in mixers else (None,):
+    # the hybrid's packed rows too: compiled, the CPU delta op runs packed documents in place
+    # (ops/delta_rule.py, PACK_IN_PLACE; the GPU's Triton op is checked on the GPU)
+    for doc_starts in (None, starts):
         # bf16 autocast for both (the delta op computes in fp32 under it, as without)
         for autocast in (False, True):
             loss_e, grads_e = _attention_loss_and_grads(eager, ids, labels, doc_starts, autocast)
@@ -391,3 +391,71 @@ def test_compiled_softmax_attention_trains_as_eager(mixers):
                 assert loss_c == pytest.approx(loss_e, rel=1e-6, abs=1e-6), where
                 for name, a, b in zip(names, grads_c, grads_e):
                     assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-8, (where, name)
+
+
+class PackedCopy(Copy):
+    """Copy with packed documents: step s adds s % 32 document starts to the rows' own, so
+    every step of a 30-step run has its own document count (cu_seqlens of another length)."""
+
+    def get_batch(self, batch_size: int, split: str = "train", step: int = 0, length=None):
+        batch = super().get_batch(batch_size, split=split, step=step)
+        g = torch.Generator().manual_seed(1000 + step)
+        starts = torch.zeros(batch_size, self.seq_len, dtype=torch.bool)
+        starts[:, 0] = True
+        inner = torch.randperm(batch_size * (self.seq_len - 1), generator=g)[: step % 32]
+        starts[inner // (self.seq_len - 1), 1 + inner % (self.seq_len - 1)] = True
+        batch["doc_starts"] = starts
+        return batch
+
+
+def test_compiled_packed_training_across_document_counts(tmp_path, monkeypatch, capsys):
+    """Packed documents (the trainer's cu_seqlens) with compiled blocks: each step packs
+    another number of documents. Before the torch backend ran packed documents in place under
+    compile (ops/delta_rule.py, PACK_IN_PLACE), its varlen path padded them to [N, T_max]:
+    sizes from the offsets' values, which dynamo cannot trace (GuardOnDataDependentSymNode at
+    the first compiled step), so the run fell back to eager. Now the blocks stay compiled for
+    30 distinct counts (past the recompile limit of 24: one dynamic recompile serves them all)
+    and the losses are the eager run's (a delta-rule layer with decay and an attention one)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # the file's other tests' graphs and dynamic sizes forgotten
+    blocks = functools.partial(compile_mod.compile_blocks, backend="aot_eager")
+    monkeypatch.setattr(compiling, "compile_blocks", blocks)
+    losses = {}
+    for mode in ("blocks", "off"):
+        torch.manual_seed(0)
+        model = DeltaFlowForCausalLM(
+            DeltaFlowConfig(
+                vocab_size=16,
+                hidden_size=32,
+                num_layers=2,
+                num_heads=2,
+                rule="delta",
+                use_decay=True,
+                layer_types=["delta", "attention"],
+            )
+        )
+        cfg = TrainConfig(
+            task="copy",
+            steps=30,
+            batch_size=4,
+            lr=1e-3,
+            log_every=1,
+            device="cpu",
+            compile=mode,
+            progress=False,
+            out_dir=str(tmp_path / mode),
+        )
+        graphs = counters["stats"]["unique_graphs"]
+        trainer = Trainer(cfg, model=model, task=PackedCopy(), verbose=True, export_final=False)
+        trainer.train()
+        trainer.close()
+        if mode == "blocks":
+            err = capsys.readouterr().err
+            assert "running the blocks eager" not in err, err
+            assert trainer.compiled
+            # a static and a dynamic graph per block kind at most, not one per count
+            assert counters["stats"]["unique_graphs"] - graphs <= 4
+        losses[mode] = [r["loss"] for r in read_log(tmp_path / mode) if r["kind"] == "train"]
+    assert len(losses["blocks"]) == 30
+    assert losses["blocks"] == pytest.approx(losses["off"], rel=1e-5, abs=1e-6)

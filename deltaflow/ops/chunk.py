@@ -84,34 +84,72 @@ def chunk_delta_rule(
     scale: float,
     initial_state: Tensor | None,
     chunk_size: int,
+    documents: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """All inputs in the compute dtype. Returns ``o [B,T,H,Dv]`` and the final state."""
+    """All inputs in the compute dtype. Returns ``o [B,T,H,Dv]`` and the final state.
+
+    ``documents``: ``(doc, start)``, int ``[T]`` each, for B == 1 rows packing documents in
+    place: token t belongs to document ``doc[t]``, which begins at token ``start[t]``; the
+    recurrence restarts from a zero state at every document's first token (and the non-finite
+    poison restarts with it); the final state is the last document's. See
+    :func:`document_masks`."""
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     C = chunk_size
     if initial_state is None:
         initial_state = q.new_zeros(B, H, Dk, Dv)
-    poison = non_finite_poison(k, v, a, b, log_decay)
+    poison = non_finite_poison(k, v, a, b, log_decay, documents)
+    pad = (-T) % C
+    N = (T + pad) // C
+    masks = None if documents is None else document_masks(documents[0], N, C)
     if not _needs_grad(q, k, v, a, b, log_decay, initial_state):
-        return _forward_only(q, k, v, a, b, log_decay, initial_state, scale, C, poison)
+        return _forward_only(q, k, v, a, b, log_decay, initial_state, scale, C, poison, masks)
     if log_decay is None:
         log_decay = torch.zeros_like(a)
-    pad = (-T) % C
     if pad:  # identity steps at the end: k = v = 0, a = b = 0, α = 1
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         a, b, log_decay = (F.pad(x, (0, 0, 0, pad)) for x in (a, b, log_decay))
-    N = (T + pad) // C
     chunks = [_to_chunks(x, N, C) for x in (q, k, v, a, b, log_decay)]  # [B, H, N, C, ...]
-    o, state, *_ = ChunkedRecurrence.apply(*chunks, initial_state, scale)
+    # [N, C, C] / [N, C] masks broadcast over [B, H, N, ...] (documents imply B == 1)
+    same, carry, tail = (None,) * 3 if masks is None else masks
+    o, state, *_ = ChunkedRecurrence.apply(*chunks, initial_state, scale, same, carry, tail)
     o = o.movedim(1, 3).reshape(B, N * C, H, Dv)[:, :T] + poison[..., None]
     return o, state + poison[:, -1, :, None, None]
 
 
+def document_masks(doc: Tensor, n_chunks: int, chunk_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The masks that restart the recurrence at document starts inside ``n_chunks`` chunks.
+
+    A document starting at token r is the recurrence with ``α_r = 0``: every decay product
+    that spans r is zero, so the masks zero exactly those factors (no ``log α = −inf``, whose
+    differences would be NaN): ``same [N, C, C]`` keeps e^{γ_i − γ_j} for i, j of one
+    document; ``carry [N, C]`` keeps Γ_i = e^{γ_i} (how token i sees the state entering the
+    chunk) where token i belongs to that state's document (the document of the token before
+    the chunk; the first chunk's is document 0); ``tail [N, C]`` keeps e^{γ_C − γ_j} (token
+    j's write reaching the chunk's end) where j belongs to the last token's document. All
+    are tensor ops on ``doc [T]``: no size depends on the documents' lengths or count."""
+    pad = n_chunks * chunk_size - doc.shape[0]
+    if pad:  # the identity steps at the end belong to the last document
+        doc = torch.cat([doc, doc[-1:].expand(pad)])
+    doc = doc.view(n_chunks, chunk_size)
+    same = doc[:, :, None] == doc[:, None, :]
+    entering = torch.cat([doc.new_zeros(1), doc[:-1, -1]])  # the state's document, per chunk
+    carry = doc == entering[:, None]
+    tail = doc == doc[:, -1:]
+    return same, carry, tail
+
+
 def non_finite_poison(
-    k: Tensor, v: Tensor, a: Tensor, b: Tensor, log_decay: Tensor | None
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    log_decay: Tensor | None,
+    documents: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """``[B, T, H]``: 0 before the first token whose ``k``, ``v``, ``a``, ``b`` or ``log α`` holds a
-    NaN or ±inf, NaN from that token on (per batch row and head).
+    NaN or ±inf, NaN from that token on (per batch row and head; with ``documents``, see
+    :func:`chunk_delta_rule`, per document: from that token to its document's end).
 
     ``x · 0`` is 0 for finite ``x`` and NaN otherwise; a row sum is non-finite when any entry is
     (or when it overflows, where the chunked products would overflow too). The cumulative sum
@@ -120,7 +158,13 @@ def non_finite_poison(
         flags = k.sum(-1) + v.sum(-1) + a + b
         if log_decay is not None:
             flags = flags + log_decay
-        return (flags * 0).cumsum(1)
+        if documents is None:
+            return (flags * 0).cumsum(1)
+        # per document: count the non-finite tokens since the document's first token
+        bad = (flags * 0).isnan().long()
+        seen = bad.cumsum(1)
+        before = (seen - bad)[:, documents[1]]  # the count before each token's document
+        return torch.where(seen > before, torch.nan, 0.0).to(flags.dtype)
 
 
 def _needs_grad(*tensors: Tensor | None) -> bool:
@@ -130,7 +174,7 @@ def _needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _forward_only(q, k, v, a, b, log_decay, S, scale, C, poison):
+def _forward_only(q, k, v, a, b, log_decay, S, scale, C, poison, masks=None):
     """The forward of :func:`_forward` when no gradient is needed (inference, evaluation).
 
     Same equations, arranged for speed on CPU (benchmarks/NOTES.md, issue 10): chunk-major
@@ -139,6 +183,7 @@ def _forward_only(q, k, v, a, b, log_decay, S, scale, C, poison):
     side by side into one buffer, so the output is the single product ``[Γq | P]·[S₀; U]``;
     without decay the decay matrix is just the causal mask. ``poison`` (see
     :func:`non_finite_poison`) rides on the output's row scale and the final state.
+    ``masks``: :func:`document_masks` (documents packed in place, B == 1).
     """
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
@@ -163,17 +208,24 @@ def _forward_only(q, k, v, a, b, log_decay, S, scale, C, poison):
     state_poison = poison[:, -1].reshape(B, H, 1, 1)
     poison = chunks(poison, finite=False)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    if log_decay is None:
+    if masks is not None:  # [N, C, C] / [N, C] over [N, B·H, ...] (B == 1)
+        causal = causal & masks[0][:, None]
+    if log_decay is None and masks is None:
         decay = causal.to(q.dtype)  # e^{γ_i − γ_j} = 1 for j ≤ i
         Gamma = Gamma_C = to_end = None
-    else:
-        gamma = chunks(log_decay).cumsum(-1)  # γ_i = Σ_{j≤i} log α_j
+    else:  # (the document masks act on Γ: the general form also without decay)
+        log_decay = torch.zeros_like(a) if log_decay is None else chunks(log_decay)
+        gamma = log_decay.cumsum(-1)  # γ_i = Σ_{j≤i} log α_j
         # e^{γ_i − γ_j} for j ≤ i from the difference (never Γ_i / Γ_j), 0 above the diagonal
         decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill_(~causal, -torch.inf)
         decay = decay.exp_()
         Gamma = gamma.exp()
+        to_end = torch.exp(gamma[..., -1:] - gamma)
+        if masks is not None:
+            Gamma = torch.where(masks[1][:, None], Gamma, 0.0)
+            to_end = torch.where(masks[2][:, None], to_end, 0.0)
         Gamma_C = Gamma[..., -1, None, None]  # [N, B·H, 1, 1]
-        to_end = torch.exp(gamma[..., -1:] - gamma)[..., None]
+        to_end = to_end[..., None]
 
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i: decay is 0 above the diagonal, so only the
     # diagonal needs clearing
@@ -241,47 +293,58 @@ class ChunkedRecurrence(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(q, k, v, a, b, log_decay, initial_state, scale):
+    def forward(q, k, v, a, b, log_decay, initial_state, scale, same=None, carry=None, tail=None):
         k, v, a, b, log_decay = (_finite(x) for x in (k, v, a, b, log_decay))
-        o, state, saved = _forward(q, k, v, a, b, log_decay, initial_state, scale)
+        masks = None if same is None else (same, carry, tail)
+        o, state, saved = _forward(q, k, v, a, b, log_decay, initial_state, scale, masks)
         return (o, state, k, v, a, b, *saved)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, *_, scale = inputs
+        q, _, _, _, _, _, _, scale, *masks = inputs
         _, _, *saved = output  # the finite k, v, a, b, then _forward's intermediates
         ctx.mark_non_differentiable(*saved)
-        ctx.save_for_backward(q, *saved)
+        ctx.masked = bool(masks) and masks[0] is not None
+        # the decay the forward kept is already masked; the backward rebuilds Γ and e^{γ_C − γ}
+        ctx.save_for_backward(q, *saved, *(masks[1:] if ctx.masked else ()))
         ctx.scale = scale
 
     @staticmethod
     def backward(ctx, grad_o, grad_state, *_):
         q, k, v, a, b, *saved = ctx.saved_tensors
+        masks = None
+        if ctx.masked:
+            *saved, carry, tail = saved
+            masks = (None, carry, tail)
         # in the forward's dtype also when backward() is called inside an autocast region
         with torch.autocast(q.device.type, enabled=False):
-            return (*_backward(q, k, v, a, b, saved, grad_o, grad_state, ctx.scale), None)
+            grads = _backward(q, k, v, a, b, saved, grad_o, grad_state, ctx.scale, masks)
+        return (*grads, None, None, None, None)
 
 
-def _forward(q, k, v, a, b, log_decay, S, scale):
-    """Chunked forward on [B, H, N, C, ...]; returns o, the final state, and what backward needs."""
+def _forward(q, k, v, a, b, log_decay, S, scale, masks=None):
+    """Chunked forward on [B, H, N, C, ...]; returns o, the final state, and what backward needs.
+    ``masks``: :func:`document_masks` (documents packed in place, B == 1)."""
     C = q.shape[-2]
     N = q.shape[2]
     gamma = log_decay.cumsum(-1)  # γ_i = Σ_{j≤i} log α_j
     strict = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)  # j < i
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()  # j ≤ i
+    if masks is not None:  # no decay product across a document start (A is masked with it)
+        causal = causal & masks[0]
     # e^{γ_i − γ_j} for j ≤ i, formed from the difference (never Γ_i / Γ_j), 0 above the diagonal.
     decay = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, -torch.inf))
 
     # (3) A_ij = a_i e^{γ_i − γ_j} k_iᵀk_j for j < i;  T = (I + A)^{-1}
     A = (a[..., :, None] * decay * (k @ k.mT)).masked_fill(~strict, 0)
-    Gamma = torch.exp(gamma)  # Γ_i = e^{γ_i}
+    Gamma, to_end = _gamma_to_end(gamma, masks)  # Γ_i = e^{γ_i}, e^{γ_C − γ_j}
     # (4) W = T diag(aΓ) K,  Ũ = T diag(b) V   (all chunks at once)
     T_inv = unit_lower_inverse(A)
     W = T_inv @ ((a * Gamma)[..., None] * k)
     U_tilde = T_inv @ (b[..., None] * v)
     # diag(e^{γ_C − γ_j}) K: token j's key, weighted by how much of its write survives to the
     # chunk's end; transposed, it carries U into the state (6).
-    k_to_end = k * torch.exp(gamma[..., -1:] - gamma)[..., None]
+    k_to_end = k * to_end[..., None]
     k_to_end_t = k_to_end.mT.contiguous()
     Gamma_C = Gamma[..., -1, None, None]  # [B, H, N, 1, 1]
 
@@ -300,7 +363,19 @@ def _forward(q, k, v, a, b, log_decay, S, scale):
     return o, S, (gamma, decay, T_inv, W, k_to_end, S0, U)
 
 
-def _backward(q, k, v, a, b, saved, dO, dS, scale):
+def _gamma_to_end(gamma: Tensor, masks: tuple | None) -> tuple[Tensor, Tensor]:
+    """``Γ = e^{γ}`` and ``e^{γ_C − γ}``, zeroed where :func:`document_masks` cut them. Their
+    derivatives in γ are themselves (a mask is a constant), so the backward's formulas hold
+    unchanged with the masked values."""
+    Gamma = torch.exp(gamma)
+    to_end = torch.exp(gamma[..., -1:] - gamma)
+    if masks is not None:
+        Gamma = torch.where(masks[1], Gamma, 0.0)
+        to_end = torch.where(masks[2], to_end, 0.0)
+    return Gamma, to_end
+
+
+def _backward(q, k, v, a, b, saved, dO, dS, scale, masks=None):
     """Gradients of (5)–(6) and (3)–(4) for q, k, v, a, b, log α and the initial state.
 
     Reverse over chunks only for the state's gradient g (the mirror of (6)):
@@ -309,7 +384,7 @@ def _backward(q, k, v, a, b, saved, dO, dS, scale):
     """
     gamma, decay, T_inv, W, k_to_end, S0, U = saved
     N = q.shape[2]
-    Gamma = torch.exp(gamma)
+    Gamma, to_end = _gamma_to_end(gamma, masks)
     Gamma_C = Gamma[..., -1]  # [B, H, N]
     QK = q @ k.mT
     P = QK * decay
@@ -336,7 +411,6 @@ def _backward(q, k, v, a, b, saved, dO, dS, scale):
 
     # (6): S_C = Γ_C S_0 + K̃ᵀ U, K̃ = diag(e^{γ_C − γ}) K
     d_k_to_end = U @ g_end.mT  # [B, H, N, C, Dk]
-    to_end = torch.exp(gamma[..., -1:] - gamma)
     dk = dk + to_end[..., None] * d_k_to_end
     t = (d_k_to_end * k_to_end).sum(-1)  # d/dγ_C of K̃ (and minus d/dγ_i)
     d_gamma = -t

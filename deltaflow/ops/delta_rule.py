@@ -173,7 +173,9 @@ def delta_rule(
             # 16 GB of it): the smallest power of two that holds all T tokens gives the same
             # result.
             chunk_size = min(chunk_size, 1 << max(0, q.shape[1] - 1).bit_length())
-            o, state = _torch_chunked(q, k, v, chunk_size=chunk_size, **options)
+            o, state = _torch_chunked(
+                q, k, v, chunk_size=chunk_size, final_state=output_final_state, **options
+            )
     return o.to(v.dtype), (state if output_final_state else None)
 
 
@@ -258,7 +260,9 @@ def _torch_chunked(
     cu_seqlens: Tensor | None,
     chunk_size: int,
     dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
+    final_state: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """``final_state`` False: the final state may be None (the caller discards it)."""
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     lam = (k * k).sum(-1)  # λ = ‖k‖²
     a, b, g = step_inputs(  # g: the recurrence's log α (a rule may transform the layer's)
@@ -274,6 +278,9 @@ def _torch_chunked(
         return chunk_delta_rule(
             q, k, v, a=a, b=b, log_decay=g, scale=scale, initial_state=s0, chunk_size=chunk_size
         )
+
+    if s0 is None and not final_state and _in_place(PACK_IN_PLACE):
+        return _documents_in_place(q, k, v, a, b, g, scale, cu_seqlens, chunk_size), None
 
     # Varlen: pack the N sequences into a zero-padded [N, T_max] batch. Padding is appended at
     # each sequence's end as identity steps (k = v = 0, a = b = 0, log α = 0), so the final
@@ -305,3 +312,55 @@ def _torch_chunked(
         chunk_size=chunk_size,
     )
     return o[valid].unsqueeze(0), state
+
+
+# How the torch backend runs packed documents (cu_seqlens) without initial or final states (a
+# model's training forward): None = in place under torch.compile, as a zero-padded
+# [N, T_max] batch in eager mode; True / False: always / never in place (tests).
+#
+# Why two forms: the padded batch has sizes that depend on the offsets' VALUES (T_max =
+# max length, then the chunk loop's length, o[valid]'s length), which dynamo cannot trace
+# (GuardOnDataDependentSymNode at the first compiled step, so the trainer fell back to eager
+# for every packed run of the torch backend). In place, the row keeps its T tokens and
+# their ceil(T / C) chunks, and document starts become masks on the decay factors
+# (chunk.document_masks, exact: a start is α = 0): only cu_seqlens's length is a size, one
+# dynamic recompile covers every document count. Eager keeps the padded batch: its state
+# loop runs T_max / C steps over N rows instead of T / C steps over one (the CPU is faster
+# batched), and every eager result stays as it was. The Triton backend (CUDA) has its own
+# varlen kernels behind custom ops and never comes here.
+PACK_IN_PLACE: bool | None = None
+
+
+def _in_place(switch: bool | None) -> bool:
+    return torch.compiler.is_compiling() if switch is None else switch
+
+
+def _documents_in_place(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    g: Tensor | None,
+    scale: float,
+    cu_seqlens: Tensor,
+    chunk_size: int,
+) -> Tensor:
+    """``o`` of the documents packed in ``[1, T]`` at ``cu_seqlens``, each from a zero state,
+    as one row whose recurrence restarts at every document's first token (PACK_IN_PLACE)."""
+    T = q.shape[1]
+    cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    doc = torch.searchsorted(cu[1:], torch.arange(T, device=q.device), right=True)
+    o, _ = chunk_delta_rule(
+        q,
+        k,
+        v,
+        a=a,
+        b=b,
+        log_decay=g,
+        scale=scale,
+        initial_state=None,
+        chunk_size=chunk_size,
+        documents=(doc, cu[doc]),
+    )
+    return o
