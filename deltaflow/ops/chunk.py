@@ -219,11 +219,9 @@ def _forward_only(q, k, v, a, b, log_decay, S, scale, C, poison, masks=None):
         # e^{γ_i − γ_j} for j ≤ i from the difference (never Γ_i / Γ_j), 0 above the diagonal
         decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill_(~causal, -torch.inf)
         decay = decay.exp_()
-        Gamma = gamma.exp()
-        to_end = torch.exp(gamma[..., -1:] - gamma)
-        if masks is not None:
-            Gamma = torch.where(masks[1][:, None], Gamma, 0.0)
-            to_end = torch.where(masks[2][:, None], to_end, 0.0)
+        # the masks' [N, C] broadcast over this layout's B·H: [N, 1, C]
+        cuts = None if masks is None else (None, masks[1][:, None], masks[2][:, None])
+        Gamma, to_end = _gamma_to_end(gamma, cuts)
         Gamma_C = Gamma[..., -1, None, None]  # [N, B·H, 1, 1]
         to_end = to_end[..., None]
 
