@@ -16,6 +16,14 @@ from typing import Any
 
 from deltaflow.validation import did_you_mean
 
+# Zoology's MQAR attention layer: one head, learned absolute positions (sized for its longest
+# MQAR, 512); the two variants below differ in the block MLP only
+_ZOOLOGY_ATTENTION: dict[str, Any] = {
+    "attn_every": 1,
+    "attn_num_heads": 1,
+    "position_embedding": "learned",
+    "max_position_embeddings": 512,
+}
 # Model variants: overrides of DeltaFlowConfig (see deltaflow.models.DeltaFlowConfig).
 VARIANTS: dict[str, dict[str, Any]] = {
     "linear": {"rule": "linear"},
@@ -48,26 +56,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "trapezoid": {"rule": "trapezoid"},
     "trapezoid_softplus": {"rule": "trapezoid", "beta_activation": "softplus"},
     "transformer": {"attn_every": 1},  # every layer softmax attention (SDPA + RoPE)
-    # Zoology's MQAR attention as its published figure-2 config has it: one head, learned
-    # absolute positions (sized for its longest MQAR, 512), no MLP (the runs plotted in the
-    # figure had a tanh MLP per block: results/issue33/zoology_protocol.md). Its other
-    # differences (LayerNorm, biases, dropout 0.1) are in docs/tasks.md ("MQAR: the Transformer
-    # in this harness")
-    "transformer_zoology": {
-        "attn_every": 1,
-        "attn_num_heads": 1,
-        "position_embedding": "learned",
-        "max_position_embeddings": 512,
-        "use_mlp": False,
-    },
+    # Zoology's MQAR attention as its published figure-2 config has it: no MLP (the runs
+    # plotted in the figure had a tanh MLP per block: results/issue33/zoology_protocol.md).
+    # Its other differences (LayerNorm, biases, dropout 0.1) are in docs/tasks.md ("MQAR: the
+    # Transformer in this harness")
+    "transformer_zoology": {**_ZOOLOGY_ATTENTION, "use_mlp": False},
     # ... with an MLP per block, as the runs plotted in Zoology's figure 2 had (a 4x tanh MLP
     # there; the harness's SwiGLU here, the same parameter count: 8/3 x 3 = 4 x 2)
-    "transformer_zoology_mlp": {
-        "attn_every": 1,
-        "attn_num_heads": 1,
-        "position_embedding": "learned",
-        "max_position_embeddings": 512,
-    },
+    "transformer_zoology_mlp": dict(_ZOOLOGY_ATTENTION),
 }
 
 # Variants renamed after results were committed: old name -> new name. A name means one thing:
