@@ -44,25 +44,32 @@ def machine_with_fake_tools(tmp_path: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_then_lines_wait_for_the_line_above_and_get_the_time_left(tmp_path):
-    env = machine_with_fake_tools(tmp_path)
+def run_device_batch(tmp_path: Path, env: dict[str, str], lines: str):
+    """device_batch.sh on a command file holding ``lines``, from the fake machine's root."""
     commands = tmp_path / "commands.txt"
-    commands.write_text(
-        "# a comment\n"
-        "--preset slow --time-limit 3.0 --out runs/issue11/a\n"
-        "then --preset after_slow --time-limit 9.0 --out runs/issue11/b\n"
-        "--preset fast --time-limit 1.0 --out runs/issue11/c\n"
-        "then --preset too_late --time-limit 9.0 --out runs/issue11/d\n"
-    )
-    calls = tmp_path / "calls.log"
-    done = subprocess.run(
+    commands.write_text(lines)
+    return subprocess.run(
         ["bash", "experiments/device_batch.sh", str(commands), "0"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
         timeout=60,
+    )
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_then_lines_wait_for_the_line_above_and_get_the_time_left(tmp_path):
+    env = machine_with_fake_tools(tmp_path)
+    calls = tmp_path / "calls.log"
+    done = run_device_batch(
+        tmp_path,
+        env,
+        "# a comment\n"
+        "--preset slow --time-limit 3.0 --out runs/issue11/a\n"
+        "then --preset after_slow --time-limit 9.0 --out runs/issue11/b\n"
+        "--preset fast --time-limit 1.0 --out runs/issue11/c\n"
+        "then --preset too_late --time-limit 9.0 --out runs/issue11/d\n",
     )
     assert done.returncode == 0, done.stderr
     events = {}
@@ -124,16 +131,7 @@ def test_the_carry_fills_in_what_a_warm_machine_lacks_and_keeps_what_it_has(tmp_
     write_runs(carry / "h" / "runs.jsonl", [{"id": "h1"}])
     (carry / "h" / "runs" / "r9").mkdir(parents=True)
     (carry / "h" / "runs" / "r9" / "state.json").write_text("r9's checkpoint")
-    commands = tmp_path / "commands.txt"
-    commands.write_text("--preset fast --time-limit 1.0 --out runs/issue11/c\n")
-    done = subprocess.run(
-        ["bash", "experiments/device_batch.sh", str(commands), "0"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_device_batch(tmp_path, env, "--preset fast --time-limit 1.0 --out runs/issue11/c\n")
     assert done.returncode == 0, done.stderr
     assert ckpt.read_text() == "step 20, the machine's"  # the warm machine's checkpoint stays
     # r1 is the machine's run: none of the carry's older checkpoints is mixed into it
@@ -161,16 +159,7 @@ def test_a_fresh_machine_gets_the_whole_carry(tmp_path):
     write_runs(carry / "g" / "runs.jsonl", [{"id": "a"}])
     (carry / "g" / "runs" / "r1").mkdir(parents=True)
     (carry / "g" / "runs" / "r1" / "state.json").write_text("r1")
-    commands = tmp_path / "commands.txt"
-    commands.write_text("--preset fast --time-limit 1.0 --out runs/issue11/c\n")
-    done = subprocess.run(
-        ["bash", "experiments/device_batch.sh", str(commands), "0"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_device_batch(tmp_path, env, "--preset fast --time-limit 1.0 --out runs/issue11/c\n")
     assert done.returncode == 0, done.stderr
     machine = tmp_path / "runs" / "issue11"
     assert (machine / "g" / "runs.jsonl").read_text() == '{"id": "a"}\n'

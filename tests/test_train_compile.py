@@ -27,13 +27,13 @@ class Copy:
 
     def get_batch(self, batch_size: int, split: str = "train", step: int = 0, length=None):
         g = torch.Generator().manual_seed(step + (0 if split == "train" else 10_000))
-        ids = torch.randint(0, self.vocab_size, (batch_size, self.seq_len), generator=g)
+        ids = torch.randint(0, self.vocab_size, (batch_size, length or self.seq_len), generator=g)
         labels = torch.full_like(ids, -100)
         labels[:, 1:] = ids[:, :-1]
         return {"input_ids": ids, "labels": labels}
 
     def eval_batches(self, split: str, num_examples: int = 4, batch_size: int = 4, length=None):
-        yield self.get_batch(batch_size, split=split, step=0)
+        yield self.get_batch(batch_size, split=split, step=0, length=length)
 
     def metrics(self, logits: torch.Tensor, batch: dict) -> dict[str, float]:
         mask = batch["labels"] != -100
@@ -48,20 +48,21 @@ def _model() -> DeltaFlowForCausalLM:
     return DeltaFlowForCausalLM(cfg)
 
 
-def _train(tmp_path, compile: str, name: str, **overrides) -> tuple[Trainer, dict]:
+def _train(
+    tmp_path, compile: str, name: str, model=None, task=None, **overrides
+) -> tuple[Trainer, dict]:
+    """Train ``model`` (default :func:`_model`) on ``task`` (default :class:`Copy`) for 2 steps,
+    unless ``overrides`` say otherwise."""
+    settings = dict(task="copy", steps=2, batch_size=4, lr=1e-3, log_every=1, device="cpu")
     cfg = TrainConfig(
-        task="copy",
-        steps=2,
-        batch_size=4,
-        lr=1e-3,
-        log_every=1,
-        device="cpu",
+        **{**settings, **overrides},
         compile=compile,
         progress=False,
         out_dir=str(tmp_path / name),
-        **overrides,
     )
-    trainer = Trainer(cfg, model=_model(), task=Copy(), verbose=True, export_final=False)
+    model = _model() if model is None else model
+    task = Copy() if task is None else task
+    trainer = Trainer(cfg, model=model, task=task, verbose=True, export_final=False)
     summary = trainer.train()
     trainer.close()
     return trainer, summary
@@ -294,17 +295,6 @@ def test_graphed_blocks_mark_a_step_at_each_forward_without_grad(monkeypatch):
     assert marks == [1, 1]
 
 
-class CopyAtLength(Copy):
-    """Copy, evaluated at the length asked for."""
-
-    def eval_batches(self, split: str, num_examples: int = 4, batch_size: int = 4, length=None):
-        g = torch.Generator().manual_seed(length or self.seq_len)
-        ids = torch.randint(0, self.vocab_size, (batch_size, length or self.seq_len), generator=g)
-        labels = torch.full_like(ids, -100)
-        labels[:, 1:] = ids[:, :-1]
-        yield {"input_ids": ids, "labels": labels}
-
-
 @pytest.mark.parametrize("mixers", [None, ["attention", "attention"]], ids=["delta", "attention"])
 def test_compiled_blocks_evaluate_at_many_lengths(tmp_path, monkeypatch, mixers):
     """Evaluation runs the compiled blocks eager (models.compile.eager_blocks). Compiled, each
@@ -318,20 +308,8 @@ def test_compiled_blocks_evaluate_at_many_lengths(tmp_path, monkeypatch, mixers)
     model = DeltaFlowForCausalLM(
         DeltaFlowConfig(vocab_size=16, hidden_size=32, num_layers=2, num_heads=2, **extra)
     )
-    cfg = TrainConfig(
-        task="copy",
-        steps=2,
-        batch_size=4,
-        lr=1e-3,
-        device="cpu",
-        compile="blocks",
-        progress=False,
-        out_dir=str(tmp_path / "run"),
-        eval_lengths=list(range(20, 90, 2)),
-    )
-    trainer = Trainer(cfg, model=model, task=CopyAtLength(), export_final=False)
-    summary = trainer.train()
-    trainer.close()
+    lengths = list(range(20, 90, 2))
+    trainer, summary = _train(tmp_path, "blocks", "run", model=model, eval_lengths=lengths)
     assert trainer.compiled
     losses = [summary["eval"][f"loss@{n}"] for n in range(20, 90, 2)]
     assert all(math.isfinite(x) for x in losses), summary["eval"]
@@ -435,21 +413,8 @@ def test_compiled_packed_training_across_document_counts(tmp_path, monkeypatch, 
                 layer_types=["delta", "attention"],
             )
         )
-        cfg = TrainConfig(
-            task="copy",
-            steps=30,
-            batch_size=4,
-            lr=1e-3,
-            log_every=1,
-            device="cpu",
-            compile=mode,
-            progress=False,
-            out_dir=str(tmp_path / mode),
-        )
         graphs = counters["stats"]["unique_graphs"]
-        trainer = Trainer(cfg, model=model, task=PackedCopy(), verbose=True, export_final=False)
-        trainer.train()
-        trainer.close()
+        trainer, _ = _train(tmp_path, mode, mode, model=model, task=PackedCopy(), steps=30)
         if mode == "blocks":
             err = capsys.readouterr().err
             assert "running the blocks eager" not in err, err
