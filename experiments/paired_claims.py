@@ -63,6 +63,7 @@ ONE_PASS_NEW = [
     ("1b", "deltanet", "deltanet_noqnorm"),  # is L2 on q optional for DeltaNet?
 ]
 PADDED = dict(grid="mqar_512_padded", preset="mqar_512", cell="mqar_512x64")
+ZOOLOGY = dict(grid="i33_mqar_zoology_pair", preset="mqar_512_zoology", cell="mqar_512x64_zero")
 CLAIMS = [
     *[Claim(row, a, b, **ONE_PASS) for row, a, b in LM_PAIRS],
     *[Claim(row, a, b, **FIFTY_M) for row, a, b in LM_PAIRS],
@@ -83,6 +84,12 @@ CLAIMS = [
         "mod_arith_brackets",
     ),  # fmt: skip
     Claim("2-GPU", "deltanet_neg", "deltanet", "state_tracking_15k", "state_tracking", "mod_arith"),
+    # issue 33 (session 32): the paper's uniform 40-256 metric at 15,000 steps, 6 seeds
+    Claim(
+        "2b", "deltanet_neg", "deltanet", "i24_mod_arith_15k", "state_tracking_uniform", "mod_arith"
+    ),
+    # issue 33 (session 32): Zoology's data and recipe (4000 steps), its own linear attention
+    *[Claim("6", "deltanet", "linear_zoology", width=w, **ZOOLOGY) for w in (64, 128)],
 ]
 SETTING = {  # what each grid is: for the table, and shorter for the plot
     "lm_corpus_1pass": ("LM, one pass (7.06M tokens), ppl@512", "LM 1 pass"),
@@ -91,6 +98,11 @@ SETTING = {  # what each grid is: for the table, and shorter for the plot
     "mqar_512_8k": ("MQAR 512x64, preset setting, 8000 steps", "MQAR preset, 8k steps"),
     "state_tracking": ("state tracking, 2000 steps, scaled acc.", "2k steps"),
     "state_tracking_15k": ("state tracking, 15,000 steps, scaled acc.", "15k steps"),
+    "i24_mod_arith_15k": (
+        "state tracking, 15,000 steps, scaled acc. uniform over lengths 40-256",
+        "15k steps, uniform 40-256",
+    ),
+    "i33_mqar_zoology_pair": ("MQAR 512x64, Zoology's data and recipe, 4000 steps", "MQAR Zoology"),
 }
 
 
@@ -127,6 +139,10 @@ def measure(claim: Claim) -> PairedDifference:
     )
 
 
+# grids that re-ran another grid's runs eager (compile 'off', a runtime field: same run ids)
+EAGER_RERUNS = ("i33_lm_transformer_eager",)
+
+
 def length_ratios(grids: tuple[str, ...], same_tokens: bool) -> dict[str, list[float]]:
     """variant -> ppl@1024 / ppl@512 of each finished run (extrapolation to 2x length), of the
     runs whose two lengths scored the same tokens (issue 24's fix) or of those before it."""
@@ -137,7 +153,9 @@ def length_ratios(grids: tuple[str, ...], same_tokens: bool) -> dict[str, list[f
             if run.get("status") != "ok" or "ppl@1024" not in e:
                 continue
             if (e.get("num_tokens@1024") == e.get("num_tokens@512")) == same_tokens:
-                ratios.setdefault(run["variant"], []).append(e["ppl@1024"] / e["ppl@512"])
+                # session 32's eager re-runs of compiled Transformer runs (same ids): apart
+                name = run["variant"] + (" (eager)" if grid in EAGER_RERUNS else "")
+                ratios.setdefault(name, []).append(e["ppl@1024"] / e["ppl@512"])
     return ratios
 
 
@@ -223,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     out = p.parse_args(argv or []).out
     out.mkdir(parents=True, exist_ok=True)
     results = [(claim, measure(claim)) for claim in CLAIMS]
-    grids = ("i24_lm_length", "lm_corpus_1pass")
+    grids = ("i24_lm_length", "lm_corpus_1pass", *EAGER_RERUNS)
     same_tokens, mixed = (length_rows(length_ratios(grids, same)) for same in (True, False))
     text = f"""# Issue 11's claims, paired by seed
 
@@ -242,7 +260,9 @@ t = 12.7, so a two-seed interval rarely excludes zero: that is what two seeds ca
 ## Perplexity at 2x the training length (one pass, ppl@1024 / ppl@512 per run)
 
 Same tokens at both lengths (issue 24's fix: the 2x windows score the 1x windows' tokens with
-twice the context; `i24_lm_length` and the one-pass runs trained since):
+twice the context; `i24_lm_length` and the one-pass runs trained since). Those ran with
+compiled blocks (the CUDA default then); "transformer (eager)" is session 32's eager re-run of
+the same three Transformer runs (`i33_lm_transformer_eager`), which trained ~11 ppl better:
 
 {same_tokens}
 
