@@ -80,17 +80,21 @@ def auto_leaves_eager(model: nn.Module) -> str | None:
     it compiles them); ``compile='blocks'`` compiles them anyway.
 
     Softmax attention: session 31's Transformer LM runs (lab preset lm_corpus_1pass, H200,
-    torch 2.11) trained 7-16 ppl worse compiled than the same run ids eager a week earlier,
-    while DeltaNet and Gated DeltaNet reproduced within 1.2 ppl; on the CPU compiled and eager
-    agree (aot_eager and inductor), so the cause is on the GPU (CUDA graphs, checkpointing of
-    SDPA, or inductor's CUDA code: ``benchmarks/check_training.py --rules softmax,hybrid
-    --lm-models transformer`` tells which). Until that check passes, auto keeps them eager."""
+    torch 2.11) trained 7-16 ppl worse compiled than the same run ids eager in session 8, while
+    DeltaNet and Gated DeltaNet reproduced within 1.2 ppl. Session 32 re-ran the three eager:
+    145.9 / 148.8 / 139.7 ppl (session 8: 143.1 / 144.0 / 143.3; compiled 158.8 / 158.8 /
+    150.1), the compiled runs' training loss 0.07-0.14 nats higher on 3/3 seeds. Yet compiled
+    and eager gradients agree at small shapes on the GPU (fp32 2e-6; autocast and bf16 within
+    eager's own error) and on the CPU the curves agree, so the cause is not found
+    (``results/issue33/README.md``, session 32). Until ``benchmarks/check_training.py --rules
+    softmax --lm-models transformer`` passes at the preset's recipe, auto keeps them eager.
+    """
     from deltaflow.layers.softmax_attention import SoftmaxAttention
 
     if any(isinstance(m, SoftmaxAttention) for m in model.modules()):
         return (
-            "softmax-attention layers: compiled training of them is not verified on the GPU "
-            "(session 31: Transformer LM runs 7-16 ppl worse than eager); compile='blocks' "
+            "softmax-attention layers: compiled, they train worse on the GPU "
+            "(Transformer LM runs ~11 ppl worse than eager, cause not found); compile='blocks' "
             "forces it"
         )
     return None
