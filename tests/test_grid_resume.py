@@ -321,3 +321,51 @@ def test_committed_grids_keep_their_run_ids():
     committed = Path(__file__).parents[1] / "results" / "quick" / "runs.jsonl"
     ids = {json.loads(line)["id"] for line in committed.read_text().splitlines() if line}
     assert ids == {s.run_id for s in expand_grid(get_preset("quick"), device="auto")}
+
+
+def test_committed_zoology_grids_keep_their_run_ids():
+    """mqar_512_zoology's committed records (issue 33) keep their ids now that TrainConfig has
+    early_stop: a field that changes training, left out of ids at its old value (None)."""
+    from deltaflow.lab import get_preset
+    from deltaflow.lab.grid import LATER_FIELD_DEFAULTS
+
+    assert LATER_FIELD_DEFAULTS["early_stop"] is None
+    ids = set()
+    for name in ("i33_mqar_zoology_attention", "i33_mqar_zoology_eager", "i33_mqar_zoology_pair"):
+        committed = Path(__file__).parents[1] / "results" / "issue11" / name / "runs.jsonl"
+        ids |= {json.loads(line)["id"] for line in committed.read_text().splitlines() if line}
+    preset = get_preset("mqar_512_zoology")
+    preset.seeds, preset.lrs = [0, 1, 2], [*preset.lrs, 1e-3]  # the commands' --seeds, --lrs
+    specs = expand_grid(preset, device="cuda")
+    assert len(ids) == 16 and ids <= {s.run_id for s in specs}
+    # an early stop is another run: ids of their own
+    stopped = expand_grid(preset, device="cuda", overrides={"early_stop": "accuracy>=0.99"})
+    assert not {s.run_id for s in stopped} & {s.run_id for s in specs}
+
+
+def test_a_grid_with_an_early_stop_records_where_each_run_stopped(tmp_path, straight):
+    """--set early_stop=...: runs that reach it end finished ("ok") at that evaluation, and the
+    record says where (None: the run trained every step)."""
+    threads = torch.get_num_threads()  # threads=1 below is for the process: set back after
+    try:
+        _early_stop_grids(tmp_path, straight)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _early_stop_grids(tmp_path, straight) -> None:
+    overrides = {"early_stop": "loss<=1e9"}  # reached at the first evaluation (step 10 of 20)
+    stopped = expand_grid(tiny_preset(), device="cpu", overrides=overrides)[:1]
+    never = expand_grid(tiny_preset(), device="cpu", overrides={"early_stop": "loss<=1e-9"})[:1]
+    (record,) = runner.run_grid(stopped, tmp_path / "a", progress=False, threads=1)
+    assert record["status"] == "ok" and record["stopped_early_at"] == 10
+    assert [e["step"] for e in record["eval_curve"]] == [10]
+    assert record["curve"][-1][0] == 10 and record["config"]["early_stop"] == "loss<=1e9"
+    (record,) = runner.run_grid(never, tmp_path / "b", progress=False, threads=1)
+    assert record["status"] == "ok" and record["stopped_early_at"] is None
+    assert [e["step"] for e in record["eval_curve"]] == [10, 20]
+    # --resume: the early-stopped run is a finished one (its record kept, nothing trained)
+    (again,) = runner.run_grid(stopped, tmp_path / "a", progress=False, resume=True)
+    assert again["stopped_early_at"] == 10
+    # a grid without early_stop keeps records as before
+    assert not [r for r in straight[0].values() if "stopped_early_at" in r]

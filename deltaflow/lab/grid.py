@@ -26,8 +26,9 @@ from deltaflow.train.schedule import effective_warmup
 # ids, so committed grids keep their ids (--resume, --report-only).
 RUNTIME_ONLY_FIELDS = fields_left_out_of_run_ids()
 # Fields that came later and do change training, at the value every older grid trained with:
-# left out of run ids at that value only (a wsd grid gets ids of its own).
-LATER_FIELD_DEFAULTS = {"schedule": "cosine", "decay_fraction": 0.2}
+# left out of run ids at that value only (a wsd grid gets ids of its own, and so does a grid
+# with an early stop).
+LATER_FIELD_DEFAULTS = {"schedule": "cosine", "decay_fraction": 0.2, "early_stop": None}
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class RunSpec:
             config.pop(name, None)
         for name, old in LATER_FIELD_DEFAULTS.items():
             if config.get(name) == old:
-                config.pop(name)
+                config.pop(name, None)
         if str(config.get("device", "")).startswith("cuda:"):  # which GPU of a host ran it is
             config["device"] = "cuda"  # not part of the run: 'cuda:1' resumes a 'cuda' run
         text = json.dumps(config, sort_keys=True)

@@ -313,7 +313,10 @@ MQAR_512_ZOOLOGY = Preset(
         "MQAR (512, 64 pairs, vocab 8192, 100,000 training examples) under Zoology's own "
         "protocol: filler tokens 0 in the query region, AdamW (weight decay 0.1, betas 0.9/"
         "0.999, no clipping), no warmup, cosine to 0, batch 128, lrs 1e-4/4.6e-4/2.2e-3/1e-2; "
-        "Zoology's attention (1 head, learned positions, no MLP) beside the harness's models."
+        "Zoology's attention (1 head, learned positions, no MLP) beside the harness's models. "
+        "Zoology's budget and early stop for attention: --steps 50048 --set "
+        "'early_stop=accuracy>=0.99' (cosine over 64 epochs, each run ending at its first "
+        "evaluation >= 0.99, step ~4000-6000; its own run ids)."
     ),
     base={
         "steps": 4000,

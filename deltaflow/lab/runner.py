@@ -128,6 +128,8 @@ def run_one(
         record.update(status="ok", eval=summary["eval"], train_loss=summary["train_loss"])
         record["device_name"] = device_name(cfg.device)
         record["num_params"] = summary["num_params"]
+        if cfg.early_stop is not None:  # the step it reached early_stop; None: never did
+            record["stopped_early_at"] = summary.get("stopped_early_at")
     except DivergenceError as err:
         record.update(status="diverged", error=str(err), eval={})
     except Exception as err:  # noqa: BLE001 -- one broken grid point must not kill the grid

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from deltaflow.train.early_stop import EarlyStop, check_early_stop
 from deltaflow.train.schedule import SCHEDULES, effective_warmup
 from deltaflow.validation import (
     check_bool,
@@ -136,6 +137,15 @@ class TrainConfig:
         group="evaluation",
         runtime=True,
     )
+    early_stop: str | None = _field(
+        None,
+        "stop once the headline evaluation metric reaches a threshold, checked at every "
+        "evaluation (eval_every): METRIC>=X or METRIC<=X (quote it in a shell), e.g. "
+        "'accuracy>=0.99' (Zoology's MQAR protocol) or 'loss<=1.2'; the run then ends "
+        "finished at that step, final checkpoint and export written (default: off)",
+        group="evaluation",
+        metavar="METRIC>=X",
+    )
     # --- I/O and runtime
     out_dir: str | None = _field(
         None,
@@ -239,6 +249,7 @@ class TrainConfig:
         """Types of every field, then ranges, then the task and model sections and the
         cross-field rules. Raises a one-line ``ValueError`` / ``TypeError`` naming the field."""
         hints = field_types()
+        self.early_stop = check_early_stop(self.early_stop)  # before the str check
         for f in dataclasses.fields(self):
             setattr(self, f.name, _check_type(f.name, getattr(self, f.name), hints[f.name]))
 
@@ -294,7 +305,17 @@ class TrainConfig:
         check_device_name(self.device)
         if self.eval_lengths is not None and not all(n > 0 for n in self.eval_lengths):
             raise ValueError(f"eval_lengths must be positive, got {self.eval_lengths}")
+        if self.early_stop is not None and self.eval_every == 0:
+            raise ValueError(
+                f"early_stop {self.early_stop!r} is checked at each evaluation: set "
+                "eval_every > 0 (with eval_every 0 the run evaluates only at its end)"
+            )
         self._validate_sections()
+
+    @property
+    def early_stop_rule(self) -> EarlyStop | None:
+        """``early_stop`` parsed (None: off)."""
+        return None if self.early_stop is None else EarlyStop.parse(self.early_stop)
 
     def _validate_sections(self) -> None:
         """task_kwargs / eval_kwargs against the task's signatures (for registered tasks: a
@@ -311,6 +332,8 @@ class TrainConfig:
                 if name in hints:
                     _check_type(f"task_kwargs.{name}", value, hints[name])
             check_known_keys("eval_kwargs", self.eval_kwargs, eval_options(TASKS[key]))
+            if self.early_stop is not None:
+                EarlyStop.parse(self.early_stop).check_task(self.task, TASKS[key])
         if "vocab_size" in self.model:
             raise ValueError("model.vocab_size is taken from the task; remove it from the config")
         if self.model:

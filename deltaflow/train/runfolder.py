@@ -113,6 +113,15 @@ class RunFolderMixin:
         old_steps = int(saved.get("steps", cfg.steps))
         trained_out = int(state["step"]) >= old_steps  # every step of the old schedule is done
         only_steps = [d for d in diffs if d[0] != "steps"] == []
+        early = state.get("stopped_early_at") if state.get("finished") else None
+        if diffs and only_steps and early is not None:
+            return RunPlan(
+                notes=plan.notes,
+                error=f"cannot resume {out} with other steps: it stopped early at step {early} "
+                f"(early_stop {saved.get('early_stop')}), finished; continue its final "
+                "checkpoint in a new folder with --fork NEWDIR (e.g. with another early_stop), "
+                "or start over with --no-resume (archives it)",
+            )
         if diffs and only_steps and trained_out and cfg.steps > old_steps:
             plan.extend_from = old_steps
             plan.notes.append(
@@ -175,11 +184,14 @@ class RunFolderMixin:
             self.window_tokens = int(state["window_tokens"])
         # the final checkpoint of this very run (not of a fork's source, nor of the shorter run
         # being extended): the final evaluation is in it and in the log
+        early = saved_info.get("stopped_early_at")  # finished there by early_stop
         self.final_eval_done = (
             self.plan.fork is None
             and bool(saved_info.get("finished"))
-            and self.step >= self.config.steps
+            and (self.step >= self.config.steps or early is not None)
         )
+        if self.final_eval_done and early is not None:
+            self.stopped_early_at = int(early)  # a finished run: resuming trains no further
         return {k: state[k] for k in ("log_records",) if k in state}
 
     def seconds(self) -> float:

@@ -74,6 +74,7 @@ from deltaflow.train.dist import (
     join_process_group,
     resolve_device,
 )
+from deltaflow.train.early_stop import EarlyStopMixin
 from deltaflow.train.evaluation import EvaluationMixin
 from deltaflow.train.export import export_checkpoint, write_pretrained
 from deltaflow.train.logging import RunLogger, read_log
@@ -90,7 +91,9 @@ class DivergenceError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- the trainer
-class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, CompileMixin):
+class Trainer(
+    RunFolderMixin, EvaluationMixin, EarlyStopMixin, StoppingMixin, MemoryFitMixin, CompileMixin
+):
     """Train ``model`` on ``task`` as ``config`` says. Builds both from the config if not given.
 
     ``callbacks`` are called as ``fn(trainer, step)`` after every completed optimizer step
@@ -211,6 +214,8 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         self.window_tokens = 0
         self.last_eval: dict[str, float] = {}
         self.final_eval_done = False  # resumed from a finished run's final checkpoint
+        # the step at which the evaluation reached config.early_stop (the run then ended)
+        self.stopped_early_at: int | None = None
         self.stopped: str | None = None  # name of the signal that stopped the run
         self._signal: str | None = None
         self._trust_checkpoint = trust_checkpoint
@@ -399,7 +404,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
             initial=self.step,
             desc=f"train {cfg.task}",
             unit="step",
-            disable=not (cfg.progress and main) or self.step >= cfg.steps,
+            disable=not (cfg.progress and main) or self.step >= cfg.steps or self.final_eval_done,
             dynamic_ncols=True,
         )
         was_finished = self.final_eval_done  # resumed from this run's final checkpoint
@@ -407,7 +412,7 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         last_save = time.perf_counter()  # for checkpoint_seconds
         try:
             with self._signal_handlers():
-                while self.step < cfg.steps:
+                while self.step < cfg.steps and self.stopped_early_at is None:
                     loss, grad_norm, tokens = self._train_step_first(self.step)
                     self.step += 1
                     self.window_loss += loss
@@ -419,8 +424,13 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
                         window_start = time.perf_counter()
                     if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                         self.last_eval = self._eval_and_log()
+                        if self._early_stop_reached(self.last_eval):
+                            self.stopped_early_at = self.step
+                            if self.window_steps:  # the log ends on this step's record
+                                self._log_window(grad_norm, tokens, window_start, bar)
                     reason = None
-                    if self.step < cfg.steps:  # the end saves anyway (below)
+                    # the end saves anyway (below), an early stop's end too
+                    if self.step < cfg.steps and self.stopped_early_at is None:
                         reason, due = self._stop_or_due(last_save)
                         if reason is not None and main:  # before the save: the record is kept
                             self.logger.log("event", self.step, event="stop", reason=reason)
@@ -434,10 +444,16 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
                     if reason is not None:
                         self.stopped = None if reason == "deadline" else reason
                         break
-                finished = self.step >= cfg.steps
+                    if self.stopped_early_at is not None:
+                        break
+                early = self.stopped_early_at
+                finished = self.step >= cfg.steps or early is not None
                 if finished and not self.final_eval_done:
-                    self.last_eval = self._eval_and_log()
-                    self.save({"finished": True})
+                    if early is None:
+                        self.last_eval = self._eval_and_log()
+                        self.save({"finished": True})
+                    else:  # evaluated at this very step: the final checkpoint carries it
+                        self.save({"finished": True, "stopped_early_at": early})
                     self.final_eval_done = True
         finally:
             bar.close()
@@ -452,6 +468,8 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         }
         if self.stopped is not None:
             summary["stopped"] = self.stopped
+        if self.stopped_early_at is not None:  # finished before config.steps: early_stop
+            summary["stopped_early_at"] = self.stopped_early_at
         if finished and cfg.out_dir is not None:
             with self._signal_handlers():  # a signal now waits for the final files
                 summary = self._finish(summary, was_finished)
@@ -497,9 +515,11 @@ class Trainer(RunFolderMixin, EvaluationMixin, StoppingMixin, MemoryFitMixin, Co
         done = was_finished and path.is_file() and (final_dir.is_dir() or not exportable)
         recorded = json.loads(path.read_text()) if done else {}
         if done and recorded.get("step") == self.step:
+            how = "give a larger --steps to extend it"
+            if self.stopped_early_at is not None:  # ended by early_stop: more steps cannot help
+                how = f"it stopped early ({self.config.early_stop}): --fork NEWDIR trains on"
             self.note(
-                f"{out} already finished at step {self.step}: give a larger --steps to extend "
-                "it, --no-resume to start over"
+                f"{out} already finished at step {self.step}: {how}, --no-resume to start over"
             )
             return {**recorded, "already_finished": True}
         if exportable:
