@@ -183,3 +183,26 @@ def test_resume_refuses_a_checkpoint_of_the_other_parallel_mode(tmp_path):
         Trainer(lm_config(tmp_path, steps=2, out_dir=out, parallel="ddp"))
     with pytest.raises(ValueError, match="parallel must be 'ddp' or 'fsdp'"):
         lm_config(tmp_path, parallel="zero3")
+
+
+def _early_stop_worker(rank: int, world: int, port: int, tmp_dir: str) -> None:
+    set_rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    tmp = Path(tmp_dir)
+    cfg = lm_config(tmp, out_dir=str(tmp / "early"), eval_every=2, early_stop="loss<=1000")
+    trainer = Trainer(cfg)
+    trainer.train()
+    (tmp / f"early_rank{rank}.json").write_text(json.dumps(trainer.step))
+    trainer.close()
+
+
+def test_ddp_early_stop_ends_every_rank_at_rank0s_step(tmp_path):
+    """early_stop under DDP: rank 0 decides at the first evaluation (step 2, a loss any
+    model meets) and every rank leaves the loop there; a rank that trained on would hang in
+    its next gradient all-reduce (spawn_ranks' deadline fails the test then)."""
+    write_corpus(tmp_path)
+    spawn_ranks(_early_stop_worker, (2, free_port(), str(tmp_path)), world=2)
+    steps = [json.loads((tmp_path / f"early_rank{r}.json").read_text()) for r in (0, 1)]
+    assert steps == [2, 2]
+    final = json.loads((tmp_path / "early" / "final.json").read_text())
+    assert final["stopped_early_at"] == 2
