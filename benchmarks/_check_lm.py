@@ -289,3 +289,25 @@ def merge_lm(report: dict[str, Any], row: dict[str, Any]) -> None:
     entry = report.setdefault(f"lm_{parts[1]}", {"runs": {}})
     entry["runs"][parts[2]] = body
     entry.update(runs_verdict(parts[1], entry["runs"]))
+
+
+def summary(report: dict[str, Any]) -> list[str]:
+    """One line per compiled run of the per-run models: validation and train loss against
+    eager's, and whether it stayed compiled (the report's end, printed by the parent)."""
+    lines = []
+    for key in sorted(k for k in report if k.startswith("lm_") and "runs" in report[k]):
+        runs, entry = report[key]["runs"], report[key]
+        eager = runs.get("eager", {})
+        for name, run in runs.items():
+            if name == "eager":
+                continue
+            prefix = "" if name == "compiled" else f"{name}_"
+            fell_back = run.get("reason") or run.get("compile_fallback") or run.get("error")
+            lines.append(
+                f"{key[3:]} {name}: validation loss {run.get('val_loss')} vs eager "
+                f"{eager.get('val_loss')} (diff {entry.get(prefix + 'val_loss_diff')}, tol "
+                f"{VAL_TOL}), final train loss diff {entry.get(prefix + 'final_train_loss_diff')}"
+                f", compiled {run.get('compiled_blocks')}{f' ({fell_back})' if fell_back else ''}"
+            )
+        lines.append(f"{key[3:]}: ok {entry['ok']}")
+    return lines

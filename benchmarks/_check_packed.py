@@ -135,3 +135,14 @@ def packed_row(unit: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
         flush=True,
     )
     return row
+
+
+def summary(report: dict[str, Any]) -> list[str]:
+    """One line per packed case of the report (printed by the parent at the end)."""
+    return [
+        f"packed {key[7:]} ({row.get('backend')}): compiled {row.get('compiled')}, max |loss "
+        f"diff| {row.get('max_abs_loss_diff')} (tol {PACKED_TOL}), fallback "
+        f"{row.get('compile_fallback') or row.get('error')}, ok {row['ok']}"
+        for key, row in sorted(report.items())
+        if key.startswith("packed_")
+    ]

@@ -595,6 +595,8 @@ def main(argv: list[str] | None = None) -> None:
     run_units(units, args, report, save)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     save()
+    for line in lm_check.summary(report) + packed_check.summary(report):
+        print(line, flush=True)
     print(f"wrote {path} ({report['seconds']} s)")
     if report["failed"]:
         raise SystemExit(f"check_training: FAILED {', '.join(report['failed'])} (see {path})")

@@ -113,6 +113,10 @@ def test_softmax_attention_units_isolate_the_factors():
         "loss curves (transformer)",
         "packed (longhorn)",
     ]
+    lines = ct.lm_check.summary(report) + ct.packed_check.summary(report)
+    assert len(lines) == 6 and lines[3] == "transformer: ok False"
+    assert lines[1].startswith("transformer compiled_no_graphs: validation loss 5.09 vs eager 5.0")
+    assert lines[5].startswith("packed longhorn") and lines[5].endswith("ok False")
     args = ct.parse(["--smoke"])
     assert args.rules == ["delta", "softmax"] and args.lm_models == (
         "gated_deltanet",
@@ -238,3 +242,25 @@ def test_draws_judge_means_over_one_compile(monkeypatch):
         two["per_draw"]["grad_err_eager_vs_fp32"][0] != two["per_draw"]["grad_err_eager_vs_fp32"][1]
     )
     assert two["ok"] == ct.entry_ok(two, "autocast")
+
+
+def test_packed_unit_reports_a_fallback_and_its_traceback(tmp_path, monkeypatch):
+    """A packed case whose compiled run falls back to eager at its first step (a dynamo
+    backend that raises, as inductor does when it cannot generate a kernel) fails, with the
+    fallback line and the error's traceback in its row (session 32's torch-backend case fell
+    back on CUDA and its reason was not kept); the eager losses are the same run's."""
+    import argparse
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("simulated inductor failure\nsecond line of the report")
+
+    monkeypatch.setattr(ct.packed_check, "PACKED_STEPS", 3)
+    args = argparse.Namespace(smoke=True, compile_backend=failing_backend)
+    row = ct.packed_check.packed_row("packed:longhorn", args, tmp_path)
+    assert row["compiled"] is False and row["ok"] is False
+    assert "simulated inductor failure" in row["compile_fallback"]
+    assert "RuntimeError" in row["fallback_traceback"]
+    assert row["max_abs_loss_diff"] == 0.0 and row["logged"] == [3, 3]
+    args.compile_backend = "eager"
+    row = ct.packed_check.packed_row("packed:longhorn", args, tmp_path)
+    assert row["compiled"] is True and row["ok"] is True and "fallback_traceback" not in row
