@@ -79,7 +79,9 @@ def recipe_config(args: argparse.Namespace, smoke_lm: dict[str, int] | None) -> 
     preset, variant = RECIPE
     shared = str(Path(args.lm_data).parent)  # the {shared} paths, replaced below
     specs = expand_grid(get_preset(preset), steps=args.lm_steps, shared=shared)
-    spec = next(s for s in specs if s.variant == variant and s.seed == args.lm_seed)
+    spec = next((s for s in specs if s.variant == variant and s.seed == args.lm_seed), None)
+    if spec is None:
+        raise ValueError(f"--lm-seed {args.lm_seed}: not one of {preset}'s seeds")
     data = spec.config.to_dict()
     seq_len = data["task_kwargs"]["seq_len"]
     if smoke_lm is not None:
@@ -91,13 +93,19 @@ def recipe_config(args: argparse.Namespace, smoke_lm: dict[str, int] | None) -> 
         }
     data["task_kwargs"].update(_task_kwargs(args, seq_len))
     data.update(log_every=1, eval_every=0, eval_lengths=[seq_len], resume=False, progress=False)
+    data["ckpt_minutes"] = 0  # as the lab's runs: no checkpoint on the clock
     return data
 
 
 def train_run(
-    args: argparse.Namespace, cfg: Any, model: torch.nn.Module, name: str, by_trainer: bool
+    args: argparse.Namespace,
+    cfg: Any,
+    model: torch.nn.Module | None,
+    name: str,
+    by_trainer: bool,
 ) -> dict[str, Any]:
-    """Train ``model`` with ``cfg``; run ``name`` (``eager*`` or a compiled variant). Compiled
+    """Train ``model`` (None: the trainer builds it, as a lab run) with ``cfg``; run ``name``
+    (``eager*`` or a compiled variant). Compiled
     by the trainer (``by_trainer``: ``cfg.compile='blocks'``) with the check's backend and the
     variant's CUDA graphs / selective checkpointing; else as the caller built it. Returns the
     logged train losses, the last validation record, seconds and what the run did."""
@@ -217,15 +225,12 @@ def recipe_run(
     a compiled variant, ``compile='blocks'``): its curve, final train loss (mean of the last
     LAST logged) and validation loss at the end."""
     from deltaflow.train import TrainConfig
-    from deltaflow.train.build import build_model, build_task
 
     data = recipe_config(args, smoke_lm)
     data["compile"] = "off" if name == "eager" else "blocks"
     data["out_dir"] = str(out / f"lm_{RECIPE[1]}_{name}")
     cfg = TrainConfig.from_dict(data)
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, build_task(cfg).vocab_size)
-    run = train_run(args, cfg, model, name, by_trainer=True)
+    run = train_run(args, cfg, None, name, by_trainer=True)  # the model: the lab run's
     losses = run["losses"]
     run["final_train_loss"] = sum(losses[-LAST:]) / len(losses[-LAST:])
     run["val_loss"] = run.get("eval", {}).get("loss")

@@ -174,10 +174,9 @@ def test_transformer_recipe_is_the_presets():
     args = ct.parse(["--lm-data", "/data/corpus", "--lm-tokenizer", "/t/gpt2.tiktoken"])
     data = ct.lm_check.recipe_config(args, None)
     assert data["steps"] == 431 and data["model"]["attn_every"] == 1  # today's preset
-    same = [k for k in lab if k not in ("task_kwargs", "log_every", "eval_every", "eval_lengths")]
-    assert {k: data[k] for k in same if k not in ("resume",)} == {
-        k: lab[k] for k in same if k not in ("resume",)
-    }
+    set_here = ("task_kwargs", "log_every", "eval_every", "eval_lengths", "resume", "ckpt_minutes")
+    same = [k for k in lab if k not in set_here]
+    assert {k: data[k] for k in same} == {k: lab[k] for k in same}
     assert data["task_kwargs"] == {
         **lab["task_kwargs"],
         "data_dir": "/data/corpus",
@@ -187,6 +186,8 @@ def test_transformer_recipe_is_the_presets():
     assert data["eval_kwargs"] == {"num_examples": 256, "batch_size": 16}
     seeded = ct.lm_check.recipe_config(ct.parse([*args.forwarded, "--lm-seed", "2"]), None)
     assert seeded["seed"] == 2 and seeded["task_kwargs"]["seed"] == 2
+    with pytest.raises(ValueError, match="--lm-seed 99"):
+        ct.lm_check.recipe_config(ct.parse([*args.forwarded, "--lm-seed", "99"]), None)
     smoke = ct.lm_check.recipe_config(
         ct.parse(["--smoke", "--lm-data", "/c"]), ct.lm_check.SMOKE_LM
     )
