@@ -17,20 +17,17 @@ and the eager loss curve? Its passing is what flips ``CUDA_BLOCKS_VERIFIED`` (mo
    ``transformer`` variant (``attn_every=1``: RoPE, SDPA, SwiGLU), ``hybrid`` alternates delta
    and attention layers (``attn_every=2``); each runs ``model``, ``model_no_sac`` (selective
    checkpointing off) and ``model_no_graphs`` (CUDA graphs off), which isolate the factor.
-   Session 31 measured the compiled Transformer of ``lm_corpus_1pass`` 0.06-0.17 nats worse
-   in training loss than the eager runs of session 8 (DeltaNet reproduced); on the CPU
-   (aot_eager and inductor, tests/test_train_compile.py) compiled equals eager.
 2. Loss curves (``--lm-data DIR``, in ``_check_lm.py``): the 30M LM of
-   configs/lm_gated_deltanet.yaml trained ``--lm-steps`` steps by the trainer (bf16 autocast
-   on CUDA), eager op by op and with compiled blocks (same seed, same batches). The check
-   compiles the blocks itself (``compile_blocks``, the trainer's call, with the check's
-   backend) and tells the trainer ``compile='off'`` in both runs: each run is the model the
-   check built, whatever the trainer's default on the device.
-   ``--lm-models transformer`` (in the default run): the lab's ``transformer`` at the same
-   size, trained eager and compiled by the trainer itself (``compile='blocks'``: selective
-   checkpointing, CUDA graphs and the per-step cudagraph marks of a real run) and compiled
-   without CUDA graphs (``compiled_no_graphs``) and without selective checkpointing
-   (``compiled_no_sac``); each compiled curve is judged against the eager one.
+   configs/lm_gated_deltanet.yaml trained ``--lm-steps`` steps (bf16 autocast on CUDA), eager
+   op by op and with compiled blocks (same seed and batches), compiled by the check itself
+   (the trainer's call, the check's backend), the trainer told ``compile='off'`` in both.
+   ``--lm-models transformer`` (default run): the lab's ``transformer`` by the recipe that
+   failed, ``lm_corpus_1pass``'s own config (``--lm-seed``), eager (``compile='off'``),
+   compiled by the trainer (``'blocks'``: selective checkpointing, CUDA graphs, cudagraph step
+   marks), without CUDA graphs and without checkpointing, one unit a run; each compiled run's
+   validation loss at the end is judged against eager's (``VAL_TOL``).
+3. Packed documents (``packed:<case>``, ``_check_packed.py``): the Triton delta rule and the
+   torch backend trained 40 steps on packed documents, ``compile='auto'`` (CUDA) vs ``'off'``.
 
 Each unit (a rule's model entries, delta's smallest cases, the loss curves) runs in its own
 process with ``--jobs N`` (the wall time is compiling: the op's kernels per rule and dtype and
@@ -41,9 +38,8 @@ a timeout never loses the results before it. The exit status is 1 when an entry 
     python3 benchmarks/check_training.py --jobs 9 --out benchmarks/results \\
         --lm-data ../shared/corpus --lm-tokenizer ../shared/tokenizers/gpt2.tiktoken
     python3 benchmarks/check_training.py --rules delta --cases layer   # the smallest case
-    python3 benchmarks/check_training.py --jobs 4 --rules softmax,hybrid --lm-models transformer \\
-        --lm-data ../shared/corpus --lm-tokenizer ../shared/tokenizers/gpt2.tiktoken
-        # softmax attention only (session 31's Transformer gap): grads + loss curves
+    python3 benchmarks/check_training.py --jobs 7 --rules softmax --lm-models transformer \\
+        --lm-data shared/corpus --lm-tokenizer shared/tokenizers/gpt2.tiktoken  # the gaps only
     python3 benchmarks/check_training.py --smoke   # CPU interpreter, tiny shapes, temp report
 """
 
@@ -77,8 +73,9 @@ from _common import (
 if smoke_requested():
     smoke_env()  # before torch/triton are imported
 
+import _check_lm as lm_check  # noqa: E402
+import _check_packed as packed_check  # noqa: E402
 import torch  # noqa: E402
-from _check_lm import LM, LM_MODELS, LM_TOL, SMOKE_LM, lm_curves, set_fused  # noqa: E402
 
 from deltaflow.layers import DeltaAttention, conv  # noqa: E402
 from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM  # noqa: E402
@@ -182,7 +179,7 @@ def build(case: str, rule: str, setup: Setup, draw: int = 0) -> tuple[torch.nn.M
         def loss(m: torch.nn.Module, mode: str) -> torch.Tensor:
             return m(input_ids=ids, labels=ids).loss
 
-    return set_fused(module, not case.endswith("_unfused")).to(setup.dev).train(), loss
+    return lm_check.set_fused(module, not case.endswith("_unfused")).to(setup.dev).train(), loss
 
 
 def loss_and_grads(
@@ -274,13 +271,17 @@ def entry_ok(entry: dict[str, Any], mode: str) -> bool:
 
 
 def plan_units(
-    rules: list[str], cases: list[str], lm: bool, lm_models: tuple[str, ...] = ("gated_deltanet",)
+    rules: list[str],
+    cases: list[str],
+    lm: bool,
+    lm_models: tuple[str, ...] = ("gated_deltanet",),
+    packed: tuple[str, ...] = (),
 ) -> list[str]:
     """The units of work, each one process with --jobs > 1: ``grads:<rule>:<case,...>`` (a
     rule's model entries; delta's smallest cases in two more units, the layer's and the
     model's: in one they would be the longest unit by far; softmax / hybrid: ATTENTION_CASES),
-    ``lm`` (gated DeltaNet's curves) and ``lm:<model>`` (another of LM_MODELS). Longest
-    first."""
+    ``lm`` (gated DeltaNet's curves), ``lm:<model>:<run>`` (one run of another of LM_MODELS)
+    and ``packed:<case>``. Longest first."""
     units = []
     if "delta" in rules:
         for group in (SMALLEST[:2], SMALLEST[2:]):
@@ -288,14 +289,14 @@ def plan_units(
             if chosen:
                 units.append(f"grads:delta:{','.join(chosen)}")
     if lm:
-        units += [("lm" if m == "gated_deltanet" else f"lm:{m}") for m in lm_models]
+        units += [unit for m in lm_models for unit in lm_check.lm_units(m)]
     attention = [c for c in cases if c in ATTENTION_CASES]
     units += [f"grads:{rule}:{','.join(attention)}" for rule in rules if rule in ATTENTION]
     model = [c for c in cases if c in MODEL_CASES]
     units += [
         f"grads:{rule}:{','.join(model)}" for rule in rules if model and rule not in ATTENTION
     ]
-    return [u for u in units if not u.endswith(":")]
+    return [u for u in units if not u.endswith(":")] + [f"packed:{case}" for case in packed]
 
 
 def run_unit(unit: str, args: argparse.Namespace, setup: Setup, parts: Path) -> list[dict]:
@@ -310,12 +311,13 @@ def run_unit(unit: str, args: argparse.Namespace, setup: Setup, parts: Path) -> 
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
-    if unit == "lm" or unit.startswith("lm:"):
+    if unit.split(":")[0] in ("lm", "packed"):
         t0 = time.perf_counter()
-        model_name = unit.split(":")[1] if ":" in unit else "gated_deltanet"
         try:
-            lm = SMOKE_LM if args.smoke else LM
-            row = {"unit": unit, **lm_curves(args, parts / "lm", lm, model_name)}
+            if unit.startswith("packed:"):
+                row = packed_check.packed_row(unit, args, parts / "packed")
+            else:
+                row = lm_check.lm_row(unit, args, parts / "lm")
         except Exception:  # noqa: BLE001 - recorded; the other units still run
             traceback.print_exc()
             row = {"unit": unit, "ok": False, "error": traceback.format_exc(limit=-3)}
@@ -336,11 +338,11 @@ def run_unit(unit: str, args: argparse.Namespace, setup: Setup, parts: Path) -> 
 
 
 def merge(report: dict[str, Any], unit: str, rows: list[dict], seconds: float) -> None:
-    """Rows into the report: ``gradients[case][rule][mode]``, ``lm`` (``lm_<model>`` for
-    ``lm:<model>``), ``units[unit]``."""
+    """Rows into the report: ``gradients[case][rule][mode]``, ``lm``, ``lm_<model>`` (its
+    ``runs`` and verdict: merge_lm), ``packed_<case>``, ``units[unit]``."""
     for row in rows:
         if "unit" in row:
-            report[row["unit"].replace(":", "_")] = {k: v for k, v in row.items() if k != "unit"}
+            lm_check.merge_lm(report, row)
             continue
         entry = {k: v for k, v in row.items() if k not in ("case", "rule", "mode")}
         report["gradients"].setdefault(row["case"], {}).setdefault(row["rule"], {})
@@ -358,9 +360,9 @@ def failures(report: dict[str, Any], units: list[str]) -> list[str]:
     ]
     if "lm" in report and not report["lm"]["ok"]:
         failed.append("loss curves")
-    for key in sorted(k for k in report if k.startswith("lm_")):
+    for key in sorted(k for k in report if k.startswith(("lm_", "packed_"))):
         if not report[key]["ok"]:
-            failed.append(f"loss curves ({key[3:]})")
+            failed.append(f"loss curves ({key[3:]})" if key[:3] == "lm_" else f"packed ({key[7:]})")
     for unit in units:  # a unit that died may have left some of its rows, not all
         if unit not in report["units"]:
             failed.append(f"{unit} (did not finish)")
@@ -486,11 +488,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lm-data", default=None, help="corpus folder for the loss-curve check")
     p.add_argument("--lm-tokenizer", default=None, help="GPT-2 .tiktoken (default: bytes)")
-    p.add_argument("--lm-steps", type=int, default=None, help="default 200 (smoke: 3)")
+    p.add_argument("--lm-steps", type=int, default=None, help="200, transformer: preset's; smoke 3")
+    p.add_argument("--lm-seed", type=int, default=0, help="the transformer recipe's seed")
+    p.add_argument("--packed", default=",".join(packed_check.PACKED), help="cases, or none")
     p.add_argument(
         "--lm-models",
         default=None,
-        help=f"comma-separated loss-curve models of {tuple(LM_MODELS)} (default: all)",
+        help=f"comma-separated loss-curve models of {tuple(lm_check.LM_MODELS)} (default: all)",
     )
     p.add_argument(
         "--compile-backend",
@@ -507,14 +511,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     known = [*triton_rules(), *ATTENTION]
     smoke_rules = ["delta", "softmax"]
     rules = args.rules.split(",") if args.rules else smoke_rules if args.smoke else known
-    lm_models = args.lm_models.split(",") if args.lm_models else list(LM_MODELS)
+    lm_models = args.lm_models.split(",") if args.lm_models else list(lm_check.LM_MODELS)
+    packed = [] if args.packed == "none" else args.packed.split(",")
     modes = args.modes.split(",") if args.modes else SMOKE_MODES if args.smoke else MODES
     cases = args.cases.split(",") if args.cases else SMOKE_CASES if args.smoke else CASES
     for name, values, choices in (
         ("--rules", rules, known),
         ("--modes", modes, MODES),
         ("--cases", cases, CASES),
-        ("--lm-models", lm_models, tuple(LM_MODELS)),
+        ("--lm-models", lm_models, tuple(lm_check.LM_MODELS)),
+        ("--packed", packed, tuple(packed_check.PACKED)),
     ):
         bad = [v for v in values if v not in choices]
         if bad:
@@ -526,9 +532,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.draws < 1:
         p.error(f"--draws must be >= 1, got {args.draws}")
     args.rules, args.modes, args.cases, args.lm_models = rules, modes, cases, tuple(lm_models)
+    args.packed = tuple(packed)
     args.compile_backend = args.compile_backend or ("eager" if args.smoke else "inductor")
-    if args.lm_steps is None:
-        args.lm_steps = 3 if args.smoke else 200
+    if args.lm_steps is None and args.smoke:
+        args.lm_steps = 3  # else None: gated DeltaNet 200, the transformer its preset's
     return args
 
 
@@ -552,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
         args.lm_data = str(smoke_corpus(out / "corpus"))
         args.forwarded += ["--lm-data", args.lm_data]
     args.forwarded += ["--parts", args.parts, "--out", str(out)]
-    units = plan_units(args.rules, args.cases, bool(args.lm_data), args.lm_models)
+    units = plan_units(args.rules, args.cases, bool(args.lm_data), args.lm_models, args.packed)
     report: dict[str, Any] = {
         "device": device_name(dev.type),
         "commit": git_commit(),
@@ -565,7 +572,9 @@ def main(argv: list[str] | None = None) -> None:
             "half_ratio": HALF_RATIO,
             "half_ratio_of": "mean over parameters of |g - g_ref| / |g_ref| (L2), averaged over "
             f"{args.draws} draw(s) of weights and batch",
-            "lm_mean_abs_diff_last_50": LM_TOL,
+            "lm_mean_abs_diff_last_50": lm_check.LM_TOL,
+            "lm_transformer_val_loss": lm_check.VAL_TOL,
+            "packed_max_abs_loss_diff": packed_check.PACKED_TOL,
         },
         "gradients": {},
         "units": {},
@@ -586,6 +595,8 @@ def main(argv: list[str] | None = None) -> None:
     run_units(units, args, report, save)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     save()
+    for line in lm_check.summary(report) + packed_check.summary(report):
+        print(line, flush=True)
     print(f"wrote {path} ({report['seconds']} s)")
     if report["failed"]:
         raise SystemExit(f"check_training: FAILED {', '.join(report['failed'])} (see {path})")

@@ -212,7 +212,7 @@ SCRIPTS = [
         "benchmarks/tune_backward.py", ("--smoke", "--profile", "--out", "{tmp}"), "wrote", True
     ),
     # two worker processes, as the GPU call runs it (--jobs): delta and softmax attention,
-    # both models' loss curves
+    # both models' loss curves (the transformer's: one unit a run), packed documents
     Script(
         "benchmarks/check_training.py",
         ("--smoke", "--jobs", "2", "--out", "{tmp}"),
@@ -222,7 +222,12 @@ SCRIPTS = [
             "unit grads:delta:model: exit 0, 2 rows",
             "unit lm: exit 0, 1 rows",
             "unit grads:softmax:model: exit 0, 2 rows",
-            "unit lm:transformer: exit 0, 1 rows",
+            *(
+                f"unit lm:transformer:{run}: exit 0, 1 rows"
+                for run in ("eager", "compiled", "compiled_no_graphs", "compiled_no_sac")
+            ),
+            "unit packed:delta: exit 0, 1 rows",
+            "unit packed:longhorn: exit 0, 1 rows",
         ),
     ),
     Script("benchmarks/model_training.py", ("--smoke", "--llama", "--out", "{tmp}"), "wrote"),
