@@ -37,7 +37,7 @@ PACKED_TOL = 0.02
 class PackedCopy:
     """Predict the previous token (vocab 16, T 24), with packed documents: step s adds s % 32
     document starts to the rows' own, so each step of a 32-step stretch has its own document
-    count (cu_seqlens of another length). tests/test_train_compile.py's PackedCopy."""
+    count (cu_seqlens of another length). tests/test_train_compile.py trains it too."""
 
     vocab_size, seq_len = 16, 24
 

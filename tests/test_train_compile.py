@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from _scripts import load_script
 
 from deltaflow.models import DeltaFlowConfig, DeltaFlowForCausalLM
 from deltaflow.models import compile as compile_mod
@@ -371,19 +372,9 @@ def test_compiled_softmax_attention_trains_as_eager(mixers):
                     assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-8, (where, name)
 
 
-class PackedCopy(Copy):
-    """Copy with packed documents: step s adds s % 32 document starts to the rows' own, so
-    every step of a 30-step run has its own document count (cu_seqlens of another length)."""
-
-    def get_batch(self, batch_size: int, split: str = "train", step: int = 0, length=None):
-        batch = super().get_batch(batch_size, split=split, step=step)
-        g = torch.Generator().manual_seed(1000 + step)
-        starts = torch.zeros(batch_size, self.seq_len, dtype=torch.bool)
-        starts[:, 0] = True
-        inner = torch.randperm(batch_size * (self.seq_len - 1), generator=g)[: step % 32]
-        starts[inner // (self.seq_len - 1), 1 + inner % (self.seq_len - 1)] = True
-        batch["doc_starts"] = starts
-        return batch
+# Copy with packed documents (a new document count every step): the GPU check's own task, so
+# the test and benchmarks/check_training.py's packed units train the same thing
+PackedCopy = load_script("benchmarks/_check_packed.py").PackedCopy
 
 
 def test_compiled_packed_training_across_document_counts(tmp_path, monkeypatch, capsys):
