@@ -21,6 +21,7 @@ import deltaflow.lab.runner as runner
 import deltaflow.train.stopping as stopping_module
 from deltaflow.cli import main
 from deltaflow.lab import Preset, compare, expand_grid
+from deltaflow.lab.report import run_details
 from deltaflow.train import Trainer, latest_checkpoint, read_log
 
 STEPS, LOG_EVERY = 20, 5
@@ -361,9 +362,16 @@ def _early_stop_grids(tmp_path, straight) -> None:
     assert record["status"] == "ok" and record["stopped_early_at"] == 10
     assert [e["step"] for e in record["eval_curve"]] == [10]
     assert record["curve"][-1][0] == 10 and record["config"]["early_stop"] == "loss<=1e9"
-    (record,) = runner.run_grid(never, tmp_path / "b", progress=False, threads=1)
-    assert record["status"] == "ok" and record["stopped_early_at"] is None
-    assert [e["step"] for e in record["eval_curve"]] == [10, 20]
+    (trained,) = runner.run_grid(never, tmp_path / "b", progress=False, threads=1)
+    assert trained["status"] == "ok" and trained["stopped_early_at"] is None
+    assert [e["step"] for e in trained["eval_curve"]] == [10, 20]
+    # the report says where the runs ended (one budget or two)
+    both = [record, trained]
+    lines = run_details(tiny_preset(), stopped, both, both, train=False, seconds=0.0)
+    assert (
+        "early_stop loss<=1e-9, loss<=1e9: 1 of 2 runs stopped early, at steps 10-10; "
+        "1 trained every step"
+    ) in lines
     # --resume: the early-stopped run is a finished one (its record kept, nothing trained)
     (again,) = runner.run_grid(stopped, tmp_path / "a", progress=False, resume=True)
     assert again["stopped_early_at"] == 10

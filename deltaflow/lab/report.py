@@ -228,6 +228,21 @@ def run_details(
             f"last logged training loss {min(train_losses):.3f}-{max(train_losses):.3f} vs "
             f"validation loss {min(valid_losses):.3f}-{max(valid_losses):.3f} (all finished runs)"
         )
+    # early_stop (Zoology's protocol): where each run ended, so a table of runs that stopped at
+    # step 4000 and of runs that trained every step is not read as one budget
+    watched = [r for r in finished if r["status"] == "ok" and "stopped_early_at" in r]
+    if watched:
+        stops = sorted(r["stopped_early_at"] for r in watched if r["stopped_early_at"] is not None)
+        rules = ", ".join(sorted({str(r.get("config", {}).get("early_stop")) for r in watched}))
+        details.append(
+            f"early_stop {rules}: {len(stops)} of {len(watched)} runs stopped early"
+            + (f", at steps {stops[0]}-{stops[-1]}" if stops else "")
+            + (
+                f"; {len(watched) - len(stops)} trained every step"
+                if len(stops) < len(watched)
+                else ""
+            )
+        )
     peaks = [r["peak_gpu_memory_gib"] for r in records if r.get("peak_gpu_memory_gib")]
     if peaks:
         details.append(f"peak GPU memory per run {min(peaks):.2f}-{max(peaks):.2f} GiB")
