@@ -58,6 +58,12 @@ def lm_units(model_name: str) -> list[str]:
     return [f"lm:{model_name}:{run}" for run in ("eager", *LM_MODELS[model_name][1])]
 
 
+def _prefix(run: str) -> str:
+    """The report's key prefix of a compiled run's numbers (``compiled``: none, as before the
+    variants; ``compiled_no_sac_max_abs_diff``...)."""
+    return "" if run == "compiled" else f"{run}_"
+
+
 def _task_kwargs(args: argparse.Namespace, seq_len: int) -> dict[str, Any]:
     return dict(
         data_dir=args.lm_data,
@@ -208,7 +214,7 @@ def lm_curves(
         )
     oks = []
     for name in variants:
-        prefix = "" if name == "compiled" else f"{name}_"
+        prefix = _prefix(name)
         curves.update(
             curve_diffs(curves["eager op-by-op"]["losses"], curves[name]["losses"], prefix)
         )
@@ -260,7 +266,7 @@ def runs_verdict(model_name: str, runs: dict[str, dict[str, Any]]) -> dict[str, 
     eager = runs.get("eager", {})
     for name in LM_MODELS[model_name][1]:
         run = runs.get(name, {})
-        prefix = "" if name == "compiled" else f"{name}_"
+        prefix = _prefix(name)
         compiled = run.get("compiled_blocks") and not ({"reason", "compile_fallback"} & set(run))
         oks.append(bool(compiled) and val_within(eager.get("val_loss"), run.get("val_loss")))
         if eager.get("val_loss") is not None and run.get("val_loss") is not None:
@@ -306,7 +312,7 @@ def summary(report: dict[str, Any]) -> list[str]:
         for name, run in runs.items():
             if name == "eager":
                 continue
-            prefix = "" if name == "compiled" else f"{name}_"
+            prefix = _prefix(name)
             fell_back = run.get("reason") or run.get("compile_fallback") or run.get("error")
             lines.append(
                 f"{key[3:]} {name}: validation loss {run.get('val_loss')} vs eager "

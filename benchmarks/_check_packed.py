@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -84,16 +83,8 @@ def packed_row(unit: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
     interpreted = args.smoke and PACKED[case]["backend"] == "triton"
     steps = SMOKE_TRITON_STEPS if interpreted else PACKED_STEPS
     row: dict[str, Any] = {"unit": unit, **PACKED[case], "compile": mode, "steps": steps}
-    tracebacks: list[str] = []
-    headline = compiling._headline
-
-    def recording_headline(error: BaseException) -> str:  # the fallback's whole error
-        tracebacks.append("".join(traceback.format_exception(error))[-4000:])
-        return headline(error)
-
     trainer_compile = compiling.compile_blocks
     compiling.compile_blocks = functools.partial(compile_blocks, backend=args.compile_backend)
-    compiling._headline = recording_headline
     losses = {}
     try:
         for name in (mode, "off"):
@@ -121,10 +112,10 @@ def packed_row(unit: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
                 row["compiled"] = bool(trainer.compiled)
                 row["compile_fallback"] = trainer.compile_fallback
                 row["device"] = str(trainer.device)
+                if trainer.compile_error is not None:  # the fallback's whole error
+                    row["fallback_traceback"] = trainer.compile_error
     finally:
-        compiling.compile_blocks, compiling._headline = trainer_compile, headline
-    if tracebacks:
-        row["fallback_traceback"] = tracebacks[-1]
+        compiling.compile_blocks = trainer_compile
     pairs = list(zip(losses[mode], losses["off"]))
     row["max_abs_loss_diff"] = max(abs(a - b) for a, b in pairs) if pairs else None
     row["logged"] = [len(losses[mode]), len(losses["off"])]

@@ -16,6 +16,7 @@ one-time warm-up line, and the fall-back to eager with one line where compiling 
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import torch
@@ -86,6 +87,9 @@ class CompileMixin:
         allowed = self.layout.allows_compile(self.config.compile)  # refuses 'blocks' under CP
         self.compiled, line = plan_compile(self.config.compile, self.device, model, allowed)
         self.compile_fallback = line  # also recorded in the log's start event
+        # the first compiled step's exception, formatted (its tail): the one line above keeps
+        # only its headline; a check (benchmarks/_check_packed.py) reports the whole of it
+        self.compile_error: str | None = None
         self._compile_pending = self.compiled  # the first step still to run compiled
         self.cuda_graphs = False  # blocks replayed from CUDA graphs (compile.CUDA_GRAPHS)
         if line is not None:
@@ -121,6 +125,7 @@ class CompileMixin:
             raise  # not a compile failure: eager needs more memory, not less
         except Exception as e:  # noqa: BLE001 - any compile failure; eager re-raises real errors
             reason = f"the first compiled step failed ({type(e).__name__}: {_headline(e)})"
+            self.compile_error = "".join(traceback.format_exception(e))[-4000:]
             if self.dist.world_size > 1:
                 raise RuntimeError(
                     f"{' '.join(reason.split())[:300]}; other ranks may be inside a collective, "
